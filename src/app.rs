@@ -1,0 +1,145 @@
+//! Building the service from its settings, and the order it stops in.
+
+use std::{future::Future, net::SocketAddr, sync::Arc};
+
+use anyhow::Context;
+use tokio::{net::TcpListener, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::Settings,
+    db::{Database, DbOptions, Handle},
+    http::{self, AppState},
+};
+
+/// A built service: database open, writer running, listener bound.
+pub struct Application {
+    listener: TcpListener,
+    router: axum::Router,
+    db: Handle,
+    writer: JoinHandle<Result<(), sqlx::Error>>,
+    settings: Settings,
+}
+
+impl Application {
+    /// Opens the database (running migrations), starts the writer and binds
+    /// the listener. Nothing is served until [`Self::run_until_stopped`].
+    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let opts = DbOptions {
+            queue_capacity: settings.queue_capacity as usize,
+            max_batch: settings.max_batch as usize,
+            synchronous: settings.synchronous,
+            readers: settings.readers,
+            checkpoints: true,
+            writer_delay: settings
+                .test_writer_delay_ms
+                .map(std::time::Duration::from_millis),
+        };
+        let (db, writer) = Database::open(&settings.database, &opts).await?;
+        let writer = tokio::spawn(writer.run());
+
+        let state = AppState {
+            db: db.clone(),
+            admin_token: settings.admin_token.as_deref().map(Arc::from),
+        };
+        let router = http::router(state, settings.request_timeout);
+        let listener = TcpListener::bind(settings.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", settings.listen))?;
+        Ok(Self {
+            listener,
+            router,
+            db,
+            writer,
+            settings,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().unwrap_or(self.settings.listen)
+    }
+
+    /// The database handle, for tests that look behind the API.
+    pub fn db(&self) -> Handle {
+        self.db.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then stops in this order:
+    ///
+    /// 1. stop accepting connections; let in-flight requests finish, for at
+    ///    most the drain timeout;
+    /// 2. close the write queue; the writer commits and answers every command
+    ///    already accepted, then checkpoints and closes the database;
+    /// 3. close the readers.
+    ///
+    /// A clean stop returns `Ok`: under Litestream a non-zero exit would skip
+    /// its final sync.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let addr = self.local_addr();
+        let stopping = CancellationToken::new();
+        let signal = stopping.clone();
+        let serve = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                signal.cancel();
+            })
+            .into_future();
+        let mut serve = tokio::spawn(serve);
+        tracing::info!(%addr, "serving");
+
+        let drain_timeout = self.settings.drain_timeout;
+        let served = tokio::select! {
+            r = &mut serve => r,
+            () = async { stopping.cancelled().await; tokio::time::sleep(drain_timeout).await } => {
+                tracing::warn!(?drain_timeout, "in-flight requests did not finish in time; dropping them");
+                serve.abort();
+                Ok(Ok(()))
+            }
+        };
+        tracing::info!("HTTP stopped; draining the write queue");
+
+        self.db.close();
+        let written = self.writer.await;
+        self.db.close_readers().await;
+
+        served
+            .context("HTTP server task failed")?
+            .context("HTTP server failed")?;
+        written
+            .context("writer task failed")?
+            .context("writer failed to close the database")?;
+        tracing::info!("stopped cleanly");
+        Ok(())
+    }
+}
+
+/// Resolves on SIGTERM or ctrl-c.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("ctrl-c received, shutting down"),
+        () = term => tracing::info!("SIGTERM received, shutting down"),
+    }
+}

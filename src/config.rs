@@ -1,0 +1,143 @@
+//! The one settings struct. Every option is a flag with an environment
+//! fallback, read here and nowhere else.
+
+use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Durability of a commit on the writable connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Synchronous {
+    /// fsync the WAL on every commit: a 200 survives power loss.
+    Full,
+    /// fsync only at checkpoints: a 200 survives a crash of tally, not of the machine.
+    Normal,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tally",
+    version,
+    about = "Atomic counters and daily budgets over HTTP, backed by one SQLite file"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the HTTP API (the default when no subcommand is given).
+    Serve,
+}
+
+/// Everything the service needs to run.
+#[derive(Clone, clap::Args)]
+pub struct Settings {
+    /// Address to listen on for HTTP.
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:3000")]
+    pub listen: SocketAddr,
+
+    /// Path of the SQLite database file; parent directories are created.
+    #[arg(long, env = "TALLY_DATABASE", default_value = "./data/tally.db")]
+    pub database: PathBuf,
+
+    /// Capacity of the write queue. A full queue answers 429 at once.
+    #[arg(long, env = "TALLY_QUEUE_CAPACITY", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub queue_capacity: u32,
+
+    /// Most commands the writer commits in one transaction.
+    #[arg(long, env = "TALLY_MAX_BATCH", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_batch: u32,
+
+    /// SQLite `synchronous` mode of the writable connection.
+    #[arg(long, env = "TALLY_SYNCHRONOUS", value_enum, default_value_t = Synchronous::Full)]
+    pub synchronous: Synchronous,
+
+    /// Number of read-only connections for GET requests.
+    #[arg(long, env = "TALLY_READERS", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub readers: u32,
+
+    /// Bearer token for the admin endpoints; admin is disabled (403) when unset.
+    #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// How long in-flight requests may take to finish after SIGTERM, in seconds.
+    #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_seconds)]
+    pub drain_timeout: Duration,
+
+    /// Longest a single request may run before it is answered 503, in seconds.
+    #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
+    pub request_timeout: Duration,
+
+    /// Pause the writer this many milliseconds before each batch. For tests of
+    /// backpressure only; never set it in production.
+    #[arg(long, env = "TALLY_TEST_WRITER_DELAY_MS", hide = true)]
+    pub test_writer_delay_ms: Option<u64>,
+}
+
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(0.0..=86_400.0).contains(&secs) {
+        return Err(format!("`{s}` must be between 0 and 86400 seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl Settings {
+    /// Settings for a database at `path`, everything else at its default.
+    pub fn for_database(path: impl Into<PathBuf>) -> Self {
+        let mut cli = Cli::parse_from(["tally"]);
+        cli.settings.database = path.into();
+        cli.settings
+    }
+}
+
+// The admin token is a secret: keep it out of logs and panics.
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("listen", &self.listen)
+            .field("database", &self.database)
+            .field("queue_capacity", &self.queue_capacity)
+            .field("max_batch", &self.max_batch)
+            .field("synchronous", &self.synchronous)
+            .field("readers", &self.readers)
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("drain_timeout", &self.drain_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("test_writer_delay_ms", &self.test_writer_delay_ms)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn debug_redacts_the_admin_token() {
+        let mut s = Settings::for_database("x.db");
+        s.admin_token = Some("hunter2".into());
+        let shown = format!("{s:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("<redacted>"));
+    }
+}

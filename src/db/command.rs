@@ -1,0 +1,75 @@
+//! The commands a handler can ask the writer to run, each with its own typed
+//! reply channel.
+
+use std::fmt;
+
+use tokio::sync::oneshot;
+
+use crate::meter::{Budget, BudgetSpec, Day, Decision, MeterError, Name, ResetScope, VisitorId};
+
+/// What a command answers: its result, or why it did not apply.
+pub type Reply<T> = oneshot::Sender<Result<T, MeterError>>;
+
+/// One queued write with the channel its caller waits on.
+pub struct Envelope {
+    pub op: Op,
+}
+
+pub enum Op {
+    Increment {
+        name: Name,
+        by: i64,
+        reply: Reply<i64>,
+    },
+    PutBudget {
+        name: Name,
+        spec: BudgetSpec,
+        reply: Reply<Budget>,
+    },
+    Check {
+        budget: Name,
+        visitor: VisitorId,
+        day: Option<Day>,
+        reply: Reply<Decision>,
+    },
+    Reset {
+        budget: Name,
+        scope: ResetScope,
+        reply: Reply<u64>,
+    },
+}
+
+impl Op {
+    /// A stable name for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Increment { .. } => "increment",
+            Op::PutBudget { .. } => "put_budget",
+            Op::Check { .. } => "check",
+            Op::Reset { .. } => "reset",
+        }
+    }
+}
+
+/// What a command was applied to, for the log line written when its caller
+/// has gone: enough to answer "did my write land?".
+pub enum Target {
+    Counter(Name),
+    Budget(Name),
+    Check { budget: Name, visitor: VisitorId },
+    Reset { budget: Name, scope: ResetScope },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Counter(n) => write!(f, "counter={n}"),
+            Target::Budget(n) => write!(f, "budget={n}"),
+            Target::Check { budget, visitor } => write!(f, "budget={budget} visitor={visitor:?}"),
+            Target::Reset { budget, scope } => match &scope.visitor {
+                Some(v) => write!(f, "budget={budget} day={} visitor={v:?}", scope.day),
+                None => write!(f, "budget={budget} day={}", scope.day),
+            },
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The storage boundary.
+//!
+//! [`Database::open`] returns two halves:
+//!
+//! - a [`Handle`], cheap to clone, for HTTP handlers: a pool of read-only
+//!   connections (opened read-only *and* with `PRAGMA query_only`) and the
+//!   sending end of a bounded queue of write commands;
+//! - a [`Writer`], which owns the one writable connection in the process and
+//!   the receiving end of the queue.
+//!
+//! No function hands out a writable connection: the only one is a private
+//! field of `Writer`, and `Writer::run` consumes it. Every write is a round
+//! trip through the queue (a command in, a oneshot reply back), and a reply
+//! is sent only after the transaction holding the command has committed.
+
+mod command;
+mod stats;
+mod writer;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use sqlx::{
+    ConnectOptions, SqlitePool,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use command::Envelope;
+pub use command::{Op, Reply};
+pub use stats::QueueStats;
+pub use writer::Writer;
+
+use crate::{
+    config::Synchronous,
+    meter::{Budget, BudgetSpec, Day, Decision, MeterError, Name, ResetScope, VisitorId},
+};
+
+/// How to open the database.
+#[derive(Debug, Clone)]
+pub struct DbOptions {
+    pub queue_capacity: usize,
+    pub max_batch: usize,
+    pub synchronous: Synchronous,
+    pub readers: u32,
+    /// Whether tally checkpoints the WAL (automatically, and once more when it
+    /// closes). Off when Litestream owns checkpointing.
+    pub checkpoints: bool,
+    /// Test hook: the writer sleeps this long before each batch.
+    pub writer_delay: Option<Duration>,
+}
+
+/// Why a write got no result.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// The queue was full: the command was not accepted and nothing ran, so
+    /// retrying is safe.
+    #[error("the write queue is full")]
+    Unavailable { retry_after: Duration },
+    /// The queue no longer accepts commands: tally is shutting down.
+    #[error("the write queue is closed")]
+    Closed,
+    /// The command was accepted but its reply never came: it may or may not
+    /// have committed.
+    #[error("the write was accepted but its outcome is unknown")]
+    OutcomeUnknown,
+    /// The command ran and was refused, or the database failed.
+    #[error(transparent)]
+    Meter(#[from] MeterError),
+}
+
+/// Why the database could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot create directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open database {path}: {source}")]
+    Open { path: PathBuf, source: sqlx::Error },
+    #[error("cannot migrate database {path}: {source}")]
+    Migrate {
+        path: PathBuf,
+        source: sqlx::migrate::MigrateError,
+    },
+}
+
+/// The entry point of the storage layer.
+pub struct Database;
+
+impl Database {
+    /// Opens (creating if needed) the database at `path`, runs migrations on
+    /// the writable connection, and returns the handle and the writer. Spawn
+    /// [`Writer::run`] before using the handle for writes.
+    pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+        let open_err = |source| OpenError::Open {
+            path: path.to_owned(),
+            source,
+        };
+
+        let synchronous = match opts.synchronous {
+            Synchronous::Full => SqliteSynchronous::Full,
+            Synchronous::Normal => SqliteSynchronous::Normal,
+        };
+        let mut conn = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(synchronous)
+            .busy_timeout(Duration::from_secs(5))
+            // Litestream's guidance: the app must not checkpoint behind its
+            // back, or WAL frames can be lost to the replica.
+            .pragma(
+                "wal_autocheckpoint",
+                if opts.checkpoints { "1000" } else { "0" },
+            )
+            .connect()
+            .await
+            .map_err(open_err)?;
+
+        sqlx::migrate!("./migrations")
+            .run(&mut conn)
+            .await
+            .map_err(|source| OpenError::Migrate {
+                path: path.to_owned(),
+                source,
+            })?;
+
+        let readers = SqlitePoolOptions::new()
+            .max_connections(opts.readers)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(path)
+                    .read_only(true)
+                    .pragma("query_only", "ON")
+                    .busy_timeout(Duration::from_secs(5)),
+            )
+            .await
+            .map_err(open_err)?;
+
+        let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
+        let stats = Arc::new(QueueStats::default());
+        let close = CancellationToken::new();
+        let handle = Handle {
+            readers,
+            tx,
+            stats: Arc::clone(&stats),
+            close: close.clone(),
+        };
+        let writer = Writer {
+            conn,
+            rx,
+            max_batch: opts.max_batch.max(1),
+            close,
+            stats,
+            checkpoint_on_close: opts.checkpoints,
+            delay: opts.writer_delay,
+        };
+        Ok((handle, writer))
+    }
+}
+
+/// What handlers hold: read-only connections and the way into the queue.
+#[derive(Clone)]
+pub struct Handle {
+    readers: SqlitePool,
+    tx: mpsc::Sender<Envelope>,
+    stats: Arc<QueueStats>,
+    close: CancellationToken,
+}
+
+impl Handle {
+    /// The read-only pool. Its connections cannot write: they were opened
+    /// read-only and run with `query_only`.
+    pub fn readers(&self) -> &SqlitePool {
+        &self.readers
+    }
+
+    /// Whether the queue still accepts commands. A full queue still does.
+    pub fn accepts_writes(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
+    /// Commands waiting in the queue right now.
+    pub fn queue_depth(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
+
+    pub fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    /// Stops the queue accepting commands. The writer still runs every
+    /// command already accepted, then closes the database.
+    pub fn close(&self) {
+        self.close.cancel();
+    }
+
+    /// Closes the read-only pool, waiting for readers to finish.
+    pub async fn close_readers(&self) {
+        self.readers.close().await;
+    }
+
+    pub async fn increment(&self, name: Name, by: i64) -> Result<i64, WriteError> {
+        self.submit(|reply| Op::Increment { name, by, reply }).await
+    }
+
+    pub async fn put_budget(&self, name: Name, spec: BudgetSpec) -> Result<Budget, WriteError> {
+        self.submit(|reply| Op::PutBudget { name, spec, reply })
+            .await
+    }
+
+    pub async fn check(
+        &self,
+        budget: Name,
+        visitor: VisitorId,
+        day: Option<Day>,
+    ) -> Result<Decision, WriteError> {
+        self.submit(|reply| Op::Check {
+            budget,
+            visitor,
+            day,
+            reply,
+        })
+        .await
+    }
+
+    pub async fn reset(&self, budget: Name, scope: ResetScope) -> Result<u64, WriteError> {
+        self.submit(|reply| Op::Reset {
+            budget,
+            scope,
+            reply,
+        })
+        .await
+    }
+
+    /// How long a client refused for a full queue should wait, in whole seconds.
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    async fn submit<T>(&self, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, WriteError> {
+        let (reply, answer) = oneshot::channel();
+        let envelope = Envelope { op: op(reply) };
+        // Never wait for room: a full queue is answered at once, and since
+        // the command was not accepted, a retry cannot double-apply it.
+        self.tx.try_send(envelope).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => WriteError::Unavailable {
+                retry_after: self.retry_after(),
+            },
+            mpsc::error::TrySendError::Closed(_) => WriteError::Closed,
+        })?;
+        match answer.await {
+            Ok(result) => Ok(result?),
+            // The writer dropped the reply without answering: it died with
+            // our command in hand, before or after committing it.
+            Err(_) => Err(WriteError::OutcomeUnknown),
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The writer task: the only code in the process that holds a writable
+//! connection. It takes every command already waiting in the queue (up to
+//! the batch cap), runs each inside its own savepoint of one transaction,
+//! commits once, and only then answers every caller.
+
+use std::{sync::Arc, time::Duration};
+
+use sqlx::{Connection, SqliteConnection};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    command::{Envelope, Op, Reply, Target},
+    stats::QueueStats,
+};
+use crate::meter::{self, MeterError};
+
+/// Owns the writable connection and the receiving end of the queue.
+/// Created by [`super::Database::open`]; run it with [`Writer::run`].
+pub struct Writer {
+    pub(super) conn: SqliteConnection,
+    pub(super) rx: mpsc::Receiver<Envelope>,
+    pub(super) max_batch: usize,
+    pub(super) close: CancellationToken,
+    pub(super) stats: Arc<QueueStats>,
+    /// Checkpoint and truncate the WAL when the queue is drained. Off when
+    /// another process (Litestream) owns checkpointing.
+    pub(super) checkpoint_on_close: bool,
+    /// Test hook: sleep before each batch to make the queue fill up.
+    pub(super) delay: Option<Duration>,
+}
+
+/// A command that ran, waiting for its transaction's fate before its caller
+/// hears of it.
+enum Finished {
+    Counter(Done<i64>),
+    Budget(Done<meter::Budget>),
+    Check(Done<meter::Decision>),
+    Reset(Done<u64>),
+}
+
+struct Done<T> {
+    reply: Reply<T>,
+    result: Result<T, MeterError>,
+    target: Target,
+    kind: &'static str,
+}
+
+impl<T: std::fmt::Debug> Done<T> {
+    /// Answers the caller with the command's result if the batch committed,
+    /// or with the commit's error if it did not. A caller that has gone away
+    /// after its write committed is logged, so the write can be accounted for.
+    fn deliver(self, commit: &Result<(), MeterError>) {
+        let committed = commit.is_ok() && self.result.is_ok();
+        let answer = match commit {
+            Ok(()) => self.result,
+            Err(e) => Err(e.clone_shallow()),
+        };
+        if let Err(unheard) = self.reply.send(answer) {
+            if committed {
+                metrics::counter!("tally_write_committed_caller_gone_total", "command" => self.kind)
+                    .increment(1);
+                tracing::warn!(
+                    command = self.kind,
+                    target = %self.target,
+                    result = ?unheard.as_ref().ok(),
+                    "write committed but its caller had gone; it did land"
+                );
+            } else {
+                tracing::info!(
+                    command = self.kind,
+                    target = %self.target,
+                    error = ?unheard.err(),
+                    "write failed and its caller had gone; it did not land"
+                );
+            }
+        }
+    }
+}
+
+impl Finished {
+    fn deliver(self, commit: &Result<(), MeterError>) {
+        match self {
+            Finished::Counter(d) => d.deliver(commit),
+            Finished::Budget(d) => d.deliver(commit),
+            Finished::Check(d) => d.deliver(commit),
+            Finished::Reset(d) => d.deliver(commit),
+        }
+    }
+
+    fn is_ok(&self) -> bool {
+        match self {
+            Finished::Counter(d) => d.result.is_ok(),
+            Finished::Budget(d) => d.result.is_ok(),
+            Finished::Check(d) => d.result.is_ok(),
+            Finished::Reset(d) => d.result.is_ok(),
+        }
+    }
+}
+
+impl Writer {
+    /// Runs until the queue is closed (by [`super::Handle::close`] or by every
+    /// handle being dropped) and every command already accepted has been
+    /// committed and answered; then closes the database cleanly.
+    pub async fn run(mut self) -> Result<(), sqlx::Error> {
+        let mut batch = Vec::with_capacity(self.max_batch);
+        let mut closing = false;
+        loop {
+            tokio::select! {
+                biased;
+                n = self.rx.recv_many(&mut batch, self.max_batch) => {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                () = self.close.cancelled(), if !closing => {
+                    // Refuse new commands; those already queued still run.
+                    self.rx.close();
+                    closing = true;
+                    tracing::info!(queued = self.rx.len(), "write queue closed, draining");
+                    continue;
+                }
+            }
+            self.stats.set_depth(self.rx.len());
+            if let Some(delay) = self.delay {
+                tokio::time::sleep(delay).await;
+            }
+            self.run_batch(&mut batch).await;
+        }
+        self.stats.mark_closed();
+        tracing::info!("write queue drained");
+        self.shutdown().await
+    }
+
+    async fn shutdown(mut self) -> Result<(), sqlx::Error> {
+        if self.checkpoint_on_close {
+            let (busy, _, _): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+                .fetch_one(&mut self.conn)
+                .await?;
+            if busy != 0 {
+                tracing::warn!("final WAL checkpoint was blocked by a reader; the WAL stays");
+            }
+        }
+        self.conn.close().await
+    }
+
+    async fn run_batch(&mut self, batch: &mut Vec<Envelope>) {
+        let size = batch.len();
+        let started = std::time::Instant::now();
+        let mut finished = Vec::with_capacity(size);
+
+        let outcome = match exec(&mut self.conn, "BEGIN IMMEDIATE").await {
+            Err(e) => Err(e),
+            Ok(()) => {
+                let mut broken = None;
+                for envelope in batch.drain(..) {
+                    if broken.is_some() {
+                        // The transaction is gone; nothing more may run in it.
+                        finished.push(not_run(envelope.op, broken.as_ref()));
+                        continue;
+                    }
+                    match self.apply_in_savepoint(envelope.op).await {
+                        (done, None) => finished.push(done),
+                        (done, Some(e)) => {
+                            finished.push(done);
+                            broken = Some(e);
+                        }
+                    }
+                }
+                match broken {
+                    Some(e) => {
+                        let _ = exec(&mut self.conn, "ROLLBACK").await;
+                        Err(e)
+                    }
+                    None => match exec(&mut self.conn, "COMMIT").await {
+                        Ok(()) => Ok(()),
+                        Err(e) => {
+                            // A failed COMMIT may leave the transaction open.
+                            let _ = exec(&mut self.conn, "ROLLBACK").await;
+                            Err(e)
+                        }
+                    },
+                }
+            }
+        };
+        if let Err(e) = &outcome {
+            tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+            // Commands that never ran were drained into `finished` above; if
+            // BEGIN itself failed they are still in `batch`.
+            for envelope in batch.drain(..) {
+                finished.push(not_run(envelope.op, Some(e)));
+            }
+        }
+        let ok = finished.iter().filter(|f| f.is_ok()).count();
+        tracing::debug!(batch = size, ok, elapsed = ?started.elapsed(), "batch done");
+        for f in finished {
+            f.deliver(&outcome);
+        }
+    }
+
+    /// Runs one command inside a savepoint. A command that fails is rolled
+    /// back to its savepoint and answers its own error; the others in the
+    /// batch are untouched. If the savepoint itself cannot be rolled back
+    /// (SQLite already rolled the whole transaction back, as it does on some
+    /// I/O errors), the second value says the batch is broken.
+    async fn apply_in_savepoint(&mut self, op: Op) -> (Finished, Option<MeterError>) {
+        if let Err(e) = exec(&mut self.conn, "SAVEPOINT cmd").await {
+            let done = not_run(op, Some(&e));
+            return (done, Some(e));
+        }
+        let done = apply(&mut self.conn, op).await;
+        let end = if done.is_ok() {
+            exec(&mut self.conn, "RELEASE cmd").await
+        } else {
+            match exec(&mut self.conn, "ROLLBACK TO cmd").await {
+                Ok(()) => exec(&mut self.conn, "RELEASE cmd").await,
+                Err(e) => Err(e),
+            }
+        };
+        (done, end.err())
+    }
+}
+
+async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), MeterError> {
+    sqlx::raw_sql(sql).execute(conn).await?;
+    Ok(())
+}
+
+async fn apply(conn: &mut SqliteConnection, op: Op) -> Finished {
+    let kind = op.kind();
+    match op {
+        Op::Increment { name, by, reply } => Finished::Counter(Done {
+            result: meter::increment(conn, &name, by).await,
+            reply,
+            target: Target::Counter(name),
+            kind,
+        }),
+        Op::PutBudget { name, spec, reply } => Finished::Budget(Done {
+            result: meter::put_budget(conn, &name, &spec).await,
+            reply,
+            target: Target::Budget(name),
+            kind,
+        }),
+        Op::Check {
+            budget,
+            visitor,
+            day,
+            reply,
+        } => Finished::Check(Done {
+            result: meter::check(conn, &budget, &visitor, day).await,
+            reply,
+            target: Target::Check { budget, visitor },
+            kind,
+        }),
+        Op::Reset {
+            budget,
+            scope,
+            reply,
+        } => Finished::Reset(Done {
+            result: meter::reset(conn, &budget, &scope).await,
+            reply,
+            target: Target::Reset { budget, scope },
+            kind,
+        }),
+    }
+}
+
+/// A command that was never applied because its transaction failed first.
+fn not_run(op: Op, cause: Option<&MeterError>) -> Finished {
+    let err = || match cause {
+        Some(e) => e.clone_shallow(),
+        None => MeterError::Database(Arc::new(sqlx::Error::WorkerCrashed)),
+    };
+    let kind = op.kind();
+    match op {
+        Op::Increment { name, reply, .. } => Finished::Counter(Done {
+            result: Err(err()),
+            reply,
+            target: Target::Counter(name),
+            kind,
+        }),
+        Op::PutBudget { name, reply, .. } => Finished::Budget(Done {
+            result: Err(err()),
+            reply,
+            target: Target::Budget(name),
+            kind,
+        }),
+        Op::Check {
+            budget,
+            visitor,
+            reply,
+            ..
+        } => Finished::Check(Done {
+            result: Err(err()),
+            reply,
+            target: Target::Check { budget, visitor },
+            kind,
+        }),
+        Op::Reset {
+            budget,
+            scope,
+            reply,
+        } => Finished::Reset(Done {
+            result: Err(err()),
+            reply,
+            target: Target::Reset { budget, scope },
+            kind,
+        }),
+    }
+}

@@ -1,0 +1,226 @@
+use axum::{Json, extract::State, http::StatusCode};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    AppState, Problem,
+    extract::{Admin, Json as JsonBody, OptionalJson, Path, Query},
+};
+use crate::{
+    db::WriteError,
+    meter::{
+        self, Budget, BudgetSpec, Day, Decision, MeterError, Name, Reason, ResetScope, VisitorId,
+    },
+};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetBody {
+    visitor_limit: u32,
+    global_limit: u32,
+    retention_days: Option<u32>,
+    timezone: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BudgetView {
+    name: Name,
+    visitor_limit: u32,
+    global_limit: u32,
+    retention_days: u32,
+    timezone: String,
+}
+
+impl From<Budget> for BudgetView {
+    fn from(b: Budget) -> Self {
+        Self {
+            name: b.name,
+            visitor_limit: b.spec.visitor_limit,
+            global_limit: b.spec.global_limit,
+            retention_days: b.spec.retention_days,
+            timezone: b.spec.timezone_name,
+        }
+    }
+}
+
+fn parse_day(day: Option<&str>) -> Result<Option<Day>, Problem> {
+    Ok(day.map(Day::parse).transpose()?)
+}
+
+pub async fn put(
+    _: Admin,
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<BudgetBody>,
+) -> Result<Json<BudgetView>, Problem> {
+    let name = Name::parse(&name)?;
+    let spec = BudgetSpec::new(
+        body.visitor_limit,
+        body.global_limit,
+        body.retention_days,
+        body.timezone.as_deref(),
+    )
+    .map_err(|e| Problem::invalid_body(e.0))?;
+    Ok(Json(state.db.put_budget(name, spec).await?.into()))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<BudgetView>, Problem> {
+    let name = Name::parse(&name)?;
+    Ok(Json(
+        meter::get_budget(state.db.readers(), &name).await?.into(),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckBody {
+    visitor: String,
+    day: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DecisionView {
+    allowed: bool,
+    reason: Reason,
+    day: Day,
+    visitor_calls: i64,
+    global_calls: i64,
+    visitor_limit: u32,
+    global_limit: u32,
+}
+
+impl From<Decision> for DecisionView {
+    fn from(d: Decision) -> Self {
+        Self {
+            allowed: d.allowed(),
+            reason: d.reason,
+            day: d.day,
+            visitor_calls: d.visitor_calls,
+            global_calls: d.global_calls,
+            visitor_limit: d.visitor_limit,
+            global_limit: d.global_limit,
+        }
+    }
+}
+
+/// A budget check. It fails closed: every answer other than a 200 carries
+/// `"allowed": false`, and a database failure denies with `meter_error`.
+pub async fn check(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    body: Result<JsonBody<CheckBody>, Problem>,
+) -> Result<Json<DecisionView>, Problem> {
+    let deny = |p: Problem| p.with("allowed", false);
+    let JsonBody(body) = body.map_err(deny)?;
+    let name = Name::parse(&name).map_err(|e| deny(e.into()))?;
+    let visitor = VisitorId::parse(&body.visitor)
+        .map_err(|e| deny(Problem::invalid_body(format!("visitor: {}", e.0))))?;
+    let day = body
+        .day
+        .as_deref()
+        .map(Day::parse)
+        .transpose()
+        .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
+    match state.db.check(name, visitor, day).await {
+        Ok(decision) => Ok(Json(decision.into())),
+        Err(WriteError::Meter(MeterError::Database(err))) => {
+            tracing::error!(error = %err, "budget check failed; denying");
+            Err(Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "meter-error",
+                "Budget check failed",
+            )
+            .detail("the budget could not be checked, so the call is denied")
+            .with("allowed", false)
+            .with("reason", "meter_error"))
+        }
+        Err(e) => Err(deny(e.into())),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageQuery {
+    day: Option<String>,
+    visitor: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct UsageView {
+    day: Day,
+    global_calls: i64,
+    /// `null` when no visitor was asked about.
+    visitor_calls: Option<i64>,
+}
+
+pub async fn usage(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Query(q): Query<UsageQuery>,
+) -> Result<Json<UsageView>, Problem> {
+    let name = Name::parse(&name)?;
+    let day = parse_day(q.day.as_deref())?;
+    let visitor = q.visitor.as_deref().map(VisitorId::parse).transpose()?;
+    let u = meter::read_usage(state.db.readers(), &name, day, visitor.as_ref()).await?;
+    Ok(Json(UsageView {
+        day: u.day,
+        global_calls: u.global_calls,
+        visitor_calls: u.visitor_calls,
+    }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResetBody {
+    day: Option<String>,
+    visitor: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ResetView {
+    budget: Name,
+    day: Day,
+    visitor: Option<VisitorId>,
+    deleted_rows: u64,
+}
+
+/// Clears a day's usage of a budget (today in its time zone by default):
+/// every row of that day, or one visitor's only.
+pub async fn reset(
+    _: Admin,
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    OptionalJson(body): OptionalJson<ResetBody>,
+) -> Result<Json<ResetView>, Problem> {
+    let name = Name::parse(&name)?;
+    let day = body
+        .day
+        .as_deref()
+        .map(Day::parse)
+        .transpose()
+        .map_err(|e| Problem::invalid_body(format!("day: {}", e.0)))?;
+    let visitor = body
+        .visitor
+        .as_deref()
+        .map(VisitorId::parse)
+        .transpose()
+        .map_err(|e| Problem::invalid_body(format!("visitor: {}", e.0)))?;
+    // The default day is the budget's own today, so the budget is read first.
+    let day = match day {
+        Some(d) => d,
+        None => {
+            let b = meter::get_budget(state.db.readers(), &name).await?;
+            Day::today(&b.spec.timezone)
+        }
+    };
+    let scope = ResetScope { day, visitor };
+    let deleted_rows = state.db.reset(name.clone(), scope.clone()).await?;
+    Ok(Json(ResetView {
+        budget: name,
+        day: scope.day,
+        visitor: scope.visitor,
+        deleted_rows,
+    }))
+}

@@ -1,0 +1,144 @@
+//! Extractors whose rejections are [`Problem`]s, so that bad input of every
+//! kind answers in the same format.
+
+use axum::{
+    extract::{FromRequest, FromRequestParts, Request},
+    http::{StatusCode, header, request::Parts},
+};
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use subtle::ConstantTimeEq;
+
+use super::{AppState, Problem};
+
+/// `axum::extract::Path` answering bad input with a problem.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(Problem))]
+pub struct Path<T>(pub T);
+
+/// `axum::extract::Query` answering bad input with a problem.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(Problem))]
+pub struct Query<T>(pub T);
+
+/// A JSON request body that must be present.
+pub struct Json<T>(pub T);
+
+/// A JSON request body that may be left out entirely (no body, no
+/// Content-Type), as in a plain `curl -X POST`; then `T::default()`.
+pub struct OptionalJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Json<T> {
+    type Rejection = Problem;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Problem> {
+        match read_json(req, state).await? {
+            Some(v) => Ok(Json(v)),
+            None => Err(Problem::invalid_body("this endpoint needs a JSON body")),
+        }
+    }
+}
+
+impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJson<T> {
+    type Rejection = Problem;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Problem> {
+        Ok(OptionalJson(
+            read_json(req, state).await?.unwrap_or_default(),
+        ))
+    }
+}
+
+/// Reads the body (within the router's size limit) and parses it as JSON.
+/// An empty body is `None`; a non-empty one must say it is JSON.
+async fn read_json<S: Send + Sync, T: DeserializeOwned>(
+    req: Request,
+    state: &S,
+) -> Result<Option<T>, Problem> {
+    let is_json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<mime::Mime>().ok())
+        .is_some_and(|m| {
+            m.type_() == mime::APPLICATION
+                && (m.subtype() == mime::JSON || m.suffix() == Some(mime::JSON))
+        });
+    let has_content_type = req.headers().contains_key(header::CONTENT_TYPE);
+    let body = Bytes::from_request(req, state).await.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Request body too large",
+            )
+            .detail(format!(
+                "request bodies are limited to {} bytes",
+                super::BODY_LIMIT
+            ))
+        } else {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-body",
+                "Cannot read request body",
+            )
+            .detail(r.body_text())
+        }
+    })?;
+    if body.iter().all(u8::is_ascii_whitespace) && (is_json || !has_content_type) {
+        return Ok(None);
+    }
+    if !is_json {
+        return Err(Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+        )
+        .detail("request bodies must be JSON, sent with `Content-Type: application/json`"));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    match serde_path_to_error::deserialize(de) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let detail = if path == "." {
+                inner.to_string()
+            } else {
+                format!("{path}: {inner}")
+            };
+            Err(match inner.classify() {
+                serde_json::error::Category::Data => Problem::invalid_body(detail),
+                _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON")
+                    .detail(detail),
+            })
+        }
+    }
+}
+
+/// Proof that the request carried the admin token.
+pub struct Admin;
+
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Problem> {
+        let Some(expected) = state.admin_token.as_deref() else {
+            return Err(Problem::admin_disabled());
+        };
+        let presented = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+            })
+            .ok_or_else(Problem::unauthorized)?;
+        if bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
+            Ok(Admin)
+        } else {
+            Err(Problem::unauthorized())
+        }
+    }
+}

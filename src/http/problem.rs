@@ -1,0 +1,245 @@
+//! The one error type of the API: every 4xx and 5xx answer is an RFC 9457
+//! `application/problem+json` document built here.
+
+use std::time::Duration;
+
+use axum::{
+    extract::rejection::{PathRejection, QueryRejection},
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde_json::{Map, Value, json};
+
+use crate::{
+    db::WriteError,
+    meter::{InvalidInput, MeterError},
+};
+
+/// A problem document, with optional extension members and `Retry-After`.
+/// Boxed: it travels in the `Err` side of every handler's result.
+#[derive(Debug)]
+pub struct Problem(Box<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    status: StatusCode,
+    /// Short slug; the `type` member is `/problems/{slug}`.
+    slug: &'static str,
+    title: &'static str,
+    detail: String,
+    extensions: Map<String, Value>,
+    retry_after: Option<Duration>,
+    www_authenticate: bool,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, slug: &'static str, title: &'static str) -> Self {
+        Self(Box::new(Inner {
+            status,
+            slug,
+            title,
+            detail: title.to_owned(),
+            extensions: Map::new(),
+            retry_after: None,
+            www_authenticate: false,
+        }))
+    }
+
+    pub fn detail(mut self, detail: impl Into<String>) -> Self {
+        self.0.detail = detail.into();
+        self
+    }
+
+    /// Adds an extension member (RFC 9457 section 3.2).
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.0.extensions.insert(key.to_owned(), value.into());
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.0.status
+    }
+
+    pub fn invalid(err: InvalidInput) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid-input", "Invalid input").detail(err.0)
+    }
+
+    pub fn invalid_body(detail: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-body",
+            "The request body is not valid for this endpoint",
+        )
+        .detail(detail)
+    }
+
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not-found", "Not found").detail(detail)
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "Method not allowed",
+        )
+        .detail("this path does not accept that method")
+    }
+
+    pub fn unauthorized() -> Self {
+        let mut p = Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
+            .detail("this endpoint needs `Authorization: Bearer <admin token>`");
+        p.0.www_authenticate = true;
+        p
+    }
+
+    pub fn admin_disabled() -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "admin-disabled",
+            "Admin API disabled",
+        )
+        .detail("no admin token is configured (TALLY_ADMIN_TOKEN), so admin endpoints are off")
+    }
+
+    pub fn timeout() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "timeout",
+            "Request timed out",
+        )
+        .detail(
+            "the request took too long; if it was a write, it may still have committed: \
+             read the value back before retrying",
+        )
+    }
+
+    pub fn internal(detail: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal server error",
+        )
+        .detail(detail)
+    }
+}
+
+impl From<InvalidInput> for Problem {
+    fn from(e: InvalidInput) -> Self {
+        Self::invalid(e)
+    }
+}
+
+impl From<MeterError> for Problem {
+    fn from(e: MeterError) -> Self {
+        match e {
+            MeterError::UnknownBudget(name) => {
+                Self::not_found(format!("budget `{name}` does not exist"))
+                    .with("budget", name.as_str())
+            }
+            MeterError::Overflow(name) => Self::new(
+                StatusCode::CONFLICT,
+                "counter-overflow",
+                "Counter would overflow",
+            )
+            .detail(format!(
+                "counter `{name}` would exceed the largest 64-bit integer; it was not changed"
+            )),
+            MeterError::Database(err) => {
+                tracing::error!(error = %err, "database error");
+                Self::internal("the database failed; nothing was written")
+                    .with("reason", "database_error")
+            }
+        }
+    }
+}
+
+impl From<WriteError> for Problem {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::Unavailable { retry_after } => {
+                let mut p = Self::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "queue-full",
+                    "Write queue full",
+                )
+                .detail("too many writes are waiting; nothing was done, so retrying later is safe");
+                p.0.retry_after = Some(retry_after);
+                p
+            }
+            WriteError::Closed => {
+                let mut p = Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "shutting-down",
+                    "Shutting down",
+                )
+                .detail("tally is shutting down and accepts no more writes; nothing was done");
+                p.0.retry_after = Some(Duration::from_secs(1));
+                p
+            }
+            WriteError::OutcomeUnknown => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "outcome-unknown",
+                "Outcome unknown",
+            )
+            .detail(
+                "the write was accepted but its reply was lost; it may or may not have committed. \
+                 Do not retry blindly: read the current value first",
+            ),
+            WriteError::Meter(e) => e.into(),
+        }
+    }
+}
+
+impl From<PathRejection> for Problem {
+    fn from(r: PathRejection) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-path",
+            "Invalid path parameter",
+        )
+        .detail(r.body_text())
+    }
+}
+
+impl From<QueryRejection> for Problem {
+    fn from(r: QueryRejection) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-query",
+            "Invalid query string",
+        )
+        .detail(r.body_text())
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let this = *self.0;
+        let mut body = Map::new();
+        body.insert("type".into(), json!(format!("/problems/{}", this.slug)));
+        body.insert("title".into(), json!(this.title));
+        body.insert("status".into(), json!(this.status.as_u16()));
+        body.insert("detail".into(), json!(this.detail));
+        body.extend(this.extensions);
+        let mut res = (this.status, axum::Json(Value::Object(body))).into_response();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = this.retry_after {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(after.as_secs().max(1)),
+            );
+        }
+        if this.www_authenticate {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"tally\""),
+            );
+        }
+        res
+    }
+}

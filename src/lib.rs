@@ -1,0 +1,32 @@
+//! tally: atomic counters and daily budgets over HTTP, backed by one SQLite
+//! file.
+//!
+//! # Layout
+//!
+//! - [`config`]: the one settings struct (flags with environment fallbacks).
+//! - [`app`]: builds the service (database, writer, listener) and owns the
+//!   shutdown order: HTTP first, then the write queue, then the database.
+//! - [`db`]: the storage boundary. A cloneable [`db::Handle`] (read-only
+//!   pool + sending end of a bounded queue) and the [`db::Writer`], the only
+//!   holder of a writable connection, which commits queued commands in
+//!   batches and replies only after the commit.
+//! - [`meter`]: the domain: names, visitors, days, budget rules, and the SQL
+//!   that carries them out.
+//! - [`http`]: the router, one module per resource, and the problem+json
+//!   error type.
+//! - [`telemetry`]: structured logs.
+//!
+//! Data flows one way: handler -> command -> writer -> reply. A handler never
+//! sees SQL; the writer never sees HTTP.
+
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod config;
+pub mod db;
+pub mod http;
+pub mod meter;
+pub mod telemetry;
+
+pub use app::Application;
+pub use config::Settings;

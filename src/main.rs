@@ -1,0 +1,31 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use tally::{
+    Application,
+    app::shutdown_signal,
+    config::{Cli, Command},
+};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tally::telemetry::init();
+    let result = match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => serve(cli.settings).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "tally failed");
+            eprintln!("tally: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(settings: tally::Settings) -> anyhow::Result<()> {
+    tracing::info!(?settings, "starting");
+    let app = Application::build(settings).await?;
+    app.run_until_stopped(shutdown_signal()).await
+}

@@ -1,0 +1,42 @@
+//! The domain: what a counter and a budget are, the rules of a budget check,
+//! and the SQL that carries them out. Inputs are parsed once into types that
+//! cannot hold a bad value; nothing here knows about HTTP or the queue.
+
+mod sql;
+mod types;
+
+use std::sync::Arc;
+
+pub use sql::{check, get_budget, increment, put_budget, read_counter, read_usage, reset};
+pub use types::{
+    Budget, BudgetSpec, Day, Decision, InvalidInput, Name, Reason, ResetScope, Usage, VisitorId,
+};
+
+/// What can go wrong while applying a command to the database.
+#[derive(Debug, thiserror::Error)]
+pub enum MeterError {
+    #[error("budget `{0}` does not exist")]
+    UnknownBudget(Name),
+    #[error("counter `{0}` would overflow a 64-bit integer")]
+    Overflow(Name),
+    /// Shared, because one failed COMMIT is every caller's answer in a batch.
+    #[error("database error: {0}")]
+    Database(Arc<sqlx::Error>),
+}
+
+impl From<sqlx::Error> for MeterError {
+    fn from(e: sqlx::Error) -> Self {
+        MeterError::Database(Arc::new(e))
+    }
+}
+
+impl MeterError {
+    /// A copy of this error for another caller.
+    pub fn clone_shallow(&self) -> Self {
+        match self {
+            MeterError::UnknownBudget(n) => MeterError::UnknownBudget(n.clone()),
+            MeterError::Overflow(n) => MeterError::Overflow(n.clone()),
+            MeterError::Database(e) => MeterError::Database(Arc::clone(e)),
+        }
+    }
+}

@@ -1,0 +1,308 @@
+use std::{fmt, str::FromStr};
+
+use jiff::{Timestamp, civil::Date, tz::TimeZone};
+use serde::Serialize;
+
+/// Why an input was refused; the text is shown to the client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidInput(pub String);
+
+/// A counter or budget name: 1 to 128 characters of `[A-Za-z0-9._:-]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct Name(String);
+
+impl Name {
+    pub const MAX_LEN: usize = 128;
+
+    pub fn parse(s: &str) -> Result<Self, InvalidInput> {
+        if s.is_empty() || s.len() > Self::MAX_LEN {
+            return Err(InvalidInput(format!(
+                "a name must be 1 to {} characters long",
+                Self::MAX_LEN
+            )));
+        }
+        if let Some(c) = s
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')))
+        {
+            return Err(InvalidInput(format!(
+                "a name may hold only letters, digits and `._:-`, not {c:?}"
+            )));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Who is calling a budget: 1 to 256 characters, no control characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct VisitorId(String);
+
+impl VisitorId {
+    pub const MAX_LEN: usize = 256;
+
+    pub fn parse(s: &str) -> Result<Self, InvalidInput> {
+        let chars = s.chars().count();
+        if chars == 0 || chars > Self::MAX_LEN {
+            return Err(InvalidInput(format!(
+                "a visitor id must be 1 to {} characters long",
+                Self::MAX_LEN
+            )));
+        }
+        if s.chars().any(char::is_control) {
+            return Err(InvalidInput(
+                "a visitor id must not contain control characters".into(),
+            ));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for VisitorId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A calendar day, written `YYYY-MM-DD` everywhere (API and database), so
+/// that days sort as text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Day(Date);
+
+impl Day {
+    /// Today in `tz`.
+    pub fn today(tz: &TimeZone) -> Self {
+        Self(Timestamp::now().to_zoned_datetime(tz.clone()).date())
+    }
+
+    pub fn parse(s: &str) -> Result<Self, InvalidInput> {
+        let bad = || InvalidInput(format!("`{s}` is not a day of the form YYYY-MM-DD"));
+        let b = s.as_bytes();
+        let shape_ok = b.len() == 10
+            && b.iter().enumerate().all(|(i, c)| {
+                if i == 4 || i == 7 {
+                    *c == b'-'
+                } else {
+                    c.is_ascii_digit()
+                }
+            });
+        if !shape_ok {
+            return Err(bad());
+        }
+        let date = Date::from_str(s).map_err(|_| bad())?;
+        if date.year() < 1 {
+            return Err(bad());
+        }
+        Ok(Self(date))
+    }
+
+    /// The day `days` before this one, saturating at the earliest date.
+    pub fn minus_days(self, days: u32) -> Self {
+        let span = jiff::Span::new().days(i64::from(days));
+        let earliest = jiff::civil::date(1, 1, 1);
+        Self(self.0.checked_sub(span).unwrap_or(earliest).max(earliest))
+    }
+
+    pub fn date(self) -> Date {
+        self.0
+    }
+}
+
+impl fmt::Display for Day {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:04}-{:02}-{:02}",
+            self.0.year(),
+            self.0.month(),
+            self.0.day()
+        )
+    }
+}
+
+impl Serialize for Day {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// A budget as an operator configures it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetSpec {
+    pub visitor_limit: u32,
+    pub global_limit: u32,
+    pub retention_days: u32,
+    pub timezone: TimeZone,
+    pub timezone_name: String,
+}
+
+impl BudgetSpec {
+    pub const DEFAULT_RETENTION_DAYS: u32 = 7;
+    pub const MAX_RETENTION_DAYS: u32 = 3650;
+
+    pub fn new(
+        visitor_limit: u32,
+        global_limit: u32,
+        retention_days: Option<u32>,
+        timezone: Option<&str>,
+    ) -> Result<Self, InvalidInput> {
+        let retention_days = retention_days.unwrap_or(Self::DEFAULT_RETENTION_DAYS);
+        if !(1..=Self::MAX_RETENTION_DAYS).contains(&retention_days) {
+            return Err(InvalidInput(format!(
+                "retention_days must be between 1 and {}",
+                Self::MAX_RETENTION_DAYS
+            )));
+        }
+        let timezone = parse_timezone(timezone.unwrap_or("UTC"))?;
+        // Store the canonical spelling, so `utc` and `UTC` read back alike.
+        let timezone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
+        Ok(Self {
+            visitor_limit,
+            global_limit,
+            retention_days,
+            timezone,
+            timezone_name,
+        })
+    }
+}
+
+/// An IANA time zone name such as `Europe/Berlin` (or `UTC`).
+pub fn parse_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
+    // jiff also accepts POSIX TZ strings and fixed offsets in some entry
+    // points; `get` looks the name up in the IANA database only.
+    TimeZone::get(name).map_err(|_| InvalidInput(format!("`{name}` is not a known IANA time zone")))
+}
+
+/// A stored budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    pub name: Name,
+    pub spec: BudgetSpec,
+}
+
+/// Why a check was allowed or denied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    Ok,
+    VisitorLimit,
+    GlobalLimit,
+}
+
+/// The answer to a budget check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub reason: Reason,
+    pub day: Day,
+    /// Calls by this visitor on `day`, this one included (denied calls count too).
+    pub visitor_calls: i64,
+    /// Calls that reached the global counter on `day`, this one included when it did.
+    pub global_calls: i64,
+    pub visitor_limit: u32,
+    pub global_limit: u32,
+    /// Usage rows deleted because they fell out of the retention window.
+    pub pruned_rows: u64,
+}
+
+impl Decision {
+    pub fn allowed(&self) -> bool {
+        self.reason == Reason::Ok
+    }
+}
+
+/// Usage of a budget on one day.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    pub day: Day,
+    pub global_calls: i64,
+    pub visitor_calls: Option<i64>,
+}
+
+/// What a reset clears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResetScope {
+    pub day: Day,
+    /// Only this visitor's row, leaving the global counter alone; all of the
+    /// day's usage when `None`.
+    pub visitor: Option<VisitorId>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in ["a", "A-z_0.9:x", &"n".repeat(128)] {
+            assert!(Name::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a b", "a/b", "é", "a\n", &"n".repeat(129), "*"] {
+            assert!(Name::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn visitors() {
+        for ok in ["*", "A", "ünïcødé 🎉", &"é".repeat(256)] {
+            assert!(VisitorId::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a\tb", "a\u{7f}", "x\u{0}", &"v".repeat(257)] {
+            assert!(VisitorId::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn days() {
+        assert_eq!(Day::parse("2000-03-01").unwrap().to_string(), "2000-03-01");
+        assert_eq!(Day::parse("2024-02-29").unwrap().to_string(), "2024-02-29");
+        for bad in [
+            "2023-02-29",
+            "2000-3-01",
+            "20000-03-01",
+            "2000-13-01",
+            "2000-03-1",
+            "2000/03/01",
+            "0000-01-01",
+            "",
+            "2000-03-01T00:00",
+            " 2000-03-01",
+        ] {
+            assert!(Day::parse(bad).is_err(), "{bad:?}");
+        }
+        let d = Day::parse("2000-03-08").unwrap();
+        assert_eq!(d.minus_days(7).to_string(), "2000-03-01");
+        assert_eq!(
+            Day::parse("0001-01-05")
+                .unwrap()
+                .minus_days(3650)
+                .to_string(),
+            "0001-01-01"
+        );
+    }
+
+    #[test]
+    fn budget_specs() {
+        assert!(BudgetSpec::new(1, 1, None, None).is_ok());
+        assert!(BudgetSpec::new(0, 0, Some(3650), Some("Europe/Berlin")).is_ok());
+        assert!(BudgetSpec::new(1, 1, Some(0), None).is_err());
+        assert!(BudgetSpec::new(1, 1, Some(3651), None).is_err());
+        assert!(BudgetSpec::new(1, 1, None, Some("Mars/Olympus")).is_err());
+        assert!(BudgetSpec::new(1, 1, None, Some("")).is_err());
+    }
+}

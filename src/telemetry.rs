@@ -1,0 +1,28 @@
+//! Structured logs: JSON lines when stderr is not a terminal (a log
+//! pipeline), readable text when it is.
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::{EnvFilter, fmt, prelude::*};
+
+/// Installs the global subscriber. The filter comes from `TALLY_LOG`
+/// (`RUST_LOG` syntax, default `info`); the format from `TALLY_LOG_FORMAT`
+/// (`json` or `text`, default by whether stderr is a terminal).
+pub fn init() {
+    let filter = EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = match std::env::var("TALLY_LOG_FORMAT").as_deref() {
+        Ok("json") => true,
+        Ok("text") => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let registry = tracing_subscriber::registry().with(filter);
+    if json {
+        registry
+            .with(fmt::layer().json().with_writer(std::io::stderr))
+            .init();
+    } else {
+        registry
+            .with(fmt::layer().with_writer(std::io::stderr))
+            .init();
+    }
+}
