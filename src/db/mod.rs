@@ -129,6 +129,32 @@ impl Database {
             .await
             .map_err(open_err)?;
 
+        // WAL is what lets readers run beside the writer; some file systems
+        // cannot give it, and then serving would be wrong, not just slow.
+        let (journal_mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+            .fetch_one(&mut conn)
+            .await
+            .map_err(open_err)?;
+        let (sync_level,): (i64,) = sqlx::query_as("PRAGMA synchronous")
+            .fetch_one(&mut conn)
+            .await
+            .map_err(open_err)?;
+        if !journal_mode.eq_ignore_ascii_case("wal") {
+            return Err(OpenError::Open {
+                path: path.to_owned(),
+                source: sqlx::Error::Configuration(
+                    format!("journal_mode is {journal_mode}, not wal").into(),
+                ),
+            });
+        }
+        tracing::info!(
+            path = %path.display(),
+            journal_mode,
+            synchronous = sync_level,
+            checkpoints = opts.checkpoints,
+            "database open"
+        );
+
         sqlx::migrate!("./migrations")
             .run(&mut conn)
             .await

@@ -156,7 +156,8 @@ impl Writer {
                 for envelope in batch.drain(..) {
                     if broken.is_some() {
                         // The transaction is gone; nothing more may run in it.
-                        finished.push(not_run(envelope.op, broken.as_ref()));
+                        let done = apply(&mut self.conn, envelope.op, broken.as_ref()).await;
+                        finished.push(done);
                         continue;
                     }
                     match self.apply_in_savepoint(envelope.op).await {
@@ -188,7 +189,7 @@ impl Writer {
             // Commands that never ran were drained into `finished` above; if
             // BEGIN itself failed they are still in `batch`.
             for envelope in batch.drain(..) {
-                finished.push(not_run(envelope.op, Some(e)));
+                finished.push(apply(&mut self.conn, envelope.op, Some(e)).await);
             }
         }
         let ok = finished.iter().filter(|f| f.is_ok()).count();
@@ -205,10 +206,10 @@ impl Writer {
     /// I/O errors), the second value says the batch is broken.
     async fn apply_in_savepoint(&mut self, op: Op) -> (Finished, Option<MeterError>) {
         if let Err(e) = exec(&mut self.conn, "SAVEPOINT cmd").await {
-            let done = not_run(op, Some(&e));
+            let done = apply(&mut self.conn, op, Some(&e)).await;
             return (done, Some(e));
         }
-        let done = apply(&mut self.conn, op).await;
+        let done = apply(&mut self.conn, op, None).await;
         let end = if done.is_ok() {
             exec(&mut self.conn, "RELEASE cmd").await
         } else {
@@ -226,17 +227,28 @@ async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Mete
     Ok(())
 }
 
-async fn apply(conn: &mut SqliteConnection, op: Op) -> Finished {
+/// Applies `op`, or, when `skip` holds the error that broke its batch, only
+/// records that error as its result without running it.
+async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -> Finished {
+    async fn unless<T>(
+        skip: Option<&MeterError>,
+        run: impl Future<Output = Result<T, MeterError>>,
+    ) -> Result<T, MeterError> {
+        match skip {
+            Some(e) => Err(e.clone_shallow()),
+            None => run.await,
+        }
+    }
     let kind = op.kind();
     match op {
         Op::Increment { name, by, reply } => Finished::Counter(Done {
-            result: meter::increment(conn, &name, by).await,
+            result: unless(skip, meter::increment(conn, &name, by)).await,
             reply,
             target: Target::Counter(name),
             kind,
         }),
         Op::PutBudget { name, spec, reply } => Finished::Budget(Done {
-            result: meter::put_budget(conn, &name, &spec).await,
+            result: unless(skip, meter::put_budget(conn, &name, &spec)).await,
             reply,
             target: Target::Budget(name),
             kind,
@@ -247,7 +259,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op) -> Finished {
             day,
             reply,
         } => Finished::Check(Done {
-            result: meter::check(conn, &budget, &visitor, day).await,
+            result: unless(skip, meter::check(conn, &budget, &visitor, day)).await,
             reply,
             target: Target::Check { budget, visitor },
             kind,
@@ -257,51 +269,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op) -> Finished {
             scope,
             reply,
         } => Finished::Reset(Done {
-            result: meter::reset(conn, &budget, &scope).await,
-            reply,
-            target: Target::Reset { budget, scope },
-            kind,
-        }),
-    }
-}
-
-/// A command that was never applied because its transaction failed first.
-fn not_run(op: Op, cause: Option<&MeterError>) -> Finished {
-    let err = || match cause {
-        Some(e) => e.clone_shallow(),
-        None => MeterError::Database(Arc::new(sqlx::Error::WorkerCrashed)),
-    };
-    let kind = op.kind();
-    match op {
-        Op::Increment { name, reply, .. } => Finished::Counter(Done {
-            result: Err(err()),
-            reply,
-            target: Target::Counter(name),
-            kind,
-        }),
-        Op::PutBudget { name, reply, .. } => Finished::Budget(Done {
-            result: Err(err()),
-            reply,
-            target: Target::Budget(name),
-            kind,
-        }),
-        Op::Check {
-            budget,
-            visitor,
-            reply,
-            ..
-        } => Finished::Check(Done {
-            result: Err(err()),
-            reply,
-            target: Target::Check { budget, visitor },
-            kind,
-        }),
-        Op::Reset {
-            budget,
-            scope,
-            reply,
-        } => Finished::Reset(Done {
-            result: Err(err()),
+            result: unless(skip, meter::reset(conn, &budget, &scope)).await,
             reply,
             target: Target::Reset { budget, scope },
             kind,

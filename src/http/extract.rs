@@ -96,6 +96,14 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         )
         .detail("request bodies must be JSON, sent with `Content-Type: application/json`"));
     }
+    // Every body of this API is an object; serde would otherwise take a
+    // sequence such as `[1]` for a struct.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(match serde_json::from_slice::<serde_json::Value>(&body) {
+            Ok(_) => Problem::invalid_body("the body must be a JSON object"),
+            Err(e) => malformed(e.to_string()),
+        });
+    }
     let de = &mut serde_json::Deserializer::from_slice(&body);
     match serde_path_to_error::deserialize(de) {
         Ok(v) => Ok(Some(v)),
@@ -109,11 +117,14 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
             };
             Err(match inner.classify() {
                 serde_json::error::Category::Data => Problem::invalid_body(detail),
-                _ => Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON")
-                    .detail(detail),
+                _ => malformed(detail),
             })
         }
     }
+}
+
+fn malformed(detail: String) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON").detail(detail)
 }
 
 /// Proof that the request carried the admin token.

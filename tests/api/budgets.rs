@@ -1,0 +1,327 @@
+use std::collections::HashSet;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::{ADMIN, TestApp, problem, spawn_app};
+
+const DAY: &str = "2000-01-01";
+
+/// (visitor limit, global limit, visitors in order, expected outcomes,
+/// global counter afterwards). `.` allowed, `V` visitor_limit, `G` global_limit.
+const SEED: &[(u32, u32, &str, &str, i64)] = &[
+    (3, 100, "AAAA", "...V", 3),
+    (3, 100, "AAAAA", "...VV", 3),
+    (3, 100, "AAAAB", "...V.", 4),
+    (10, 4, "ABCDE", "....G", 5),
+    (10, 4, "ABCDEF", "....GG", 6),
+    (1, 3, "AAAABC", ".VVV..", 3),
+    (2, 3, "AAABC", "..V.G", 4),
+    (0, 100, "A", "V", 0),
+];
+
+#[tokio::test]
+async fn seed_table() {
+    let app = spawn_app().await;
+    for (i, (v, g, visitors, expected, global)) in SEED.iter().enumerate() {
+        let budget = format!("seed-{i}");
+        app.budget(&budget, *v, *g).await;
+        let mut got = String::new();
+        let mut per_visitor = std::collections::HashMap::new();
+        for visitor in visitors.chars() {
+            let d = app.check(&budget, &visitor.to_string(), DAY).await;
+            *per_visitor.entry(visitor).or_insert(0) += 1;
+            got.push(match d["reason"].as_str().unwrap() {
+                "ok" => '.',
+                "visitor_limit" => 'V',
+                "global_limit" => 'G',
+                other => panic!("unexpected reason {other}"),
+            });
+            assert_eq!(d["allowed"], d["reason"] == "ok");
+            assert_eq!(d["day"], DAY);
+            assert_eq!(d["visitor_limit"], *v);
+            assert_eq!(d["global_limit"], *g);
+            // Denied calls are counted too.
+            assert_eq!(d["visitor_calls"], per_visitor[&visitor]);
+        }
+        assert_eq!(&got, expected, "case {i}: v={v} g={g} {visitors}");
+        let u = app.usage(&budget, &format!("day={DAY}")).await;
+        assert_eq!(u["global_calls"], *global, "case {i}: global counter");
+    }
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_visitor_named_star_is_not_the_global_row() {
+    let app = spawn_app().await;
+    app.budget("star", 1, 100).await;
+    for _ in 0..3 {
+        app.check("star", "*", DAY).await;
+    }
+    let u = app.usage("star", &format!("day={DAY}&visitor=*")).await;
+    assert_eq!(
+        u,
+        json!({"day": DAY, "global_calls": 1, "visitor_calls": 3})
+    );
+    // Another visitor is still allowed: the global row holds only 1.
+    assert_eq!(app.check("star", "B", DAY).await["reason"], "ok");
+    app.stop().await.unwrap();
+}
+
+async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
+    let pool = app.db.readers();
+    let global: Vec<String> =
+        sqlx::query_scalar("SELECT day FROM budget_global_usage WHERE budget = 'p' ORDER BY day")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let visitor: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT day FROM budget_visitor_usage WHERE budget = 'p' ORDER BY day",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    (global, visitor)
+}
+
+#[tokio::test]
+async fn first_call_of_a_day_prunes_usage_past_retention() {
+    let app = spawn_app().await;
+    app.budget("p", 100, 100).await;
+    // Newest first, so that setting up does not prune what it sets up.
+    for day in ["2000-03-10", "2000-03-09", "2000-03-02", "2000-03-01"] {
+        app.check("p", "A", day).await;
+        app.check("p", "B", day).await;
+    }
+    let all = ["2000-03-01", "2000-03-02", "2000-03-09", "2000-03-10"].map(String::from);
+    assert_eq!(days_in_db(&app).await, (all.to_vec(), all.to_vec()));
+
+    // 2000-03-16 minus 7 days is 2000-03-09: older days go, 03-09 stays.
+    let d = app.check("p", "A", "2000-03-16").await;
+    assert_eq!(d["global_calls"], 1);
+    let kept = ["2000-03-09", "2000-03-10", "2000-03-16"].map(String::from);
+    assert_eq!(days_in_db(&app).await, (kept.to_vec(), kept.to_vec()));
+
+    // Pruned days read as zero usage.
+    let u = app.usage("p", "day=2000-03-01&visitor=A").await;
+    assert_eq!(
+        u,
+        json!({"day": "2000-03-01", "global_calls": 0, "visitor_calls": 0})
+    );
+    let u = app.usage("p", "day=2000-03-10&visitor=A").await;
+    assert_eq!(
+        u,
+        json!({"day": "2000-03-10", "global_calls": 2, "visitor_calls": 1})
+    );
+
+    // Only the first call of a day prunes: usage written for an old day
+    // afterwards survives the second call of 03-16.
+    app.check("p", "A", "2000-03-01").await;
+    app.check("p", "B", "2000-03-16").await;
+    let with_old = ["2000-03-01", "2000-03-09", "2000-03-10", "2000-03-16"].map(String::from);
+    assert_eq!(
+        days_in_db(&app).await,
+        (with_old.to_vec(), with_old.to_vec())
+    );
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn retention_is_per_budget() {
+    let app = spawn_app().await;
+    let r = app
+        .admin_put_budget(
+            "p",
+            json!({"visitor_limit": 9, "global_limit": 9, "retention_days": 1}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    app.check("p", "A", "2000-03-08").await;
+    app.check("p", "A", "2000-03-09").await;
+    app.check("p", "A", "2000-03-10").await;
+    let kept = ["2000-03-09", "2000-03-10"].map(String::from);
+    assert_eq!(days_in_db(&app).await.0, kept.to_vec());
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn concurrent_checks_lose_no_global_count() {
+    let app = spawn_app().await;
+    app.budget("busy", 1_000_000, 1_000_000).await;
+    let mut tasks = Vec::new();
+    for c in 0..8 {
+        let client = app.client.clone();
+        let url = app.url("/budgets/busy/check");
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for _ in 0..500 {
+                let r = client
+                    .post(&url)
+                    .json(&json!({"visitor": format!("v{c}"), "day": DAY}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), StatusCode::OK);
+                let d: Value = r.json().await.unwrap();
+                assert_eq!(d["allowed"], true);
+                seen.push(d["global_calls"].as_i64().unwrap());
+            }
+            seen
+        }));
+    }
+    let mut all = HashSet::new();
+    for t in tasks {
+        for v in t.await.unwrap() {
+            assert!(all.insert(v), "global count {v} answered twice");
+        }
+    }
+    assert_eq!(all, (1..=4000).collect::<HashSet<i64>>());
+    let u = app.usage("busy", &format!("day={DAY}&visitor=v3")).await;
+    assert_eq!(u["global_calls"], 4000);
+    assert_eq!(u["visitor_calls"], 500);
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn budget_config_round_trips() {
+    let app = spawn_app().await;
+    let r = app.get("/budgets/nope").await;
+    problem(r, StatusCode::NOT_FOUND).await;
+    let r = app
+        .admin_put_budget(
+            "cfg",
+            json!({"visitor_limit": 0, "global_limit": 5, "retention_days": 30, "timezone": "America/New_York"}),
+        )
+        .await;
+    let expected = json!({
+        "name": "cfg", "visitor_limit": 0, "global_limit": 5,
+        "retention_days": 30, "timezone": "America/New_York"
+    });
+    assert_eq!(r.json::<Value>().await.unwrap(), expected);
+    assert_eq!(
+        app.get("/budgets/cfg").await.json::<Value>().await.unwrap(),
+        expected
+    );
+    // Defaults, and replacing keeps the name.
+    let r = app
+        .admin_put_budget("cfg", json!({"visitor_limit": 1, "global_limit": 2}))
+        .await;
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"name": "cfg", "visitor_limit": 1, "global_limit": 2, "retention_days": 7, "timezone": "UTC"})
+    );
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn default_day_is_today_in_the_budget_time_zone() {
+    let app = spawn_app().await;
+    for tz in ["Pacific/Kiritimati", "Pacific/Pago_Pago", "UTC"] {
+        let name = tz.replace('/', "-");
+        let r = app
+            .admin_put_budget(
+                &name,
+                json!({"visitor_limit": 5, "global_limit": 5, "timezone": tz}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let r = app
+            .post_json(&format!("/budgets/{name}/check"), json!({"visitor": "A"}))
+            .await;
+        let d: Value = r.json().await.unwrap();
+        let today = jiff::Timestamp::now().in_tz(tz).unwrap().date().to_string();
+        assert_eq!(d["day"], today, "{tz}");
+        let u = app.usage(&name, "").await;
+        assert_eq!(u["day"], today);
+        assert_eq!(u["global_calls"], 1);
+    }
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn reset_clears_a_visitor_or_a_whole_day() {
+    let app = spawn_app().await;
+    app.budget("r", 2, 100).await;
+    for v in ["A", "A", "A", "B"] {
+        app.check("r", v, DAY).await;
+    }
+    let reset = |body: Value| {
+        app.client
+            .post(app.url("/budgets/r/reset"))
+            .bearer_auth(ADMIN)
+            .json(&body)
+            .send()
+    };
+    let r = reset(json!({"day": DAY, "visitor": "A"})).await.unwrap();
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"budget": "r", "day": DAY, "visitor": "A", "deleted_rows": 1})
+    );
+    // A is allowed again; the global counter was left alone.
+    let d = app.check("r", "A", DAY).await;
+    assert_eq!(
+        (d["reason"].clone(), d["global_calls"].clone()),
+        (json!("ok"), json!(4))
+    );
+    let r = reset(json!({"day": DAY})).await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["deleted_rows"], 3);
+    let u = app.usage("r", &format!("day={DAY}&visitor=B")).await;
+    assert_eq!(
+        u,
+        json!({"day": DAY, "global_calls": 0, "visitor_calls": 0})
+    );
+    // Unknown budget.
+    let r = app
+        .client
+        .post(app.url("/budgets/nope/reset"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    problem(r, StatusCode::NOT_FOUND).await;
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_budget_check_is_404_and_denied() {
+    let app = spawn_app().await;
+    let r = app
+        .post_json("/budgets/ghost/check", json!({"visitor": "A"}))
+        .await;
+    let body = problem(r, StatusCode::NOT_FOUND).await;
+    assert_eq!(body["allowed"], false);
+    let r = app.get("/budgets/ghost/usage").await;
+    problem(r, StatusCode::NOT_FOUND).await;
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_broken_database_denies_checks() {
+    let app = spawn_app().await;
+    app.budget("fc", 10, 10).await;
+    assert_eq!(app.check("fc", "A", DAY).await["allowed"], true);
+    {
+        use sqlx::ConnectOptions;
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&app.db_path)
+            .connect()
+            .await
+            .unwrap();
+        sqlx::query("DROP TABLE budget_visitor_usage")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    for _ in 0..3 {
+        let r = app
+            .post_json("/budgets/fc/check", json!({"visitor": "A", "day": DAY}))
+            .await;
+        let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(body["allowed"], false);
+        assert_eq!(body["reason"], "meter_error");
+    }
+    // The writer survives: other writes in later batches still commit.
+    let r = app.client.post(app.url("/counter")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    app.stop().await.unwrap();
+}

@@ -1,0 +1,224 @@
+//! Starting tally for a test: the real router on port 0 with a fresh
+//! database, or the real binary.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex, mpsc},
+    time::Duration,
+};
+
+use reqwest::{Client, Response, StatusCode};
+use serde_json::{Value, json};
+use tally::{Application, Settings};
+use tempfile::TempDir;
+use tokio::{sync::oneshot, task::JoinHandle};
+
+pub const ADMIN: &str = "test-admin-token";
+
+/// A running in-process tally.
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub client: Client,
+    pub db_path: PathBuf,
+    pub db: tally::db::Handle,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+    _dir: TempDir,
+}
+
+pub fn settings(dir: &Path) -> Settings {
+    let mut s = Settings::for_database(dir.join("tally.db"));
+    s.listen = "127.0.0.1:0".parse().unwrap();
+    s.admin_token = Some(ADMIN.into());
+    s
+}
+
+/// Starts the real router with default test settings.
+pub async fn spawn_app() -> TestApp {
+    spawn_with(|_| {}).await
+}
+
+/// Starts the real router after `tweak` has adjusted the settings.
+pub async fn spawn_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = settings(dir.path());
+    tweak(&mut s);
+    let db_path = s.database.clone();
+    let app = Application::build(s).await.expect("app builds");
+    let addr = app.local_addr();
+    let db = app.db();
+    let (stop, stopped) = oneshot::channel();
+    let task = tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    TestApp {
+        addr,
+        client: Client::new(),
+        db_path,
+        db,
+        stop: Some(stop),
+        task: Some(task),
+        _dir: dir,
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn post_json(&self, path: &str, body: Value) -> Response {
+        self.client
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn get(&self, path: &str) -> Response {
+        self.client.get(self.url(path)).send().await.unwrap()
+    }
+
+    pub async fn admin_put_budget(&self, name: &str, body: Value) -> Response {
+        self.client
+            .put(self.url(&format!("/budgets/{name}")))
+            .bearer_auth(ADMIN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Creates a budget, asserting success.
+    pub async fn budget(&self, name: &str, visitor_limit: u32, global_limit: u32) {
+        let r = self
+            .admin_put_budget(
+                name,
+                json!({"visitor_limit": visitor_limit, "global_limit": global_limit}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+    }
+
+    pub async fn check(&self, budget: &str, visitor: &str, day: &str) -> Value {
+        let r = self
+            .post_json(
+                &format!("/budgets/{budget}/check"),
+                json!({"visitor": visitor, "day": day}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        r.json().await.unwrap()
+    }
+
+    pub async fn usage(&self, budget: &str, query: &str) -> Value {
+        let r = self.get(&format!("/budgets/{budget}/usage?{query}")).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        r.json().await.unwrap()
+    }
+
+    /// Stops the app the way SIGTERM would, and returns its result.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.take().unwrap().await.unwrap()
+    }
+}
+
+/// Asserts that `r` is a problem+json answer with `status`, and returns its body.
+pub async fn problem(r: Response, status: StatusCode) -> Value {
+    assert_eq!(r.status(), status, "unexpected status");
+    let ct = r.headers()["content-type"].to_str().unwrap().to_owned();
+    assert_eq!(ct, "application/problem+json");
+    let body: Value = r.json().await.unwrap();
+    for key in ["type", "title", "status", "detail"] {
+        assert!(body.get(key).is_some(), "problem lacks `{key}`: {body}");
+    }
+    assert_eq!(body["status"], status.as_u16());
+    body
+}
+
+/// The real binary, started with `env`; its stderr is collected.
+pub struct Binary {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Binary {
+    pub fn start(env: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        cmd.env_clear()
+            .env("TALLY_LISTEN", "127.0.0.1:0")
+            .env("TALLY_LOG_FORMAT", "json")
+            .env("TALLY_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("tally binary starts");
+        let stderr = child.stderr.take().unwrap();
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let sink = Arc::clone(&logs);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str::<Value>(&line)
+                    && v["fields"]["message"] == "serving"
+                {
+                    let _ = tx.send(v["fields"]["addr"].as_str().unwrap().to_owned());
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("tally did not start: {:?}", logs.lock().unwrap()))
+            .parse()
+            .unwrap();
+        Binary { child, addr, logs }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn sigterm(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+    }
+
+    /// Waits for the process to exit, at most `limit`.
+    pub async fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("tally did not exit within {limit:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        self.logs.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,236 @@
+//! The real binary: clean shutdown on SIGTERM, exit codes, startup failures.
+
+use std::{collections::HashSet, time::Duration};
+
+use reqwest::{Client, StatusCode};
+use serde_json::Value;
+
+use crate::helpers::Binary;
+
+async fn wait_for_queue(client: &Client, bin: &Binary, depth: u64) {
+    for _ in 0..500 {
+        let r: Value = client
+            .get(bin.url("/ready"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if r["queue_depth"].as_u64().unwrap() >= depth {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("queue never reached depth {depth}");
+}
+
+async fn read_counter(db: &str, name: &str) -> i64 {
+    let bin = Binary::start(&[("TALLY_DATABASE", db)]);
+    let v: Value = reqwest::get(bin.url(&format!("/counters/{name}")))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    bin.sigterm();
+    v["value"].as_i64().unwrap()
+}
+
+#[tokio::test]
+async fn sigterm_commits_and_answers_every_accepted_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("nested/dir/tally.db");
+    let db = db.to_str().unwrap();
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db),
+        ("TALLY_TEST_WRITER_DELAY_MS", "50"),
+        ("TALLY_MAX_BATCH", "2"),
+    ]);
+    let client = Client::new();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let client = client.clone();
+        let url = bin.url("/counters/drain");
+        tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
+    }
+    wait_for_queue(&client, &bin, 10).await;
+    bin.sigterm();
+    let mut values = HashSet::new();
+    for t in tasks {
+        let r = t.await.unwrap().expect("accepted write is answered");
+        assert_eq!(r.status(), StatusCode::OK);
+        values.insert(r.json::<Value>().await.unwrap()["value"].as_i64().unwrap());
+    }
+    assert_eq!(values, (1..=20).collect());
+    let status = bin.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    let logs = bin.log_text();
+    assert!(logs.contains("stopped cleanly"));
+    // Durable by default: WAL and synchronous=FULL (2).
+    let open: Value = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["fields"]["message"] == "database open")
+        .expect("database open is logged");
+    assert_eq!(open["fields"]["journal_mode"], "wal");
+    assert_eq!(open["fields"]["synchronous"], 2);
+    // The WAL was checkpointed into the main file on the way out.
+    let wal = std::path::Path::new(db).with_extension("db-wal");
+    assert!(!wal.exists() || std::fs::metadata(&wal).unwrap().len() == 0);
+    assert_eq!(read_counter(db, "drain").await, 20);
+}
+
+#[tokio::test]
+async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db = db.to_str().unwrap();
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db),
+        ("TALLY_TEST_WRITER_DELAY_MS", "50"),
+        ("TALLY_MAX_BATCH", "1"),
+    ]);
+    // Clients that give up long before the queue drains.
+    let impatient = Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let client = impatient.clone();
+        let url = bin.url("/counters/late");
+        tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
+    }
+    let mut answered = 0;
+    for t in tasks {
+        if let Ok(r) = t.await.unwrap() {
+            assert_eq!(r.status(), StatusCode::OK);
+            answered += 1;
+        }
+    }
+    assert!(
+        answered < 20,
+        "the clients should have given up on some writes"
+    );
+    // Let the writer finish the queue, then stop.
+    wait_for_counter(&bin, "late", 20).await;
+    bin.sigterm();
+    let status = bin.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    let logs = bin.log_text();
+    let gone: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("write committed but its caller had gone"))
+        .collect();
+    assert_eq!(gone.len(), 20 - answered, "{logs}");
+    for line in gone {
+        let v: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(v["level"], "WARN");
+        assert_eq!(v["fields"]["command"], "increment");
+        assert_eq!(v["fields"]["target"], "counter=late");
+        assert!(v["fields"]["result"].as_str().unwrap().starts_with("Some("));
+    }
+    assert_eq!(read_counter(db, "late").await, 20);
+}
+
+async fn wait_for_counter(bin: &Binary, name: &str, value: i64) {
+    for _ in 0..500 {
+        let v: Value = reqwest::get(bin.url(&format!("/counters/{name}")))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["value"] == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("counter {name} never reached {value}");
+}
+
+#[tokio::test]
+async fn a_stuck_client_cannot_hold_shutdown_past_the_drain_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db.to_str().unwrap()),
+        ("TALLY_DRAIN_TIMEOUT", "0.5"),
+    ]);
+    // Half a request, never finished.
+    let mut stuck = tokio::net::TcpStream::connect(bin.addr).await.unwrap();
+    stuck
+        .write_all(b"POST /counter HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    bin.sigterm();
+    let status = bin.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(400),
+        "exited before the drain timeout: {took:?}"
+    );
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    assert!(bin.log_text().contains("did not finish in time"));
+    drop(stuck);
+}
+
+#[tokio::test]
+async fn startup_failures_exit_non_zero_with_a_message() {
+    let mut bin = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_DATABASE", "/dev/null/tally.db")
+        .env("TALLY_LISTEN", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert_eq!(bin.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&bin.stderr);
+    assert!(err.contains("cannot create directory /dev/null"), "{err}");
+
+    bin = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_QUEUE_CAPACITY", "0")
+        .output()
+        .unwrap();
+    assert_eq!(bin.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bin.stderr).contains("queue-capacity"));
+
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for env in [
+        "TALLY_LISTEN",
+        "TALLY_DATABASE",
+        "TALLY_QUEUE_CAPACITY",
+        "TALLY_SYNCHRONOUS",
+        "TALLY_READERS",
+        "TALLY_ADMIN_TOKEN",
+        "TALLY_MAX_BATCH",
+        "TALLY_DRAIN_TIMEOUT",
+    ] {
+        assert!(help.contains(env), "--help does not mention {env}");
+    }
+}
+
+#[tokio::test]
+async fn a_port_in_use_is_a_clear_startup_failure() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_DATABASE", dir.path().join("t.db"))
+        .env("TALLY_LISTEN", &addr)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
+}

@@ -1,0 +1,10 @@
+//! Black-box tests of tally over HTTP: the real router on port 0 with a
+//! fresh database per test, and the real binary where process behaviour
+//! (signals, exit codes) is the point.
+
+mod bad_input;
+mod budgets;
+mod counters;
+mod helpers;
+mod lifecycle;
+mod writer;
