@@ -3,12 +3,12 @@
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
 use anyhow::Context;
-use tokio::{net::TcpListener, task::JoinHandle};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::Settings,
-    db::{Database, DbOptions, Handle},
+    db::{Database, DbOptions, Handle, WriterTask},
     http::{self, AppState},
 };
 
@@ -17,7 +17,7 @@ pub struct Application {
     listener: TcpListener,
     router: axum::Router,
     db: Handle,
-    writer: JoinHandle<Result<(), sqlx::Error>>,
+    writer: WriterTask,
     settings: Settings,
 }
 
@@ -36,7 +36,7 @@ impl Application {
                 .map(std::time::Duration::from_millis),
         };
         let (db, writer) = Database::open(&settings.database, &opts).await?;
-        let writer = tokio::spawn(writer.run());
+        let writer = writer.spawn().context("cannot start the writer thread")?;
 
         let state = AppState {
             db: db.clone(),
@@ -102,15 +102,13 @@ impl Application {
         tracing::info!("HTTP stopped; draining the write queue");
 
         self.db.close();
-        let written = self.writer.await;
+        let written = self.writer.join().await;
         self.db.close_readers().await;
 
         served
             .context("HTTP server task failed")?
             .context("HTTP server failed")?;
-        written
-            .context("writer task failed")?
-            .context("writer failed to close the database")?;
+        written?;
         tracing::info!("stopped cleanly");
         Ok(())
     }

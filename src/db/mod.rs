@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 
 use command::Envelope;
 pub use command::{Op, Reply};
-pub use stats::QueueStats;
-pub use writer::Writer;
+pub use stats::{QueueStats, retry_after_secs};
+pub use writer::{Writer, WriterFailed, WriterTask};
 
 use crate::{
     config::Synchronous,
@@ -167,6 +167,9 @@ impl Database {
             .max_connections(opts.readers)
             .min_connections(0)
             .acquire_timeout(Duration::from_secs(5))
+            // A local file does not drop connections; a ping before every
+            // read would be one more round trip to the connection's thread.
+            .test_before_acquire(false)
             .connect_with(
                 SqliteConnectOptions::new()
                     .filename(path)
@@ -273,9 +276,13 @@ impl Handle {
         .await
     }
 
-    /// How long a client refused for a full queue should wait, in whole seconds.
+    /// How long a client refused for a full queue should wait: see
+    /// [`stats::retry_after_secs`].
     pub fn retry_after(&self) -> Duration {
-        Duration::from_secs(1)
+        Duration::from_secs(stats::retry_after_secs(
+            self.queue_depth(),
+            self.stats.commit_rate(),
+        ))
     }
 
     async fn submit<T>(&self, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, WriteError> {

@@ -98,7 +98,53 @@ impl Finished {
     }
 }
 
+/// The writer running on its own thread; see [`Writer::spawn`].
+pub struct WriterTask {
+    done: tokio::sync::oneshot::Receiver<Result<(), sqlx::Error>>,
+}
+
+impl WriterTask {
+    /// Waits for the writer to drain the queue and close the database.
+    pub async fn join(self) -> Result<(), WriterFailed> {
+        match self.done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(WriterFailed::Close(e)),
+            Err(_) => Err(WriterFailed::Died),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriterFailed {
+    #[error("the writer failed to close the database: {0}")]
+    Close(sqlx::Error),
+    #[error("the writer thread died")]
+    Died,
+}
+
 impl Writer {
+    /// Runs the writer on a thread of its own, with a single-threaded
+    /// runtime. The writer is the one task every write waits on: on the
+    /// shared runtime its wake-ups queue behind every HTTP task, and under
+    /// load each of its many database round trips per batch would wait its
+    /// turn there. On its own thread it runs the moment SQLite answers.
+    pub fn spawn(self) -> std::io::Result<WriterTask> {
+        let (tx, done) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("tally-writer".into())
+            .spawn(move || {
+                let result = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt.block_on(self.run()),
+                    Err(e) => Err(sqlx::Error::Io(e)),
+                };
+                let _ = tx.send(result);
+            })?;
+        Ok(WriterTask { done })
+    }
+
     /// Runs until the queue is closed (by [`super::Handle::close`] or by every
     /// handle being dropped) and every command already accepted has been
     /// committed and answered; then closes the database cleanly.
@@ -147,8 +193,97 @@ impl Writer {
     async fn run_batch(&mut self, batch: &mut Vec<Envelope>) {
         let size = batch.len();
         let started = std::time::Instant::now();
-        let mut finished = Vec::with_capacity(size);
+        let set_based = batch
+            .iter()
+            .all(|e| matches!(e.op, Op::Increment { .. } | Op::Check { .. }));
+        let (finished, outcome) = match set_based {
+            true => match self.run_set_based(batch).await {
+                Some(done) => done,
+                None => self.run_one_by_one(batch).await,
+            },
+            false => self.run_one_by_one(batch).await,
+        };
+        if let Err(e) = &outcome {
+            tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+        }
+        let took = started.elapsed();
+        self.stats.record_batch(size, took);
+        let ok = finished.iter().filter(|f| f.is_ok()).count();
+        tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
+        for f in finished {
+            f.deliver(&outcome);
+        }
+    }
 
+    /// The fast path: all increments of the batch in one statement, all
+    /// checks in a handful (see [`meter::increment_many`] and
+    /// [`meter::check_many`]). Increments and checks touch disjoint tables,
+    /// so running each kind as a group keeps every caller's answer what it
+    /// would be in queue order. `None` (with the transaction rolled back and
+    /// `batch` untouched) when the batch must be replayed one by one: a
+    /// statement failed, or the set-based result could differ.
+    async fn run_set_based(
+        &mut self,
+        batch: &mut Vec<Envelope>,
+    ) -> Option<(Vec<Finished>, Result<(), MeterError>)> {
+        exec(&mut self.conn, "BEGIN IMMEDIATE").await.ok()?;
+        let mut increments = Vec::new();
+        let mut checks = Vec::new();
+        for e in batch.iter() {
+            match &e.op {
+                Op::Increment { name, by, .. } => increments.push((name, *by)),
+                Op::Check {
+                    budget,
+                    visitor,
+                    day,
+                    ..
+                } => checks.push(meter::CheckItem {
+                    budget,
+                    visitor,
+                    day: *day,
+                }),
+                _ => {}
+            }
+        }
+        let counted = match increments.is_empty() {
+            true => Ok(Some(Vec::new())),
+            false => meter::increment_many(&mut self.conn, &increments).await,
+        };
+        let checked = match (&counted, checks.is_empty()) {
+            (Ok(Some(_)), false) => meter::check_many(&mut self.conn, &checks).await,
+            _ => Ok(Some(Vec::new())),
+        };
+        let (Ok(Some(values)), Ok(Some(decisions))) = (counted, checked) else {
+            let _ = exec(&mut self.conn, "ROLLBACK").await;
+            return None;
+        };
+        let outcome = match exec(&mut self.conn, "COMMIT").await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let _ = exec(&mut self.conn, "ROLLBACK").await;
+                Err(e)
+            }
+        };
+        let mut values = values.into_iter();
+        let mut decisions = decisions.into_iter();
+        let mut finished = Vec::with_capacity(batch.len());
+        for e in batch.drain(..) {
+            let result = match &e.op {
+                Op::Increment { .. } => Answer::Counter(values.next().map(Ok)),
+                Op::Check { .. } => Answer::Check(decisions.next()),
+                _ => Answer::Counter(None),
+            };
+            finished.push(finish(e.op, result));
+        }
+        Some((finished, outcome))
+    }
+
+    /// The general path: one transaction, each command in its own savepoint.
+    async fn run_one_by_one(
+        &mut self,
+        batch: &mut Vec<Envelope>,
+    ) -> (Vec<Finished>, Result<(), MeterError>) {
+        let mut finished = Vec::with_capacity(batch.len());
         let outcome = match exec(&mut self.conn, "BEGIN IMMEDIATE").await {
             Err(e) => Err(e),
             Ok(()) => {
@@ -185,18 +320,12 @@ impl Writer {
             }
         };
         if let Err(e) = &outcome {
-            tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
-            // Commands that never ran were drained into `finished` above; if
-            // BEGIN itself failed they are still in `batch`.
+            // If BEGIN itself failed, the commands are still in `batch`.
             for envelope in batch.drain(..) {
                 finished.push(apply(&mut self.conn, envelope.op, Some(e)).await);
             }
         }
-        let ok = finished.iter().filter(|f| f.is_ok()).count();
-        tracing::debug!(batch = size, ok, elapsed = ?started.elapsed(), "batch done");
-        for f in finished {
-            f.deliver(&outcome);
-        }
+        (finished, outcome)
     }
 
     /// Runs one command inside a savepoint. A command that fails is rolled
@@ -227,28 +356,104 @@ async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Mete
     Ok(())
 }
 
+/// A result worked out by the set-based path, for [`finish`].
+enum Answer {
+    Counter(Option<Result<i64, MeterError>>),
+    Check(Option<Result<meter::Decision, MeterError>>),
+}
+
+/// Pairs a command with its set-based result. A result of the wrong kind
+/// or a missing one cannot happen (results are produced per command, in
+/// order); if it ever did, the caller gets an error rather than a wrong
+/// answer.
+fn finish(op: Op, answer: Answer) -> Finished {
+    let missing = || {
+        MeterError::from(sqlx::Error::Protocol(
+            "the set-based batch produced no result for this command".into(),
+        ))
+    };
+    let kind = op.kind();
+    match (op, answer) {
+        (Op::Increment { name, reply, .. }, Answer::Counter(r)) => Finished::Counter(Done {
+            result: r.unwrap_or_else(|| Err(missing())),
+            reply,
+            target: Target::Counter(name),
+            kind,
+        }),
+        (
+            Op::Check {
+                budget,
+                visitor,
+                reply,
+                ..
+            },
+            Answer::Check(r),
+        ) => Finished::Check(Done {
+            result: r.unwrap_or_else(|| Err(missing())),
+            reply,
+            target: Target::Check { budget, visitor },
+            kind,
+        }),
+        (op, _) => fail(op, &missing()),
+    }
+}
+
+/// The command, answered with `err` without running.
+fn fail(op: Op, err: &MeterError) -> Finished {
+    let kind = op.kind();
+    match op {
+        Op::Increment { name, reply, .. } => Finished::Counter(Done {
+            result: Err(err.clone_shallow()),
+            reply,
+            target: Target::Counter(name),
+            kind,
+        }),
+        Op::PutBudget { name, reply, .. } => Finished::Budget(Done {
+            result: Err(err.clone_shallow()),
+            reply,
+            target: Target::Budget(name),
+            kind,
+        }),
+        Op::Check {
+            budget,
+            visitor,
+            reply,
+            ..
+        } => Finished::Check(Done {
+            result: Err(err.clone_shallow()),
+            reply,
+            target: Target::Check { budget, visitor },
+            kind,
+        }),
+        Op::Reset {
+            budget,
+            scope,
+            reply,
+        } => Finished::Reset(Done {
+            result: Err(err.clone_shallow()),
+            reply,
+            target: Target::Reset { budget, scope },
+            kind,
+        }),
+    }
+}
+
 /// Applies `op`, or, when `skip` holds the error that broke its batch, only
-/// records that error as its result without running it.
+/// answers it with that error.
 async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -> Finished {
-    async fn unless<T>(
-        skip: Option<&MeterError>,
-        run: impl Future<Output = Result<T, MeterError>>,
-    ) -> Result<T, MeterError> {
-        match skip {
-            Some(e) => Err(e.clone_shallow()),
-            None => run.await,
-        }
+    if let Some(e) = skip {
+        return fail(op, e);
     }
     let kind = op.kind();
     match op {
         Op::Increment { name, by, reply } => Finished::Counter(Done {
-            result: unless(skip, meter::increment(conn, &name, by)).await,
+            result: meter::increment(conn, &name, by).await,
             reply,
             target: Target::Counter(name),
             kind,
         }),
         Op::PutBudget { name, spec, reply } => Finished::Budget(Done {
-            result: unless(skip, meter::put_budget(conn, &name, &spec)).await,
+            result: meter::put_budget(conn, &name, &spec).await,
             reply,
             target: Target::Budget(name),
             kind,
@@ -259,7 +464,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
             day,
             reply,
         } => Finished::Check(Done {
-            result: unless(skip, meter::check(conn, &budget, &visitor, day)).await,
+            result: meter::check(conn, &budget, &visitor, day).await,
             reply,
             target: Target::Check { budget, visitor },
             kind,
@@ -269,7 +474,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
             scope,
             reply,
         } => Finished::Reset(Done {
-            result: unless(skip, meter::reset(conn, &budget, &scope)).await,
+            result: meter::reset(conn, &budget, &scope).await,
             reply,
             target: Target::Reset { budget, scope },
             kind,

@@ -2,11 +2,13 @@
 //! and the SQL that carries them out. Inputs are parsed once into types that
 //! cannot hold a bad value; nothing here knows about HTTP or the queue.
 
+mod batch;
 mod sql;
 mod types;
 
 use std::sync::Arc;
 
+pub use batch::{CheckItem, check_many, increment_many};
 pub use sql::{check, get_budget, increment, put_budget, read_counter, read_usage, reset};
 pub use types::{
     Budget, BudgetSpec, Day, Decision, InvalidInput, Name, Reason, ResetScope, Usage, VisitorId,

@@ -192,7 +192,11 @@ async fn global_calls(
 }
 
 /// Deletes the budget's usage on days before `cutoff`.
-async fn prune(conn: &mut SqliteConnection, budget: &Name, cutoff: Day) -> Result<u64, MeterError> {
+pub(super) async fn prune(
+    conn: &mut SqliteConnection,
+    budget: &Name,
+    cutoff: Day,
+) -> Result<u64, MeterError> {
     let cutoff = cutoff.to_string();
     let mut rows = 0;
     for sql in [

@@ -1,0 +1,257 @@
+//! Set-based execution of a whole batch of increments and checks in a few
+//! statements, instead of a few statements per command.
+//!
+//! The writer holds the write lock for the whole transaction, so it may read
+//! the rows a batch touches, work the commands out in memory one after the
+//! other (exactly as if each ran alone, in queue order), and write the final
+//! rows back. Every caller gets the answer it would have got from running
+//! alone at its place in the queue. When the in-memory result could differ
+//! from that (an overflowing counter, a prune that would cut into another
+//! command's day), these functions return `Ok(None)` and the writer replays
+//! the batch command by command instead.
+
+use std::collections::HashMap;
+
+use serde_json::json;
+use sqlx::SqliteConnection;
+
+use super::{Day, Decision, MeterError, Name, Reason, VisitorId, types::parse_timezone};
+
+/// Adds each `(name, by)` in order. Increments of one name are summed into
+/// one upsert; caller `i` gets the value its increment would have produced
+/// had the batch run one command at a time.
+pub async fn increment_many(
+    conn: &mut SqliteConnection,
+    items: &[(&Name, i64)],
+) -> Result<Option<Vec<i64>>, MeterError> {
+    let mut totals: HashMap<&str, i64> = HashMap::new();
+    for (name, by) in items {
+        let t = totals.entry(name.as_str()).or_default();
+        *t = t.saturating_add(*by);
+    }
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "INSERT INTO counters (name, value)
+         SELECT key, value FROM json_each(?1) WHERE true
+         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
+             WHERE value <= 9223372036854775807 - excluded.value
+         RETURNING name, value",
+    )
+    .bind(json!(totals).to_string())
+    .fetch_all(&mut *conn)
+    .await?;
+    if rows.len() != totals.len() {
+        // Some counter would overflow: work out which caller, one by one.
+        return Ok(None);
+    }
+    // The value each name had before the batch, then counted up in order.
+    let mut running: HashMap<String, i64> = rows
+        .into_iter()
+        .map(|(name, value)| {
+            let before = value - totals[name.as_str()];
+            (name, before)
+        })
+        .collect();
+    let mut values = Vec::with_capacity(items.len());
+    for (name, by) in items {
+        let Some(v) = running.get_mut(name.as_str()) else {
+            return Ok(None);
+        };
+        *v += by;
+        values.push(*v);
+    }
+    Ok(Some(values))
+}
+
+/// One budget check of a batch.
+pub struct CheckItem<'a> {
+    pub budget: &'a Name,
+    pub visitor: &'a VisitorId,
+    pub day: Option<Day>,
+}
+
+struct Config {
+    visitor_limit: u32,
+    global_limit: u32,
+    retention_days: u32,
+    timezone: jiff::tz::TimeZone,
+}
+
+/// Runs the checks in order with the rules of [`super::check`]: visitor
+/// first, then global; denied calls counted; the first call of a day that
+/// reaches the global counter prunes the budget's usage past retention.
+pub async fn check_many(
+    conn: &mut SqliteConnection,
+    items: &[CheckItem<'_>],
+) -> Result<Option<Vec<Result<Decision, MeterError>>>, MeterError> {
+    // 1. The budgets named, with their configuration.
+    let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let rows: Vec<(String, u32, u32, u32, String)> = sqlx::query_as(
+        "SELECT name, visitor_limit, global_limit, retention_days, timezone
+         FROM budgets WHERE name IN (SELECT value FROM json_each(?1))",
+    )
+    .bind(json!(names).to_string())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut configs = HashMap::new();
+    for (name, visitor_limit, global_limit, retention_days, tz) in rows {
+        let timezone = parse_timezone(&tz).map_err(|e| {
+            MeterError::from(sqlx::Error::Decode(
+                format!("stored budget `{name}` has a bad time zone: {e}").into(),
+            ))
+        })?;
+        configs.insert(
+            name,
+            Config {
+                visitor_limit,
+                global_limit,
+                retention_days,
+                timezone,
+            },
+        );
+    }
+
+    // 2. Each known command's day, and the usage rows they touch.
+    let days: Vec<Option<Day>> = items
+        .iter()
+        .map(|i| {
+            configs
+                .get(i.budget.as_str())
+                .map(|c| i.day.unwrap_or_else(|| Day::today(&c.timezone)))
+        })
+        .collect();
+    let mut visitor_keys = Vec::new();
+    let mut global_keys = Vec::new();
+    for (item, day) in items.iter().zip(&days) {
+        if let Some(day) = day {
+            let d = day.to_string();
+            visitor_keys.push(json!([item.budget.as_str(), d, item.visitor.as_str()]));
+            global_keys.push(json!([item.budget.as_str(), d]));
+        }
+    }
+    if visitor_keys.is_empty() {
+        return Ok(Some(
+            items
+                .iter()
+                .map(|i| Err(MeterError::UnknownBudget(i.budget.clone())))
+                .collect(),
+        ));
+    }
+    let visitor_rows: Vec<(String, String, String, i64)> = sqlx::query_as(
+        "SELECT u.budget, u.day, u.visitor, u.calls
+         FROM json_each(?1) AS k
+         JOIN budget_visitor_usage AS u
+           ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2",
+    )
+    .bind(json!(visitor_keys).to_string())
+    .fetch_all(&mut *conn)
+    .await?;
+    let global_rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT g.budget, g.day, g.calls
+         FROM json_each(?1) AS k
+         JOIN budget_global_usage AS g
+           ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1",
+    )
+    .bind(json!(global_keys).to_string())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut visitors: HashMap<(String, String, String), i64> = visitor_rows
+        .into_iter()
+        .map(|(b, d, v, c)| ((b, d, v), c))
+        .collect();
+    let mut globals: HashMap<(String, String), i64> = global_rows
+        .into_iter()
+        .map(|(b, d, c)| ((b, d), c))
+        .collect();
+
+    // 3. Each command in order, in memory.
+    let mut results = Vec::with_capacity(items.len());
+    let mut prunes: Vec<(usize, &Name, Day)> = Vec::new();
+    for (i, (item, day)) in items.iter().zip(&days).enumerate() {
+        let (Some(day), Some(cfg)) = (day, configs.get(item.budget.as_str())) else {
+            results.push(Err(MeterError::UnknownBudget(item.budget.clone())));
+            continue;
+        };
+        let d = day.to_string();
+        let b = item.budget.as_str().to_owned();
+        let v = visitors
+            .entry((b.clone(), d.clone(), item.visitor.as_str().to_owned()))
+            .or_default();
+        *v += 1;
+        let visitor_calls = *v;
+        let mut decision = Decision {
+            reason: Reason::Ok,
+            day: *day,
+            visitor_calls,
+            global_calls: 0,
+            visitor_limit: cfg.visitor_limit,
+            global_limit: cfg.global_limit,
+            pruned_rows: 0,
+        };
+        let g = globals.entry((b, d)).or_default();
+        if visitor_calls > i64::from(cfg.visitor_limit) {
+            decision.reason = Reason::VisitorLimit;
+            decision.global_calls = *g;
+        } else {
+            *g += 1;
+            decision.global_calls = *g;
+            if *g == 1 {
+                prunes.push((i, item.budget, day.minus_days(cfg.retention_days)));
+            }
+            if decision.global_calls > i64::from(cfg.global_limit) {
+                decision.reason = Reason::GlobalLimit;
+            }
+        }
+        results.push(Ok(decision));
+    }
+
+    // 4. Prunes. Run before the write-back, which is only the same as
+    // running them in queue order when no command of the batch writes a day
+    // that a prune of its budget would delete.
+    for (_, budget, cutoff) in &prunes {
+        let cut_into = items
+            .iter()
+            .zip(&days)
+            .any(|(it, d)| it.budget == *budget && d.is_some_and(|d| d < *cutoff));
+        if cut_into {
+            return Ok(None);
+        }
+    }
+    for (i, budget, cutoff) in prunes {
+        let pruned = super::sql::prune(conn, budget, cutoff).await?;
+        if let Some(Ok(d)) = results.get_mut(i) {
+            d.pruned_rows = pruned;
+        }
+    }
+
+    // 5. Write the final counts back.
+    let visitor_rows: Vec<_> = visitors
+        .into_iter()
+        .map(|((b, d, v), c)| json!([b, d, v, c]))
+        .collect();
+    sqlx::query(
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
+         ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls",
+    )
+    .bind(json!(visitor_rows).to_string())
+    .execute(&mut *conn)
+    .await?;
+    let global_rows: Vec<_> = globals
+        .into_iter()
+        .filter(|(_, c)| *c > 0)
+        .map(|((b, d), c)| json!([b, d, c]))
+        .collect();
+    if !global_rows.is_empty() {
+        sqlx::query(
+            "INSERT INTO budget_global_usage (budget, day, calls)
+             SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?1) WHERE true
+             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls",
+        )
+        .bind(json!(global_rows).to_string())
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(Some(results))
+}
