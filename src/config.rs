@@ -32,6 +32,16 @@ pub struct Cli {
 pub enum Command {
     /// Serve the HTTP API (the default when no subcommand is given).
     Serve,
+    /// Show why writes are queued: concurrent writers on their own
+    /// connections against one queue in front of one connection.
+    Contention {
+        /// Concurrent writers released at once.
+        #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(2..=1000))]
+        writers: u32,
+        /// How long each write holds its transaction open, in milliseconds.
+        #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+        hold_ms: u64,
+    },
 }
 
 /// Everything the service needs to run.

@@ -15,6 +15,8 @@
 //! - [`http`]: the router, one module per resource, and the problem+json
 //!   error type.
 //! - [`telemetry`]: structured logs.
+//! - [`contention`]: the lab behind `tally contention`, showing why writes
+//!   go through one queue.
 //!
 //! Data flows one way: handler -> command -> writer -> reply. A handler never
 //! sees SQL; the writer never sees HTTP.
@@ -23,6 +25,7 @@
 
 pub mod app;
 pub mod config;
+pub mod contention;
 pub mod db;
 pub mod http;
 pub mod meter;

@@ -1,4 +1,4 @@
-use std::process::ExitCode;
+use std::{process::ExitCode, time::Duration};
 
 use clap::Parser;
 use tally::{
@@ -18,6 +18,9 @@ async fn main() -> ExitCode {
     tally::telemetry::init();
     let result = match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(cli.settings).await,
+        Command::Contention { writers, hold_ms } => {
+            contention(writers as usize, Duration::from_millis(hold_ms)).await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -33,4 +36,13 @@ async fn serve(settings: tally::Settings) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
     let app = Application::build(settings).await?;
     app.run_until_stopped(shutdown_signal()).await
+}
+
+async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {
+    println!(
+        "{writers} concurrent writes, each holding its transaction {hold:?}, busy_timeout=0\n"
+    );
+    let outcomes = tally::contention::run(writers, hold).await?;
+    print!("{}", tally::contention::render(&outcomes));
+    Ok(())
 }

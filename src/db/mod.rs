@@ -14,6 +14,7 @@
 //! is sent only after the transaction holding the command has committed.
 
 mod command;
+mod reads;
 mod stats;
 mod writer;
 
@@ -183,8 +184,10 @@ impl Database {
         let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
         let stats = Arc::new(QueueStats::default());
         let close = CancellationToken::new();
+        let counter_reads = reads::start(readers.clone(), opts.readers);
         let handle = Handle {
             readers,
+            counter_reads,
             tx,
             stats: Arc::clone(&stats),
             close: close.clone(),
@@ -206,6 +209,7 @@ impl Database {
 #[derive(Clone)]
 pub struct Handle {
     readers: SqlitePool,
+    counter_reads: mpsc::Sender<reads::CounterRead>,
     tx: mpsc::Sender<Envelope>,
     stats: Arc<QueueStats>,
     close: CancellationToken,
@@ -241,6 +245,18 @@ impl Handle {
     /// Closes the read-only pool, waiting for readers to finish.
     pub async fn close_readers(&self) {
         self.readers.close().await;
+    }
+
+    /// The current value of a counter (0 if never written), read from the
+    /// file by a read-only connection; concurrent reads share one statement.
+    pub async fn read_counter(&self, name: Name) -> Result<i64, MeterError> {
+        let (reply, answer) = oneshot::channel();
+        let gone = || MeterError::from(sqlx::Error::PoolClosed);
+        self.counter_reads
+            .send(reads::CounterRead { name, reply })
+            .await
+            .map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
     }
 
     pub async fn increment(&self, name: Name, by: i64) -> Result<i64, WriteError> {

@@ -5,7 +5,7 @@ use super::{
     AppState, Problem,
     extract::{OptionalJson, Path},
 };
-use crate::meter::{self, Name};
+use crate::meter::Name;
 
 /// The counter behind `/counter`.
 const DEFAULT_COUNTER: &str = "default";
@@ -63,7 +63,7 @@ pub async fn increment_default(
 }
 
 pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, Problem> {
-    let value = meter::read_counter(state.db.readers(), &default_name()).await?;
+    let value = state.db.read_counter(default_name()).await?;
     Ok(Json(Value { value }))
 }
 
@@ -82,6 +82,6 @@ pub async fn get(
     Path(name): Path<String>,
 ) -> Result<Json<NamedValue>, Problem> {
     let name = Name::parse(&name)?;
-    let value = meter::read_counter(state.db.readers(), &name).await?;
+    let value = state.db.read_counter(name.clone()).await?;
     Ok(Json(NamedValue { name, value }))
 }

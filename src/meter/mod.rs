@@ -9,7 +9,7 @@ mod types;
 use std::sync::Arc;
 
 pub use batch::{CheckItem, check_many, increment_many};
-pub use sql::{check, get_budget, increment, put_budget, read_counter, read_usage, reset};
+pub use sql::{check, get_budget, increment, put_budget, read_counters, read_usage, reset};
 pub use types::{
     Budget, BudgetSpec, Day, Decision, InvalidInput, Name, Reason, ResetScope, Usage, VisitorId,
 };

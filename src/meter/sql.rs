@@ -30,13 +30,20 @@ pub async fn increment(
     value.ok_or_else(|| MeterError::Overflow(name.clone()))
 }
 
-/// The current value of a counter; 0 if it was never written.
-pub async fn read_counter(pool: &SqlitePool, name: &Name) -> Result<i64, MeterError> {
-    let value: Option<i64> = sqlx::query_scalar("SELECT value FROM counters WHERE name = ?1")
-        .bind(name.as_str())
-        .fetch_optional(pool)
-        .await?;
-    Ok(value.unwrap_or(0))
+/// The current values of many counters in one statement; names never
+/// written are absent from the map.
+pub async fn read_counters(
+    pool: &SqlitePool,
+    names: &[&str],
+) -> Result<std::collections::HashMap<String, i64>, MeterError> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT name, value FROM counters
+         WHERE name IN (SELECT value FROM json_each(?1))",
+    )
+    .bind(serde_json::json!(names).to_string())
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
 }
 
 /// Creates or replaces a budget's configuration. Usage is kept.

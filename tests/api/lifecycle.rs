@@ -234,3 +234,56 @@ async fn a_port_in_use_is_a_clear_startup_failure() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
 }
+
+/// kill -9 in the middle of a write load: every write answered 200 is in
+/// the database when it starts again.
+#[tokio::test]
+async fn acknowledged_writes_survive_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db = db.to_str().unwrap();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db)]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (url, stop) = (bin.url("/counters/crash"), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let client = Client::new();
+            let mut acked = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match client.post(&url).send().await {
+                    Ok(r) if r.status() == StatusCode::OK => match r.json::<Value>().await {
+                        Ok(v) => acked.push(v["value"].as_i64().unwrap()),
+                        Err(_) => break,
+                    },
+                    _ => break,
+                }
+            }
+            acked
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    bin.child.kill().unwrap(); // SIGKILL
+    let _ = bin.wait(Duration::from_secs(5)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.extend(t.await.unwrap());
+    }
+    assert!(
+        acked.len() > 100,
+        "too few writes before the kill: {}",
+        acked.len()
+    );
+    let highest = *acked.iter().max().unwrap();
+    let value = read_counter(db, "crash").await;
+    assert!(
+        value >= highest,
+        "counter {value} < highest acknowledged {highest}"
+    );
+    assert!(
+        value >= acked.len() as i64,
+        "counter {value} < {} acks",
+        acked.len()
+    );
+}

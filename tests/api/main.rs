@@ -4,7 +4,9 @@
 
 mod bad_input;
 mod budgets;
+mod contention;
 mod counters;
+mod group_commit;
 mod helpers;
 mod lifecycle;
 mod writer;
