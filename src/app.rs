@@ -1,6 +1,6 @@
 //! Building the service from its settings, and the order it stops in.
 
-use std::{future::Future, net::SocketAddr, sync::Arc};
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -10,6 +10,7 @@ use crate::{
     config::Settings,
     db::{Database, DbOptions, Handle, WriterTask},
     http::{self, AppState},
+    replica,
 };
 
 /// A built service: database open, writer running, listener bound.
@@ -25,18 +26,40 @@ impl Application {
     /// Opens the database (running migrations), starts the writer and binds
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
             queue_capacity: settings.queue_capacity as usize,
             max_batch: settings.max_batch as usize,
             synchronous: settings.synchronous,
             readers: settings.readers,
-            checkpoints: true,
+            // Litestream must see every WAL frame before it is checkpointed
+            // away, so under it Litestream alone checkpoints.
+            checkpoints: !under_litestream,
             writer_delay: settings
                 .test_writer_delay_ms
                 .map(std::time::Duration::from_millis),
         };
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
+
+        if let Some(socket) = &settings.litestream_socket {
+            let db_path = std::path::absolute(&settings.database)
+                .context("cannot resolve the database path")?;
+            tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
+            let gate = replica::wait_for_replica(
+                socket,
+                &db_path,
+                settings.replica_wait_timeout,
+                Duration::from_secs(10),
+            )
+            .await;
+            if let Err(e) = gate {
+                db.close();
+                let _ = writer.join().await;
+                db.close_readers().await;
+                return Err(e.into());
+            }
+        }
 
         let state = AppState {
             db: db.clone(),

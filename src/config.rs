@@ -86,6 +86,17 @@ pub struct Settings {
     #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
     pub request_timeout: Duration,
 
+    /// Unix socket of Litestream's control server. When set, tally runs as
+    /// Litestream's child: it leaves WAL checkpoints to Litestream and binds
+    /// its listener only once Litestream confirms the replica is in sync.
+    #[arg(long, env = "TALLY_LITESTREAM_SOCKET")]
+    pub litestream_socket: Option<PathBuf>,
+
+    /// Longest wait at startup for the first confirmed replica sync, in
+    /// seconds; tally exits non-zero when it passes.
+    #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_seconds)]
+    pub replica_wait_timeout: Duration,
+
     /// Pause the writer this many milliseconds before each batch. For tests of
     /// backpressure only; never set it in production.
     #[arg(long, env = "TALLY_TEST_WRITER_DELAY_MS", hide = true)]
@@ -127,6 +138,8 @@ impl fmt::Debug for Settings {
             )
             .field("drain_timeout", &self.drain_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("litestream_socket", &self.litestream_socket)
+            .field("replica_wait_timeout", &self.replica_wait_timeout)
             .field("test_writer_delay_ms", &self.test_writer_delay_ms)
             .finish()
     }

@@ -14,6 +14,8 @@
 //!   that carries them out.
 //! - [`http`]: the router, one module per resource, and the problem+json
 //!   error type.
+//! - [`replica`]: the startup gate that waits, over Litestream's control
+//!   socket, until the replica holds what the database holds.
 //! - [`telemetry`]: structured logs.
 //! - [`contention`]: the lab behind `tally contention`, showing why writes
 //!   go through one queue.
@@ -29,6 +31,7 @@ pub mod contention;
 pub mod db;
 pub mod http;
 pub mod meter;
+pub mod replica;
 pub mod telemetry;
 
 pub use app::Application;

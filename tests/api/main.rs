@@ -9,4 +9,6 @@ mod counters;
 mod group_commit;
 mod helpers;
 mod lifecycle;
+mod replica_env;
+mod replication;
 mod writer;

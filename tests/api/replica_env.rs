@@ -1,0 +1,323 @@
+//! Real Litestream and a real S3 server (moto) on loopback, started and
+//! stopped by the tests. `./scripts/test` installs both under `.tools/`.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex, mpsc},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+pub fn tool(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".tools/venv/bin")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run ./scripts/test, which installs the pinned Litestream and S3 server",
+        p.display()
+    );
+    p
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A moto S3 server on a loopback port, killed on drop.
+pub struct S3 {
+    child: Child,
+    pub endpoint: String,
+}
+
+impl S3 {
+    pub async fn start() -> Self {
+        let port = free_port();
+        let child = Command::new(tool("moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto_server starts");
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let s3 = S3 { child, endpoint };
+        let client = reqwest::Client::new();
+        for _ in 0..200 {
+            if client.get(&s3.endpoint).send().await.is_ok() {
+                return s3;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("moto did not start on port {port}");
+    }
+
+    pub async fn create_bucket(&self, bucket: &str) {
+        let r = reqwest::Client::new()
+            .put(format!("{}/{bucket}", self.endpoint))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "bucket: {}", r.status());
+    }
+}
+
+impl S3 {
+    /// Freezes the server (SIGSTOP): calls to it hang until [`Self::resume`].
+    pub fn pause(&self) {
+        self.send(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    pub fn resume(&self) {
+        self.send(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn send(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        self.resume();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Everything one tally-under-Litestream deployment needs: a data
+/// directory, a replica location, ports and a socket.
+pub struct Deployment {
+    pub dir: tempfile::TempDir,
+    pub endpoint: String,
+    pub bucket: String,
+    pub replica_path: String,
+    pub listen: SocketAddr,
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Deployment {
+    pub fn new(endpoint: &str, bucket: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        Deployment {
+            dir,
+            endpoint: endpoint.to_owned(),
+            bucket: bucket.to_owned(),
+            replica_path: "tally".to_owned(),
+            listen: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            extra_env: Vec::new(),
+        }
+    }
+
+    pub fn db(&self) -> PathBuf {
+        self.dir.path().join("data/tally.db")
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = [
+            ("TALLY_DATABASE", self.db().to_string_lossy().into_owned()),
+            ("TALLY_LISTEN", self.listen.to_string()),
+            (
+                "TALLY_LITESTREAM_SOCKET",
+                self.dir
+                    .path()
+                    .join("litestream.sock")
+                    .to_string_lossy()
+                    .into_owned(),
+            ),
+            ("TALLY_REPLICA_WAIT_TIMEOUT", "20".into()),
+            ("TALLY_LOG_FORMAT", "json".into()),
+            ("TALLY_ADMIN_TOKEN", crate::helpers::ADMIN.into()),
+            ("LITESTREAM_BUCKET", self.bucket.clone()),
+            ("LITESTREAM_PATH", self.replica_path.clone()),
+            ("LITESTREAM_ENDPOINT", self.endpoint.clone()),
+            ("LITESTREAM_REGION", "us-east-1".into()),
+            ("LITESTREAM_FORCE_PATH_STYLE", "true".into()),
+            (
+                "LITESTREAM_METRICS_ADDR",
+                format!("127.0.0.1:{}", free_port()),
+            ),
+            ("LITESTREAM_ACCESS_KEY_ID", "test".into()),
+            ("LITESTREAM_SECRET_ACCESS_KEY", "test".into()),
+            ("PATH", std::env::var("PATH").unwrap_or_default()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        env.extend(self.extra_env.iter().cloned());
+        env
+    }
+
+    fn litestream(&self) -> Command {
+        let mut cmd = Command::new(tool("litestream"));
+        // This machine's AWS_CA_BUNDLE breaks every Litestream S3 call.
+        cmd.env_clear()
+            .envs(self.env())
+            .current_dir(self.dir.path());
+        cmd
+    }
+
+    /// `litestream restore -if-db-not-exists -if-replica-exists`, as the
+    /// chart's init container runs it.
+    pub fn restore(&self) -> std::process::Output {
+        self.litestream()
+            .args([
+                "restore",
+                "-config",
+                &config(),
+                "-if-db-not-exists",
+                "-if-replica-exists",
+            ])
+            .arg(self.db())
+            .output()
+            .unwrap()
+    }
+
+    /// `litestream replicate -exec tally`.
+    pub fn replicate(&self) -> Running {
+        let mut child = self
+            .litestream()
+            .args([
+                "replicate",
+                "-config",
+                &config(),
+                "-exec",
+                env!("CARGO_BIN_EXE_tally"),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("litestream starts");
+        let logs = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
+        let (tx, serving) = mpsc::channel();
+        for pipe in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let (logs, tx) = (Arc::clone(&logs), tx.clone());
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines() {
+                    let Ok(line) = line else { break };
+                    if serde_json::from_str::<Value>(&line)
+                        .is_ok_and(|v| v["fields"]["message"] == "serving")
+                    {
+                        let _ = tx.send(());
+                    }
+                    logs.lock().unwrap().push((Instant::now(), line));
+                }
+            });
+        }
+        Running {
+            child,
+            logs,
+            serving,
+            listen: self.listen,
+        }
+    }
+
+    /// Deletes the local database and its WAL, as a new pod's emptyDir.
+    pub fn wipe(&self) {
+        std::fs::remove_dir_all(self.dir.path().join("data")).unwrap();
+    }
+}
+
+fn config() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("litestream.yml")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Litestream with tally as its child.
+pub struct Running {
+    pub child: Child,
+    pub logs: Arc<Mutex<Vec<(Instant, String)>>>,
+    serving: mpsc::Receiver<()>,
+    pub listen: SocketAddr,
+}
+
+impl Running {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.listen, path)
+    }
+
+    pub async fn wait_serving(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self.serving.try_recv().is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("tally did not start serving: {}", self.log_text());
+    }
+
+    pub fn log_text(&self) -> String {
+        self.logs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, l)| l.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Where the first line containing `needle` stands in tally's output.
+    pub fn line_of(&self, needle: &str) -> Option<usize> {
+        self.logs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, l)| l.contains("\"target\":\"tally"))
+            .position(|(_, l)| l.contains(needle))
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    /// tally's pid: Litestream's child (started by any of its threads).
+    pub fn tally_pid(&self) -> Option<i32> {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.child.id())).ok()?;
+        tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("children")).ok())
+            .flat_map(|c| c.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .find_map(|p| p.parse().ok())
+    }
+
+    pub async fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "litestream did not exit within {limit:?}: {}",
+                    self.log_text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(pid) = self.tally_pid() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

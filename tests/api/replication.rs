@@ -1,0 +1,254 @@
+//! tally under the real Litestream 0.5.17 with a real S3 server (moto) on
+//! loopback: restore at start, the replica gate, draining on SIGTERM, and
+//! what a crash can lose.
+
+use std::{collections::HashMap, time::Duration};
+
+use nix::sys::signal::Signal;
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
+
+use crate::replica_env::{Deployment, S3, free_port};
+
+async fn read_db(path: &std::path::Path) -> (String, HashMap<String, i64>, i64) {
+    let mut conn = SqliteConnectOptions::new()
+        .filename(path)
+        .read_only(true)
+        .connect()
+        .await
+        .unwrap();
+    let integrity: String = sqlx::query_scalar("PRAGMA integrity_check")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let counters: Vec<(String, i64)> = sqlx::query_as("SELECT name, value FROM counters")
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    let calls: i64 = sqlx::query_scalar("SELECT COALESCE(SUM(calls), 0) FROM budget_global_usage")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    (integrity, counters.into_iter().collect(), calls)
+}
+
+fn assert_restored(d: &Deployment) {
+    let out = d.restore();
+    assert!(
+        out.status.success(),
+        "restore failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Writes `n` increments to `counter` and `n` budget checks, all acknowledged.
+async fn write(run: &crate::replica_env::Running, counter: &str, n: usize) {
+    let client = Client::new();
+    for _ in 0..n {
+        let r = client
+            .post(run.url(&format!("/counters/{counter}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let r = client
+            .post(run.url("/budgets/rb/check"))
+            .json(&json!({"visitor": "v", "day": "2000-01-01"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+}
+
+async fn stop_cleanly(mut run: crate::replica_env::Running) {
+    run.signal(Signal::SIGTERM);
+    let status = run.wait(Duration::from_secs(40)).await;
+    assert_eq!(status.code(), Some(0), "litestream: {}", run.log_text());
+    let logs = run.log_text();
+    assert!(logs.contains("stopped cleanly"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_start_restores_nothing_and_serves_only_after_the_gate() {
+    let s3 = S3::start().await;
+    s3.create_bucket("fresh").await;
+    let d = Deployment::new(&s3.endpoint, "fresh");
+    assert_restored(&d);
+    assert!(
+        !d.db().exists(),
+        "restore from an empty replica must not create a database"
+    );
+
+    // Hold the replica back: while Litestream cannot sync, tally must
+    // wait and not listen.
+    s3.pause();
+    let run = d.replicate();
+    let held = std::time::Instant::now();
+    while held.elapsed() < Duration::from_secs(2) {
+        assert!(
+            tokio::net::TcpStream::connect(run.listen).await.is_err(),
+            "tally listened before the replica was in sync"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        run.line_of("waiting for the first replica sync").is_some(),
+        "{}",
+        run.log_text()
+    );
+    assert!(run.line_of("replica confirmed in sync").is_none());
+    s3.resume();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let gate = run
+        .line_of("replica confirmed in sync")
+        .expect("the gate passed");
+    let serving = run.line_of("\"serving\"").unwrap();
+    assert!(gate < serving, "{}", run.log_text());
+
+    let r = reqwest::get(run.url("/ready")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    stop_cleanly(run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_stop_wipe_and_restore_twice() {
+    let s3 = S3::start().await;
+    s3.create_bucket("cycle").await;
+    let d = Deployment::new(&s3.endpoint, "cycle");
+    let client = Client::new();
+    let mut expected = 0;
+    for round in 0..3 {
+        assert_restored(&d);
+        let run = d.replicate();
+        run.wait_serving(Duration::from_secs(20)).await;
+        if round == 0 {
+            let r = client
+                .put(run.url("/budgets/rb"))
+                .bearer_auth(crate::helpers::ADMIN)
+                .json(&json!({"visitor_limit": 1000000, "global_limit": 1000000}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+        }
+        // What the previous rounds wrote is back.
+        let v: Value = client
+            .get(run.url("/counters/kept"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["value"], expected, "round {round}");
+        write(&run, "kept", 40).await;
+        expected += 40;
+        stop_cleanly(run).await;
+        d.wipe();
+        assert_restored(&d);
+        let (integrity, counters, calls) = read_db(&d.db()).await;
+        assert_eq!(integrity, "ok");
+        assert_eq!(counters.get("kept"), Some(&expected), "round {round}");
+        assert_eq!(calls, expected);
+        d.wipe();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_replica_keeps_tally_from_serving() {
+    // Nothing listens on this port: every S3 call fails.
+    let mut d = Deployment::new(&format!("http://127.0.0.1:{}", free_port()), "nowhere");
+    d.extra_env
+        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "4".into()));
+    let mut run = d.replicate();
+    let started = std::time::Instant::now();
+    while run.child.try_wait().unwrap().is_none() {
+        assert!(
+            tokio::net::TcpStream::connect(run.listen).await.is_err(),
+            "tally listened without a working replica"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "tally never gave up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = run.wait(Duration::from_secs(1)).await;
+    assert_ne!(status.code(), Some(0));
+    assert!(started.elapsed() >= Duration::from_secs(4));
+    let logs = run.log_text();
+    assert!(logs.contains("the replica is unreachable"), "{logs}");
+    assert!(!logs.contains("\"serving\""), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
+    let s3 = S3::start().await;
+    s3.create_bucket("crash").await;
+    let d = Deployment::new(&s3.endpoint, "crash");
+    assert_restored(&d);
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(20)).await;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (url, stop) = (run.url("/counters/crash"), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let client = Client::new();
+            let mut acked = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match client.post(&url).send().await {
+                    Ok(r) if r.status() == StatusCode::OK => match r.json::<Value>().await {
+                        Ok(v) => {
+                            acked.push((v["value"].as_i64().unwrap(), std::time::Instant::now()))
+                        }
+                        Err(_) => break,
+                    },
+                    _ => break,
+                }
+            }
+            acked
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let tally = run.tally_pid().expect("tally runs under litestream");
+    // Both at once, as a node failure would.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(tally), Signal::SIGKILL).unwrap();
+    run.signal(Signal::SIGKILL);
+    let killed_at = std::time::Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.extend(t.await.unwrap());
+    }
+    drop(run);
+    acked.sort();
+    let (highest, _) = *acked.last().expect("some writes were acknowledged");
+
+    d.wipe();
+    assert_restored(&d);
+    let (integrity, counters, _) = read_db(&d.db()).await;
+    assert_eq!(integrity, "ok");
+    let restored = counters.get("crash").copied().unwrap_or(0);
+    // A prefix: the restored value is one the counter really had.
+    assert!(
+        restored <= highest,
+        "restored {restored} > highest acknowledged {highest}"
+    );
+    let lost = highest - restored;
+    let window = acked
+        .iter()
+        .find(|(v, _)| *v > restored)
+        .map(|(_, at)| killed_at.duration_since(*at))
+        .unwrap_or_default();
+    println!(
+        "crash: {} writes acknowledged, highest {highest}; restored {restored}; \
+         lost {lost} acknowledged writes, the last {window:?} before the kill",
+        acked.len()
+    );
+    // Litestream ships WAL frames every second (sync-interval: 1s).
+    assert!(window < Duration::from_secs(5), "lost a {window:?} window");
+}
