@@ -9,14 +9,16 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::Settings,
     db::{Database, DbOptions, Handle, WriterTask},
-    http::{self, AppState},
-    replica,
+    http::{self, AppState, observe::MetricsState},
+    observe, replica,
 };
 
 /// A built service: database open, writer running, listener bound.
 pub struct Application {
     listener: TcpListener,
     router: axum::Router,
+    /// `/metrics` on a listener of its own, when configured.
+    metrics: Option<(TcpListener, axum::Router)>,
     db: Handle,
     writer: WriterTask,
     settings: Settings,
@@ -26,6 +28,8 @@ impl Application {
     /// Opens the database (running migrations), starts the writer and binds
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let prometheus = observe::install();
+        observe::record_start(settings.queue_capacity as usize);
         let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
             queue_capacity: settings.queue_capacity as usize,
@@ -46,6 +50,7 @@ impl Application {
             let db_path = std::path::absolute(&settings.database)
                 .context("cannot resolve the database path")?;
             tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
+            let started = std::time::Instant::now();
             let gate = replica::wait_for_replica(
                 socket,
                 &db_path,
@@ -53,6 +58,10 @@ impl Application {
                 Duration::from_secs(10),
             )
             .await;
+            metrics::gauge!("tally_replica_wait_seconds").set(started.elapsed().as_secs_f64());
+            if let Ok(status) = &gate {
+                metrics::gauge!("tally_replica_txid").set(status.replicated_txid as f64);
+            }
             if let Err(e) = gate {
                 db.close();
                 let _ = writer.join().await;
@@ -65,13 +74,34 @@ impl Application {
             db: db.clone(),
             admin_token: settings.admin_token.as_deref().map(Arc::from),
         };
-        let router = http::router(state, settings.request_timeout);
+        let metrics_state = MetricsState {
+            handle: prometheus.clone(),
+            db: db.clone(),
+            db_path: settings.database.clone(),
+        };
+        tokio::spawn(observe::upkeep(prometheus, Duration::from_secs(5)));
+        let (router, metrics) = match settings.metrics_listen {
+            None => (
+                http::router(state, settings.request_timeout, Some(metrics_state)),
+                None,
+            ),
+            Some(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr} for metrics"))?;
+                (
+                    http::router(state, settings.request_timeout, None),
+                    Some((listener, http::observe::metrics_router(metrics_state))),
+                )
+            }
+        };
         let listener = TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("cannot listen on {}", settings.listen))?;
         Ok(Self {
             listener,
             router,
+            metrics,
             db,
             writer,
             settings,
@@ -80,6 +110,11 @@ impl Application {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().unwrap_or(self.settings.listen)
+    }
+
+    /// Where `/metrics` is served, when it has a listener of its own.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|(l, _)| l.local_addr().ok())
     }
 
     /// The database handle, for tests that look behind the API.
@@ -111,6 +146,13 @@ impl Application {
             })
             .into_future();
         let mut serve = tokio::spawn(serve);
+        // Metrics stay up through the drain; they stop with the process.
+        let metrics = self.metrics.map(|(listener, router)| {
+            if let Ok(a) = listener.local_addr() {
+                tracing::info!(addr = %a, "serving metrics");
+            }
+            tokio::spawn(async move { axum::serve(listener, router).await })
+        });
         tracing::info!(%addr, "serving");
 
         let drain_timeout = self.settings.drain_timeout;
@@ -127,6 +169,9 @@ impl Application {
         self.db.close();
         let written = self.writer.join().await;
         self.db.close_readers().await;
+        if let Some(m) = metrics {
+            m.abort();
+        }
 
         served
             .context("HTTP server task failed")?

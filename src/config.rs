@@ -51,6 +51,10 @@ pub struct Settings {
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:3000")]
     pub listen: SocketAddr,
 
+    /// Serve `/metrics` on this address instead of the API's listener.
+    #[arg(long, env = "TALLY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// Path of the SQLite database file; parent directories are created.
     #[arg(long, env = "TALLY_DATABASE", default_value = "./data/tally.db")]
     pub database: PathBuf,
@@ -127,6 +131,7 @@ impl fmt::Debug for Settings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Settings")
             .field("listen", &self.listen)
+            .field("metrics_listen", &self.metrics_listen)
             .field("database", &self.database)
             .field("queue_capacity", &self.queue_capacity)
             .field("max_batch", &self.max_batch)

@@ -16,6 +16,8 @@
 //!   error type.
 //! - [`replica`]: the startup gate that waits, over Litestream's control
 //!   socket, until the replica holds what the database holds.
+//! - [`observe`]: Prometheus metrics: the recorder, every metric's
+//!   meaning, and what is sampled at scrape time.
 //! - [`telemetry`]: structured logs.
 //! - [`contention`]: the lab behind `tally contention`, showing why writes
 //!   go through one queue.
@@ -31,6 +33,7 @@ pub mod contention;
 pub mod db;
 pub mod http;
 pub mod meter;
+pub mod observe;
 pub mod replica;
 pub mod telemetry;
 

@@ -13,6 +13,8 @@ pub type Reply<T> = oneshot::Sender<Result<T, MeterError>>;
 /// One queued write with the channel its caller waits on.
 pub struct Envelope {
     pub op: Op,
+    /// The HTTP request that queued it, for the writer's log lines.
+    pub request_id: Option<std::sync::Arc<str>>,
 }
 
 pub enum Op {

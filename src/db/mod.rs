@@ -41,6 +41,12 @@ use crate::{
     meter::{Budget, BudgetSpec, Day, Decision, MeterError, Name, ResetScope, VisitorId},
 };
 
+tokio::task_local! {
+    /// Who queued the commands of this task (the HTTP request id), for the
+    /// writer's log lines about them.
+    pub static CALLER: Arc<str>;
+}
+
 /// How to open the database.
 #[derive(Debug, Clone)]
 pub struct DbOptions {
@@ -303,20 +309,34 @@ impl Handle {
 
     async fn submit<T>(&self, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, WriteError> {
         let (reply, answer) = oneshot::channel();
-        let envelope = Envelope { op: op(reply) };
+        let envelope = Envelope {
+            op: op(reply),
+            request_id: CALLER.try_with(Arc::clone).ok(),
+        };
+        let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
         // the command was not accepted, a retry cannot double-apply it.
         self.tx.try_send(envelope).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => WriteError::Unavailable {
-                retry_after: self.retry_after(),
-            },
+            mpsc::error::TrySendError::Full(_) => {
+                metrics::counter!("tally_write_rejected_total").increment(1);
+                WriteError::Unavailable {
+                    retry_after: self.retry_after(),
+                }
+            }
             mpsc::error::TrySendError::Closed(_) => WriteError::Closed,
         })?;
         match answer.await {
-            Ok(result) => Ok(result?),
+            Ok(result) => {
+                metrics::histogram!("tally_write_wait_seconds")
+                    .record(queued_at.elapsed().as_secs_f64());
+                Ok(result?)
+            }
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.
-            Err(_) => Err(WriteError::OutcomeUnknown),
+            Err(_) => {
+                metrics::counter!("tally_write_outcome_unknown_total").increment(1);
+                Err(WriteError::OutcomeUnknown)
+            }
         }
     }
 }

@@ -41,6 +41,8 @@ enum Finished {
 
 struct Done<T> {
     reply: Reply<T>,
+    /// The request that queued the command, when it came over HTTP.
+    request_id: Option<Arc<str>>,
     result: Result<T, MeterError>,
     target: Target,
     kind: &'static str,
@@ -52,6 +54,13 @@ impl<T: std::fmt::Debug> Done<T> {
     /// after its write committed is logged, so the write can be accounted for.
     fn deliver(self, commit: &Result<(), MeterError>) {
         let committed = commit.is_ok() && self.result.is_ok();
+        let result = match (commit, &self.result) {
+            (Err(_), _) => "not_committed",
+            (Ok(()), Ok(_)) => "ok",
+            (Ok(()), Err(e)) => e.kind(),
+        };
+        metrics::counter!("tally_write_commands_total", "command" => self.kind, "result" => result)
+            .increment(1);
         let answer = match commit {
             Ok(()) => self.result,
             Err(e) => Err(e.clone_shallow()),
@@ -63,6 +72,7 @@ impl<T: std::fmt::Debug> Done<T> {
                 tracing::warn!(
                     command = self.kind,
                     target = %self.target,
+                    request_id = self.request_id.as_deref(),
                     result = ?unheard.as_ref().ok(),
                     "write committed but its caller had gone; it did land"
                 );
@@ -70,6 +80,7 @@ impl<T: std::fmt::Debug> Done<T> {
                 tracing::info!(
                     command = self.kind,
                     target = %self.target,
+                    request_id = self.request_id.as_deref(),
                     error = ?unheard.err(),
                     "write failed and its caller had gone; it did not land"
                 );
@@ -79,11 +90,31 @@ impl<T: std::fmt::Debug> Done<T> {
 }
 
 impl Finished {
+    /// Names the request that queued the command.
+    fn from_request(mut self, id: Option<Arc<str>>) -> Self {
+        match &mut self {
+            Finished::Counter(d) => d.request_id = id,
+            Finished::Budget(d) => d.request_id = id,
+            Finished::Check(d) => d.request_id = id,
+            Finished::Reset(d) => d.request_id = id,
+        }
+        self
+    }
+
     fn deliver(self, commit: &Result<(), MeterError>) {
         match self {
             Finished::Counter(d) => d.deliver(commit),
             Finished::Budget(d) => d.deliver(commit),
-            Finished::Check(d) => d.deliver(commit),
+            Finished::Check(d) => {
+                if let (Ok(()), Ok(decision)) = (commit, &d.result)
+                    && decision.pruned_rows > 0
+                {
+                    metrics::counter!("tally_budget_prunes_total").increment(1);
+                    metrics::counter!("tally_budget_pruned_rows_total")
+                        .increment(decision.pruned_rows);
+                }
+                d.deliver(commit)
+            }
             Finished::Reset(d) => d.deliver(commit),
         }
     }
@@ -162,6 +193,7 @@ impl Writer {
                 () = self.close.cancelled(), if !closing => {
                     // Refuse new commands; those already queued still run.
                     self.rx.close();
+                    metrics::gauge!("tally_write_queue_closed").set(1.0);
                     closing = true;
                     tracing::info!(queued = self.rx.len(), "write queue closed, draining");
                     continue;
@@ -208,6 +240,8 @@ impl Writer {
         }
         let took = started.elapsed();
         self.stats.record_batch(size, took);
+        metrics::histogram!("tally_commit_batch_size").record(size as f64);
+        metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
         let ok = finished.iter().filter(|f| f.is_ok()).count();
         tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
         for f in finished {
@@ -257,7 +291,7 @@ impl Writer {
             let _ = exec(&mut self.conn, "ROLLBACK").await;
             return None;
         };
-        let outcome = match exec(&mut self.conn, "COMMIT").await {
+        let outcome = match commit(&mut self.conn).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 let _ = exec(&mut self.conn, "ROLLBACK").await;
@@ -273,7 +307,7 @@ impl Writer {
                 Op::Check { .. } => Answer::Check(decisions.next()),
                 _ => Answer::Counter(None),
             };
-            finished.push(finish(e.op, result));
+            finished.push(finish(e.op, result).from_request(e.request_id));
         }
         Some((finished, outcome))
     }
@@ -292,13 +326,14 @@ impl Writer {
                     if broken.is_some() {
                         // The transaction is gone; nothing more may run in it.
                         let done = apply(&mut self.conn, envelope.op, broken.as_ref()).await;
-                        finished.push(done);
+                        finished.push(done.from_request(envelope.request_id));
                         continue;
                     }
+                    let id = envelope.request_id;
                     match self.apply_in_savepoint(envelope.op).await {
-                        (done, None) => finished.push(done),
+                        (done, None) => finished.push(done.from_request(id)),
                         (done, Some(e)) => {
-                            finished.push(done);
+                            finished.push(done.from_request(id));
                             broken = Some(e);
                         }
                     }
@@ -308,7 +343,7 @@ impl Writer {
                         let _ = exec(&mut self.conn, "ROLLBACK").await;
                         Err(e)
                     }
-                    None => match exec(&mut self.conn, "COMMIT").await {
+                    None => match commit(&mut self.conn).await {
                         Ok(()) => Ok(()),
                         Err(e) => {
                             // A failed COMMIT may leave the transaction open.
@@ -322,7 +357,8 @@ impl Writer {
         if let Err(e) = &outcome {
             // If BEGIN itself failed, the commands are still in `batch`.
             for envelope in batch.drain(..) {
-                finished.push(apply(&mut self.conn, envelope.op, Some(e)).await);
+                let done = apply(&mut self.conn, envelope.op, Some(e)).await;
+                finished.push(done.from_request(envelope.request_id));
             }
         }
         (finished, outcome)
@@ -351,6 +387,14 @@ impl Writer {
     }
 }
 
+/// COMMIT, timed: its fsync is most of what a durable write waits for.
+async fn commit(conn: &mut SqliteConnection) -> Result<(), MeterError> {
+    let started = std::time::Instant::now();
+    let r = exec(conn, "COMMIT").await;
+    metrics::histogram!("tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
+    r
+}
+
 async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), MeterError> {
     sqlx::raw_sql(sql).execute(conn).await?;
     Ok(())
@@ -375,6 +419,7 @@ fn finish(op: Op, answer: Answer) -> Finished {
     let kind = op.kind();
     match (op, answer) {
         (Op::Increment { name, reply, .. }, Answer::Counter(r)) => Finished::Counter(Done {
+            request_id: None,
             result: r.unwrap_or_else(|| Err(missing())),
             reply,
             target: Target::Counter(name),
@@ -389,6 +434,7 @@ fn finish(op: Op, answer: Answer) -> Finished {
             },
             Answer::Check(r),
         ) => Finished::Check(Done {
+            request_id: None,
             result: r.unwrap_or_else(|| Err(missing())),
             reply,
             target: Target::Check { budget, visitor },
@@ -403,12 +449,14 @@ fn fail(op: Op, err: &MeterError) -> Finished {
     let kind = op.kind();
     match op {
         Op::Increment { name, reply, .. } => Finished::Counter(Done {
+            request_id: None,
             result: Err(err.clone_shallow()),
             reply,
             target: Target::Counter(name),
             kind,
         }),
         Op::PutBudget { name, reply, .. } => Finished::Budget(Done {
+            request_id: None,
             result: Err(err.clone_shallow()),
             reply,
             target: Target::Budget(name),
@@ -420,6 +468,7 @@ fn fail(op: Op, err: &MeterError) -> Finished {
             reply,
             ..
         } => Finished::Check(Done {
+            request_id: None,
             result: Err(err.clone_shallow()),
             reply,
             target: Target::Check { budget, visitor },
@@ -430,6 +479,7 @@ fn fail(op: Op, err: &MeterError) -> Finished {
             scope,
             reply,
         } => Finished::Reset(Done {
+            request_id: None,
             result: Err(err.clone_shallow()),
             reply,
             target: Target::Reset { budget, scope },
@@ -447,12 +497,14 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
     let kind = op.kind();
     match op {
         Op::Increment { name, by, reply } => Finished::Counter(Done {
+            request_id: None,
             result: meter::increment(conn, &name, by).await,
             reply,
             target: Target::Counter(name),
             kind,
         }),
         Op::PutBudget { name, spec, reply } => Finished::Budget(Done {
+            request_id: None,
             result: meter::put_budget(conn, &name, &spec).await,
             reply,
             target: Target::Budget(name),
@@ -464,6 +516,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
             day,
             reply,
         } => Finished::Check(Done {
+            request_id: None,
             result: meter::check(conn, &budget, &visitor, day).await,
             reply,
             target: Target::Check { budget, visitor },
@@ -474,6 +527,7 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
             scope,
             reply,
         } => Finished::Reset(Done {
+            request_id: None,
             result: meter::reset(conn, &budget, &scope).await,
             reply,
             target: Target::Reset { budget, scope },

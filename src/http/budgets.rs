@@ -123,9 +123,20 @@ pub async fn check(
         .map(Day::parse)
         .transpose()
         .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
-    match state.db.check(name, visitor, day).await {
-        Ok(decision) => Ok(Json(decision.into())),
+    match state.db.check(name.clone(), visitor, day).await {
+        Ok(decision) => {
+            // Budget names are configured by the operator: a bounded set.
+            metrics::counter!("tally_budget_decisions_total",
+                "budget" => name.as_str().to_owned(), "reason" => reason_label(decision.reason))
+            .increment(1);
+            Ok(Json(decision.into()))
+        }
         Err(WriteError::Meter(MeterError::Database(err))) => {
+            // Whether the budget exists is unknown here: keep its name out
+            // of the labels, so bad input cannot grow them.
+            metrics::counter!("tally_budget_decisions_total",
+                "budget" => "", "reason" => "meter_error")
+            .increment(1);
             tracing::error!(error = %err, "budget check failed; denying");
             Err(Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -137,6 +148,14 @@ pub async fn check(
             .with("reason", "meter_error"))
         }
         Err(e) => Err(deny(e.into())),
+    }
+}
+
+fn reason_label(r: Reason) -> &'static str {
+    match r {
+        Reason::Ok => "ok",
+        Reason::VisitorLimit => "visitor_limit",
+        Reason::GlobalLimit => "global_limit",
     }
 }
 

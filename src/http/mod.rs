@@ -6,10 +6,12 @@ mod budgets;
 mod counters;
 mod extract;
 mod health;
+pub mod observe;
 mod problem;
 
 use std::{sync::Arc, time::Duration};
 
+use axum::middleware;
 use axum::{
     Router,
     error_handling::HandleErrorLayer,
@@ -17,6 +19,10 @@ use axum::{
     routing::{get, post},
 };
 use tower::ServiceBuilder;
+use tower_http::{
+    request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
+    trace::TraceLayer,
+};
 
 pub use problem::Problem;
 
@@ -33,9 +39,14 @@ pub struct AppState {
     pub admin_token: Option<Arc<str>>,
 }
 
-/// The whole API, ready to serve.
-pub fn router(state: AppState, request_timeout: Duration) -> Router {
-    Router::new()
+/// The whole API, ready to serve. `/metrics` is served here too unless
+/// `metrics` is `None` (it then has a listener of its own).
+pub fn router(
+    state: AppState,
+    request_timeout: Duration,
+    metrics: Option<observe::MetricsState>,
+) -> Router {
+    let api = Router::new()
         .route(
             "/counter",
             post(counters::increment_default).get(counters::get_default),
@@ -50,9 +61,13 @@ pub fn router(state: AppState, request_timeout: Duration) -> Router {
         .route("/budgets/{name}/reset", post(budgets::reset))
         .route("/ready", get(health::ready))
         .route("/livez", get(health::livez))
-        .fallback(not_found)
+        .with_state(state);
+    let api = match metrics {
+        Some(m) => api.merge(observe::metrics_router(m)),
+        None => api,
+    };
+    api.fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(
             ServiceBuilder::new()
@@ -61,6 +76,20 @@ pub fn router(state: AppState, request_timeout: Duration) -> Router {
                 }))
                 .timeout(request_timeout),
         )
+        .layer(middleware::from_fn(observe::with_request_id))
+        .layer(middleware::from_fn(observe::track))
+        .layer(
+            TraceLayer::new_for_http().make_span_with(|req: &axum::extract::Request| {
+                let id = req
+                    .headers()
+                    .get(&observe::REQUEST_ID)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                tracing::info_span!("request", method = %req.method(), request_id = %id)
+            }),
+        )
+        .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
+        .layer(SetRequestIdLayer::new(observe::REQUEST_ID, MakeRequestUuid))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 axum::response::IntoResponse::into_response(Problem::internal(

@@ -33,6 +33,15 @@ impl From<sqlx::Error> for MeterError {
 }
 
 impl MeterError {
+    /// A stable name for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MeterError::UnknownBudget(_) => "unknown_budget",
+            MeterError::Overflow(_) => "overflow",
+            MeterError::Database(_) => "database_error",
+        }
+    }
+
     /// A copy of this error for another caller.
     pub fn clone_shallow(&self) -> Self {
         match self {

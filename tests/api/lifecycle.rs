@@ -130,6 +130,12 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
         assert_eq!(v["fields"]["command"], "increment");
         assert_eq!(v["fields"]["target"], "counter=late");
         assert!(v["fields"]["result"].as_str().unwrap().starts_with("Some("));
+        // The request it came from, to match with the client's side.
+        assert_eq!(
+            v["fields"]["request_id"].as_str().unwrap().len(),
+            36,
+            "{line}"
+        );
     }
     assert_eq!(read_counter(db, "late").await, 20);
 }

@@ -9,6 +9,7 @@ mod counters;
 mod group_commit;
 mod helpers;
 mod lifecycle;
+mod observability;
 mod replica_env;
 mod replication;
 mod writer;

@@ -1,0 +1,117 @@
+//! Per-request observability: request ids, metrics by route template, and
+//! the request id in every problem body.
+
+use std::{path::PathBuf, sync::Arc, time::Instant};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{MatchedPath, Request, State},
+    http::{HeaderName, HeaderValue, Method, header},
+    middleware::Next,
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::db::Handle;
+
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Counts and times every request by method, route template and status.
+/// Requests that matched no route share the label `unmatched`, so no raw
+/// path ever becomes a label.
+pub async fn track(req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = method_label(req.method());
+    let started = Instant::now();
+    let res = next.run(req).await;
+    let status = res.status().as_u16().to_string();
+    metrics::counter!("tally_http_requests_total",
+        "method" => method, "route" => route.clone(), "status" => status)
+    .increment(1);
+    metrics::histogram!("tally_http_request_duration_seconds", "method" => method, "route" => route)
+        .record(started.elapsed().as_secs_f64());
+    res
+}
+
+fn method_label(m: &Method) -> &'static str {
+    match *m {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+/// Runs the request with its id in scope, and writes the id into a
+/// problem+json answer as the `request_id` member, so that a client can
+/// quote it and an operator can find the request's log lines.
+pub async fn with_request_id(req: Request, next: Next) -> Response {
+    let Some(id) = req
+        .headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(Arc::<str>::from)
+    else {
+        return next.run(req).await;
+    };
+    let res = crate::db::CALLER
+        .scope(Arc::clone(&id), next.run(req))
+        .await;
+    let is_problem = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes() == b"application/problem+json");
+    if !is_problem {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    // Problem bodies are small and built by this crate.
+    let Ok(bytes) = axum::body::to_bytes(body, 64 * 1024).await else {
+        return (parts.status, "").into_response();
+    };
+    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(serde_json::Value::Object(mut map)) => {
+            map.insert("request_id".into(), serde_json::Value::from(&*id));
+            serde_json::to_vec(&map).unwrap_or_else(|_| bytes.to_vec())
+        }
+        _ => bytes.to_vec(),
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body))
+}
+
+/// What `/metrics` needs.
+#[derive(Clone)]
+pub struct MetricsState {
+    pub handle: PrometheusHandle,
+    pub db: Handle,
+    pub db_path: PathBuf,
+}
+
+/// `GET /metrics` in the Prometheus text format.
+pub fn metrics_router(state: MetricsState) -> Router {
+    Router::new()
+        .route("/metrics", get(render))
+        .with_state(state)
+}
+
+async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
+    crate::observe::sample(&m.db, &m.db_path);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        m.handle.render(),
+    )
+}

@@ -1,0 +1,182 @@
+//! Prometheus metrics: the recorder, what every metric means, and the
+//! numbers sampled at scrape time.
+//!
+//! Names follow Prometheus conventions: prefix `tally_`, base units
+//! (`_seconds`, `_bytes`), `_total` for counters. Labels hold bounded sets
+//! only: route templates (never raw paths), command kinds, budget names
+//! (configured by the operator).
+
+use std::{
+    path::Path,
+    sync::OnceLock,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram, gauge};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::db::Handle;
+
+/// Latency buckets, in seconds: from 100 µs (a cached read) to 10 s.
+const SECONDS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+/// Commands per batch, up to the largest sensible `TALLY_MAX_BATCH`.
+const BATCH: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder (once; later calls return the same
+/// handle) and describes every metric.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new().set_buckets(SECONDS).and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full("tally_commit_batch_size".into()), BATCH)
+            });
+            let handle = match builder.map(|b| b.install_recorder()) {
+                Ok(Ok(h)) => h,
+                // Only a second global recorder can fail here, which this
+                // OnceLock prevents; a recorder that renders nothing is the
+                // safe fallback.
+                _ => PrometheusBuilder::new().build_recorder().handle(),
+            };
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    describe_counter!(
+        "tally_http_requests_total",
+        "HTTP requests answered, by route template and status."
+    );
+    describe_histogram!(
+        "tally_http_request_duration_seconds",
+        Unit::Seconds,
+        "Time to answer an HTTP request, by route template."
+    );
+    describe_gauge!(
+        "tally_write_queue_depth",
+        "Commands waiting in the write queue."
+    );
+    describe_gauge!("tally_write_queue_capacity", "Capacity of the write queue.");
+    describe_counter!(
+        "tally_write_rejected_total",
+        "Writes refused with 429 because the queue was full."
+    );
+    describe_gauge!(
+        "tally_write_queue_closed",
+        "1 once the write queue is closed (shutting down), else 0."
+    );
+    describe_counter!(
+        "tally_write_commands_total",
+        "Commands the writer finished, by command and result."
+    );
+    describe_histogram!(
+        "tally_commit_duration_seconds",
+        Unit::Seconds,
+        "Time of each COMMIT, fsync included."
+    );
+    describe_histogram!(
+        "tally_commit_batch_size",
+        Unit::Count,
+        "Commands per committed transaction."
+    );
+    describe_histogram!(
+        "tally_write_wait_seconds",
+        Unit::Seconds,
+        "From queueing a command to its reply."
+    );
+    describe_counter!(
+        "tally_write_outcome_unknown_total",
+        "Writes accepted whose reply was lost."
+    );
+    describe_counter!(
+        "tally_write_committed_caller_gone_total",
+        "Writes that committed after their caller had gone."
+    );
+    describe_counter!(
+        "tally_budget_decisions_total",
+        "Budget check answers, by budget and reason."
+    );
+    describe_counter!(
+        "tally_budget_prunes_total",
+        "First calls of a day that deleted usage past retention."
+    );
+    describe_counter!(
+        "tally_budget_pruned_rows_total",
+        "Usage rows deleted for being past retention."
+    );
+    describe_gauge!(
+        "tally_db_size_bytes",
+        Unit::Bytes,
+        "Size of the database file."
+    );
+    describe_gauge!(
+        "tally_db_wal_size_bytes",
+        Unit::Bytes,
+        "Size of the database's WAL file."
+    );
+    describe_gauge!("tally_db_readers_in_use", "Read-only connections in use.");
+    describe_gauge!("tally_db_readers_open", "Read-only connections open.");
+    describe_gauge!(
+        "tally_replica_wait_seconds",
+        Unit::Seconds,
+        "How long the startup gate waited for the first replica sync."
+    );
+    describe_gauge!(
+        "tally_replica_txid",
+        "Replicated transaction id Litestream confirmed at startup."
+    );
+    describe_gauge!(
+        "tally_build_info",
+        "Always 1; the labels say which build runs."
+    );
+    describe_gauge!(
+        "tally_start_time_seconds",
+        Unit::Seconds,
+        "Start time of the process since the Unix epoch."
+    );
+}
+
+/// Records the facts of this process that never change.
+pub fn record_start(queue_capacity: usize) {
+    gauge!("tally_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    gauge!("tally_start_time_seconds").set(now.as_secs_f64());
+    gauge!("tally_write_queue_capacity").set(queue_capacity as f64);
+    gauge!("tally_write_queue_closed").set(0.0);
+}
+
+/// Samples what is cheaper to read when asked than to keep current: queue
+/// depth, readers, file sizes.
+pub fn sample(db: &Handle, path: &Path) {
+    gauge!("tally_write_queue_depth").set(db.queue_depth() as f64);
+    gauge!("tally_write_queue_closed").set(if db.accepts_writes() { 0.0 } else { 1.0 });
+    let pool = db.readers();
+    let open = pool.size() as f64;
+    gauge!("tally_db_readers_open").set(open);
+    gauge!("tally_db_readers_in_use").set(open - pool.num_idle() as f64);
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len() as f64).unwrap_or(0.0);
+    gauge!("tally_db_size_bytes").set(size(path));
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    gauge!("tally_db_wal_size_bytes").set(size(Path::new(&wal)));
+}
+
+/// Drains histogram buffers now and then, so memory stays flat between
+/// scrapes.
+pub async fn upkeep(handle: PrometheusHandle, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        handle.run_upkeep();
+    }
+}

@@ -1,0 +1,193 @@
+//! /metrics after real traffic: a valid exposition (promtool finds nothing
+//! to lint) whose numbers moved the way the traffic says. A test binary of
+//! its own, because the metrics recorder is process-wide.
+
+use std::{collections::HashMap, io::Write, path::Path, process::Stdio, time::Duration};
+
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+use tally::{Application, Settings};
+
+fn promtool() -> std::path::PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/prometheus/usr/bin/promtool");
+    assert!(p.exists(), "{} is missing: run ./scripts/test", p.display());
+    p
+}
+
+/// Samples of the exposition, keyed by `name{labels}` as printed.
+fn samples(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_valid_and_move_with_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Settings::for_database(dir.path().join("m.db"));
+    s.listen = "127.0.0.1:0".parse().unwrap();
+    s.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    s.admin_token = Some("t".into());
+    s.queue_capacity = 2;
+    s.max_batch = 1;
+    s.test_writer_delay_ms = Some(30);
+    let app = Application::build(s).await.unwrap();
+    let (api, metrics_addr) = (app.local_addr(), app.metrics_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    let client = Client::new();
+    let url = |p: &str| format!("http://{api}{p}");
+
+    let r = client
+        .put(url("/budgets/m"))
+        .bearer_auth("t")
+        .json(&json!({"visitor_limit": 1, "global_limit": 100}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // Concurrent writes into a 2-slot queue: some are refused.
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        let (c, u) = (client.clone(), url("/counters/m1"));
+        tasks.push(tokio::spawn(async move {
+            c.post(u).send().await.unwrap().status()
+        }));
+    }
+    let mut by_status: HashMap<u16, u64> = HashMap::new();
+    for t in tasks {
+        *by_status.entry(t.await.unwrap().as_u16()).or_default() += 1;
+    }
+    let refused = by_status.get(&429).copied().unwrap_or(0);
+    let written = by_status.get(&200).copied().unwrap_or(0);
+    assert!(refused > 0 && written > 0, "{by_status:?}");
+    for v in ["a", "a", "b"] {
+        let r = client
+            .post(url("/budgets/m/check"))
+            .json(&json!({"visitor": v, "day": "2000-01-01"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    // The first call of a much later day prunes the three rows of 2000-01-01.
+    let r = client
+        .post(url("/budgets/m/check"))
+        .json(&json!({"visitor": "a", "day": "2000-02-01"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        client
+            .get(url("/no/such/path/123"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    // /metrics lives on its own listener.
+    assert_eq!(
+        client.get(url("/metrics")).send().await.unwrap().status(),
+        404
+    );
+
+    let r = client
+        .get(format!("http://{metrics_addr}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let text = r.text().await.unwrap();
+
+    let mut lint = std::process::Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    lint.stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = lint.wait_with_output().unwrap();
+    let findings = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && findings.trim().is_empty(),
+        "promtool: {findings}\n{text}"
+    );
+
+    let m = samples(&text);
+    let get = |k: &str| {
+        m.get(k)
+            .copied()
+            .unwrap_or_else(|| panic!("no sample {k}\n{text}"))
+    };
+    assert_eq!(get("tally_write_rejected_total"), refused as f64);
+    assert_eq!(
+        get(r#"tally_http_requests_total{method="POST",route="/counters/{name}",status="429"}"#),
+        refused as f64
+    );
+    assert_eq!(
+        get(r#"tally_http_requests_total{method="POST",route="/counters/{name}",status="200"}"#),
+        written as f64
+    );
+    assert_eq!(
+        get(r#"tally_http_requests_total{method="GET",route="unmatched",status="404"}"#),
+        2.0
+    );
+    assert!(!text.contains("/no/such/path"), "a raw path became a label");
+    assert_eq!(
+        get(r#"tally_write_commands_total{command="increment",result="ok"}"#),
+        written as f64
+    );
+    assert_eq!(
+        get(r#"tally_budget_decisions_total{budget="m",reason="ok"}"#),
+        3.0
+    );
+    assert_eq!(
+        get(r#"tally_budget_decisions_total{budget="m",reason="visitor_limit"}"#),
+        1.0
+    );
+    assert_eq!(get("tally_budget_prunes_total"), 1.0);
+    assert_eq!(get("tally_budget_pruned_rows_total"), 3.0);
+    assert_eq!(get("tally_write_queue_capacity"), 2.0);
+    assert_eq!(get("tally_write_queue_closed"), 0.0);
+    assert_eq!(get(r#"tally_build_info{version="0.1.0"}"#), 1.0);
+    assert!(get("tally_start_time_seconds") > 1.7e9);
+    assert!(get("tally_db_size_bytes") > 0.0);
+    assert!(get("tally_commit_batch_size_count") >= written as f64);
+    assert!(get("tally_commit_duration_seconds_count") >= 1.0);
+    assert!(get("tally_write_wait_seconds_count") >= written as f64);
+    assert!(text.contains(r#"tally_http_request_duration_seconds_bucket{method="POST",route="/counters/{name}",le="0.0001"}"#));
+    assert!(
+        !text.contains("quantile="),
+        "histograms must have buckets, not summaries"
+    );
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
