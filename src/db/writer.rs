@@ -91,7 +91,7 @@ impl<T: std::fmt::Debug> Done<T> {
 
 impl Finished {
     /// Names the request that queued the command.
-    fn from_request(mut self, id: Option<Arc<str>>) -> Self {
+    fn queued_by(mut self, id: Option<Arc<str>>) -> Self {
         match &mut self {
             Finished::Counter(d) => d.request_id = id,
             Finished::Budget(d) => d.request_id = id,
@@ -307,7 +307,7 @@ impl Writer {
                 Op::Check { .. } => Answer::Check(decisions.next()),
                 _ => Answer::Counter(None),
             };
-            finished.push(finish(e.op, result).from_request(e.request_id));
+            finished.push(finish(e.op, result).queued_by(e.request_id));
         }
         Some((finished, outcome))
     }
@@ -326,14 +326,14 @@ impl Writer {
                     if broken.is_some() {
                         // The transaction is gone; nothing more may run in it.
                         let done = apply(&mut self.conn, envelope.op, broken.as_ref()).await;
-                        finished.push(done.from_request(envelope.request_id));
+                        finished.push(done.queued_by(envelope.request_id));
                         continue;
                     }
                     let id = envelope.request_id;
                     match self.apply_in_savepoint(envelope.op).await {
-                        (done, None) => finished.push(done.from_request(id)),
+                        (done, None) => finished.push(done.queued_by(id)),
                         (done, Some(e)) => {
-                            finished.push(done.from_request(id));
+                            finished.push(done.queued_by(id));
                             broken = Some(e);
                         }
                     }
@@ -358,7 +358,7 @@ impl Writer {
             // If BEGIN itself failed, the commands are still in `batch`.
             for envelope in batch.drain(..) {
                 let done = apply(&mut self.conn, envelope.op, Some(e)).await;
-                finished.push(done.from_request(envelope.request_id));
+                finished.push(done.queued_by(envelope.request_id));
             }
         }
         (finished, outcome)
