@@ -1,4 +1,9 @@
-use axum::{Json, extract::State, http::StatusCode};
+use axum::{
+    Json,
+    extract::State,
+    http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header},
+};
+use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -111,7 +116,7 @@ pub async fn check(
     State(state): State<AppState>,
     Path(name): Path<String>,
     body: Result<JsonBody<CheckBody>, Problem>,
-) -> Result<Json<DecisionView>, Problem> {
+) -> Result<(HeaderMap, Json<DecisionView>), Problem> {
     let deny = |p: Problem| p.with("allowed", false);
     let JsonBody(body) = body.map_err(deny)?;
     let name = Name::parse(&name).map_err(|e| deny(e.into()))?;
@@ -129,7 +134,10 @@ pub async fn check(
             metrics::counter!("tally_budget_decisions_total",
                 "budget" => name.as_str().to_owned(), "reason" => reason_label(decision.reason))
             .increment(1);
-            Ok(Json(decision.into()))
+            Ok((
+                rate_limit_headers(&decision, Timestamp::now()),
+                Json(decision.into()),
+            ))
         }
         Err(WriteError::Meter(MeterError::Database(err))) => {
             // Whether the budget exists is unknown here: keep its name out
@@ -149,6 +157,40 @@ pub async fn check(
         }
         Err(e) => Err(deny(e.into())),
     }
+}
+
+/// The quota fields of draft-ietf-httpapi-ratelimit-headers-10: one policy
+/// per limit, `visitor` and `global`, each a quota `q` per window of `w`
+/// seconds (the budget's day in its time zone: 23 or 25 hours when clocks
+/// change), and what is left of each, `r`, with the seconds until the day
+/// resets, `t`. A denied check also says `Retry-After: t`.
+pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    let Some(w) = d.day.window(&d.timezone, now) else {
+        return h;
+    };
+    let left = |limit: u32, used: i64| (i64::from(limit) - used).max(0);
+    let policy = format!(
+        "\"visitor\";q={};w={len}, \"global\";q={};w={len}",
+        d.visitor_limit,
+        d.global_limit,
+        len = w.length_secs
+    );
+    let state = format!(
+        "\"visitor\";r={};t={t}, \"global\";r={};t={t}",
+        left(d.visitor_limit, d.visitor_calls),
+        left(d.global_limit, d.global_calls),
+        t = w.resets_in_secs
+    );
+    for (name, value) in [("ratelimit-policy", policy), ("ratelimit", state)] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            h.insert(HeaderName::from_static(name), v);
+        }
+    }
+    if !d.allowed() {
+        h.insert(header::RETRY_AFTER, HeaderValue::from(w.resets_in_secs));
+    }
+    h
 }
 
 fn reason_label(r: Reason) -> &'static str {

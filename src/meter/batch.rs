@@ -188,6 +188,7 @@ pub async fn check_many(
             visitor_limit: cfg.visitor_limit,
             global_limit: cfg.global_limit,
             pruned_rows: 0,
+            timezone: cfg.timezone.clone(),
         };
         let g = globals.entry((b, d)).or_default();
         if visitor_calls > i64::from(cfg.visitor_limit) {

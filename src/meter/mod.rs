@@ -11,7 +11,8 @@ use std::sync::Arc;
 pub use batch::{CheckItem, check_many, increment_many};
 pub use sql::{check, get_budget, increment, put_budget, read_counters, read_usage, reset};
 pub use types::{
-    Budget, BudgetSpec, Day, Decision, InvalidInput, Name, Reason, ResetScope, Usage, VisitorId,
+    Budget, BudgetSpec, Day, DayWindow, Decision, InvalidInput, Name, Reason, ResetScope, Usage,
+    VisitorId,
 };
 
 /// What can go wrong while applying a command to the database.

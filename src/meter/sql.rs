@@ -157,6 +157,7 @@ pub async fn check(
         visitor_limit: b.spec.visitor_limit,
         global_limit: b.spec.global_limit,
         pruned_rows: 0,
+        timezone: b.spec.timezone.clone(),
     };
 
     if visitor_calls > i64::from(b.spec.visitor_limit) {

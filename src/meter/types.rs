@@ -218,6 +218,8 @@ pub struct Decision {
     pub global_limit: u32,
     /// Usage rows deleted because they fell out of the retention window.
     pub pruned_rows: u64,
+    /// The budget's time zone, which `day` is a day of.
+    pub timezone: TimeZone,
 }
 
 impl Decision {
@@ -304,5 +306,118 @@ mod tests {
         assert!(BudgetSpec::new(1, 1, Some(3651), None).is_err());
         assert!(BudgetSpec::new(1, 1, None, Some("Mars/Olympus")).is_err());
         assert!(BudgetSpec::new(1, 1, None, Some("")).is_err());
+    }
+}
+
+/// A budget day as a time window: how long it lasts (23 or 25 hours on the
+/// days clocks change) and how long until it ends, in whole seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DayWindow {
+    pub length_secs: i64,
+    /// 0 once the day is over.
+    pub resets_in_secs: i64,
+}
+
+impl Day {
+    /// This day in `tz`, seen at `now`.
+    pub fn window(self, tz: &TimeZone, now: Timestamp) -> Option<DayWindow> {
+        let start = self
+            .0
+            .to_zoned_datetime(tz.clone())
+            .ok()?
+            .start_of_day()
+            .ok()?;
+        let end = self
+            .0
+            .tomorrow()
+            .ok()?
+            .to_zoned_datetime(tz.clone())
+            .ok()?
+            .start_of_day()
+            .ok()?;
+        let (start, end) = (start.timestamp(), end.timestamp());
+        let left = end.duration_since(now);
+        // Round up: a client told "0" while the day still runs would retry
+        // too early.
+        let resets_in_secs = if left.is_negative() {
+            0
+        } else {
+            left.as_secs() + i64::from(left.subsec_nanos() > 0)
+        };
+        Some(DayWindow {
+            length_secs: end.duration_since(start).as_secs(),
+            resets_in_secs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+
+    fn at(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn windows_follow_the_budget_time_zone() {
+        let ny = TimeZone::get("America/New_York").unwrap();
+        let day = Day::parse("2024-06-20").unwrap();
+        // 23:59:59 in New York is 03:59:59 UTC the next calendar day.
+        let w = day.window(&ny, at("2024-06-21T03:59:59Z")).unwrap();
+        assert_eq!(
+            w,
+            DayWindow {
+                length_secs: 86_400,
+                resets_in_secs: 1
+            }
+        );
+        let w = day.window(&ny, at("2024-06-21T03:59:59.5Z")).unwrap();
+        assert_eq!(w.resets_in_secs, 1);
+        // Midnight in New York: the day is over.
+        let w = day.window(&ny, at("2024-06-21T04:00:00Z")).unwrap();
+        assert_eq!(w.resets_in_secs, 0);
+        // Start of the day: the whole day is left.
+        let w = day.window(&ny, at("2024-06-20T04:00:00Z")).unwrap();
+        assert_eq!(w.resets_in_secs, 86_400);
+        // The same instant is another day in UTC.
+        let utc = TimeZone::UTC;
+        let w = Day::parse("2024-06-21")
+            .unwrap()
+            .window(&utc, at("2024-06-21T03:59:59Z"))
+            .unwrap();
+        assert_eq!(w.resets_in_secs, 20 * 3600 + 1);
+    }
+
+    #[test]
+    fn days_when_clocks_change_are_shorter_or_longer() {
+        let ny = TimeZone::get("America/New_York").unwrap();
+        let spring = Day::parse("2024-03-10").unwrap();
+        let w = spring.window(&ny, at("2024-03-10T05:00:00Z")).unwrap();
+        assert_eq!(
+            w,
+            DayWindow {
+                length_secs: 23 * 3600,
+                resets_in_secs: 23 * 3600
+            }
+        );
+        let autumn = Day::parse("2024-11-03").unwrap();
+        let w = autumn.window(&ny, at("2024-11-03T04:00:00Z")).unwrap();
+        assert_eq!(
+            w,
+            DayWindow {
+                length_secs: 25 * 3600,
+                resets_in_secs: 25 * 3600
+            }
+        );
+    }
+
+    #[test]
+    fn future_days_reset_at_their_end() {
+        let w = Day::parse("2024-06-22")
+            .unwrap()
+            .window(&TimeZone::UTC, at("2024-06-21T00:00:00Z"))
+            .unwrap();
+        assert_eq!(w.resets_in_secs, 2 * 86_400);
     }
 }

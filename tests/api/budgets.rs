@@ -325,3 +325,121 @@ async fn a_broken_database_denies_checks() {
     assert_eq!(r.status(), StatusCode::OK);
     app.stop().await.unwrap();
 }
+
+fn header_params(
+    v: &str,
+) -> std::collections::HashMap<String, std::collections::HashMap<String, i64>> {
+    // `"visitor";q=3;w=86400, "global";q=10;w=86400`
+    v.split(", ")
+        .map(|member| {
+            let mut parts = member.split(';');
+            let name = parts.next().unwrap().trim_matches('"').to_owned();
+            let params = parts
+                .map(|p| {
+                    let (k, v) = p.split_once('=').unwrap();
+                    (k.to_owned(), v.parse().unwrap())
+                })
+                .collect();
+            (name, params)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn checks_carry_ratelimit_fields_for_the_budget_day() {
+    let app = spawn_app().await;
+    let tz_name = "Pacific/Auckland";
+    let tz = jiff::tz::TimeZone::get(tz_name).unwrap();
+    let r = app
+        .admin_put_budget(
+            "rl",
+            json!({"visitor_limit": 2, "global_limit": 10, "timezone": tz_name}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let now = jiff::Timestamp::now().to_zoned_datetime(tz.clone());
+    let today = now.date();
+    let start = today
+        .to_zoned_datetime(tz.clone())
+        .unwrap()
+        .start_of_day()
+        .unwrap();
+    let end = today
+        .tomorrow()
+        .unwrap()
+        .to_zoned_datetime(tz.clone())
+        .unwrap()
+        .start_of_day()
+        .unwrap();
+    let day_len = end.timestamp().duration_since(start.timestamp()).as_secs();
+    let left = end
+        .timestamp()
+        .duration_since(jiff::Timestamp::now())
+        .as_secs();
+
+    let check = |day: Option<String>| {
+        let body = match day {
+            Some(d) => json!({"visitor": "A", "day": d}),
+            None => json!({"visitor": "A"}),
+        };
+        app.post_json("/budgets/rl/check", body)
+    };
+    for (i, (visitor_r, global_r)) in [(1, 9), (0, 8)].into_iter().enumerate() {
+        let r = check(None).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let policy = header_params(r.headers()["ratelimit-policy"].to_str().unwrap());
+        assert_eq!(policy["visitor"]["q"], 2);
+        assert_eq!(policy["global"]["q"], 10);
+        assert_eq!(policy["visitor"]["w"], day_len);
+        assert_eq!(policy["global"]["w"], day_len);
+        let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
+        assert_eq!(state["visitor"]["r"], visitor_r, "call {i}");
+        assert_eq!(state["global"]["r"], global_r, "call {i}");
+        let t = state["visitor"]["t"];
+        assert!((t - left).abs() <= 3, "t={t}, expected about {left}");
+        assert_eq!(state["global"]["t"], t);
+        assert!(!r.headers().contains_key("retry-after"));
+    }
+    // Over the visitor limit: denied until the day resets.
+    let r = check(None).await;
+    let after: i64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
+    assert_eq!(state["visitor"]["r"], 0);
+    assert_eq!(after, state["visitor"]["t"]);
+    assert_eq!(r.json::<Value>().await.unwrap()["reason"], "visitor_limit");
+
+    // Yesterday in Auckland is over: nothing left to wait for.
+    let yesterday = today.yesterday().unwrap().to_string();
+    for _ in 0..3 {
+        check(Some(yesterday.clone())).await;
+    }
+    let r = check(Some(yesterday)).await;
+    assert_eq!(r.headers()["retry-after"], "0");
+    let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
+    assert_eq!(state["visitor"]["t"], 0);
+    // Tomorrow resets a whole day later than today.
+    let r = check(Some(today.tomorrow().unwrap().to_string())).await;
+    let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
+    let tomorrow_len = {
+        let t = today.tomorrow().unwrap();
+        let s = t
+            .to_zoned_datetime(tz.clone())
+            .unwrap()
+            .start_of_day()
+            .unwrap();
+        let e = t
+            .tomorrow()
+            .unwrap()
+            .to_zoned_datetime(tz.clone())
+            .unwrap()
+            .start_of_day()
+            .unwrap();
+        e.timestamp().duration_since(s.timestamp()).as_secs()
+    };
+    assert!((state["visitor"]["t"] - (left + tomorrow_len)).abs() <= 3);
+    app.stop().await.unwrap();
+}
