@@ -5,10 +5,12 @@ use axum::{
 };
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::{
     AppState, Problem,
     extract::{Admin, Json as JsonBody, OptionalJson, Path, Query},
+    openapi::{AdminProblems, Problems, WriteProblems},
 };
 use crate::{
     db::WriteError,
@@ -17,17 +19,25 @@ use crate::{
     },
 };
 
-#[derive(Debug, Deserialize)]
+/// A budget's configuration.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetBody {
+    /// Calls one visitor may make per day; 0 denies everything.
     visitor_limit: u32,
+    /// Calls all visitors together may make per day.
     global_limit: u32,
+    /// Days of usage kept; 7 when left out.
+    #[schema(minimum = 1, maximum = 3650)]
     retention_days: Option<u32>,
+    /// IANA time zone whose days the budget counts; `UTC` when left out.
+    #[schema(example = "Europe/Berlin")]
     timezone: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct BudgetView {
+    #[schema(value_type = String)]
     name: Name,
     visitor_limit: u32,
     global_limit: u32,
@@ -51,6 +61,12 @@ fn parse_day(day: Option<&str>) -> Result<Option<Day>, Problem> {
     Ok(day.map(Day::parse).transpose()?)
 }
 
+/// Creates or replaces a budget (admin).
+#[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    request_body(content = BudgetBody, content_type = "application/json"),
+    security(("admin" = [])),
+    responses((status = 200, description = "Stored", body = BudgetView),
+        AdminProblems, WriteProblems, Problems))]
 pub async fn put(
     _: Admin,
     State(state): State<AppState>,
@@ -68,6 +84,9 @@ pub async fn put(
     Ok(Json(state.db.put_budget(name, spec).await?.into()))
 }
 
+/// A budget's configuration.
+#[utoipa::path(get, path = "/budgets/{name}", operation_id = "getBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    responses((status = 200, description = "The budget", body = BudgetView), Problems))]
 pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<String>,
@@ -78,17 +97,24 @@ pub async fn get(
     ))
 }
 
-#[derive(Debug, Deserialize)]
+/// One call against a budget.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckBody {
+    /// Who is calling: 1 to 256 characters, no control characters.
+    #[schema(min_length = 1, max_length = 256)]
     visitor: String,
+    /// The day to count the call on; today in the budget's time zone when left out.
+    #[schema(format = Date)]
     day: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct DecisionView {
     allowed: bool,
+    #[schema(value_type = String, example = "ok")]
     reason: Reason,
+    #[schema(value_type = String, format = Date)]
     day: Day,
     visitor_calls: i64,
     global_calls: i64,
@@ -110,6 +136,15 @@ impl From<Decision> for DecisionView {
     }
 }
 
+/// One call against a budget: the visitor's limit first, then the global
+/// one. Denied calls are counted too. Every answer but a 200 is a denial.
+#[utoipa::path(post, path = "/budgets/{name}/check", operation_id = "checkBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    request_body(content = CheckBody, content_type = "application/json"),
+    responses((status = 200, description = "Decided and committed", body = DecisionView,
+        headers(("RateLimit-Policy" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
+                ("RateLimit" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
+                ("Retry-After" = u64, description = "On denials: seconds until the day resets"))),
+        WriteProblems, Problems))]
 /// A budget check. It fails closed: every answer other than a 200 carries
 /// `"allowed": false`, and a database failure denies with `meter_error`.
 pub async fn check(
@@ -201,21 +236,29 @@ fn reason_label(r: Reason) -> &'static str {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct UsageQuery {
+    /// The day; today in the budget's time zone when left out.
+    #[param(format = Date)]
     day: Option<String>,
+    /// Also report this visitor's calls.
     visitor: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct UsageView {
+    #[schema(value_type = String, format = Date)]
     day: Day,
     global_calls: i64,
     /// `null` when no visitor was asked about.
     visitor_calls: Option<i64>,
 }
 
+/// A budget's usage on one day, read without consuming anything.
+#[utoipa::path(get, path = "/budgets/{name}/usage", operation_id = "getUsage", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), UsageQuery),
+    responses((status = 200, description = "Usage", body = UsageView), Problems))]
 pub async fn usage(
     State(state): State<AppState>,
     Path(name): Path<String>,
@@ -232,21 +275,32 @@ pub async fn usage(
     }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// What to clear: one day (today by default), one visitor or all.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResetBody {
+    #[schema(format = Date)]
     day: Option<String>,
     visitor: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct ResetView {
+    #[schema(value_type = String)]
     budget: Name,
+    #[schema(value_type = String, format = Date)]
     day: Day,
+    #[schema(value_type = Option<String>)]
     visitor: Option<VisitorId>,
     deleted_rows: u64,
 }
 
+/// Clears a day's usage of a budget (admin).
+#[utoipa::path(post, path = "/budgets/{name}/reset", operation_id = "resetUsage", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    request_body(content = Option<ResetBody>, content_type = "application/json"),
+    security(("admin" = [])),
+    responses((status = 200, description = "Cleared", body = ResetView),
+        AdminProblems, WriteProblems, Problems))]
 /// Clears a day's usage of a budget (today in its time zone by default):
 /// every row of that day, or one visitor's only.
 pub async fn reset(

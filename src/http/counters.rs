@@ -1,9 +1,11 @@
 use axum::{Json, extract::State};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::{
     AppState, Problem,
     extract::{OptionalJson, Path},
+    openapi::{CounterProblems, Problems, WriteProblems},
 };
 use crate::meter::Name;
 
@@ -12,10 +14,13 @@ const DEFAULT_COUNTER: &str = "default";
 /// Largest single increment.
 pub const MAX_BY: u32 = 1_000_000;
 
-#[derive(Debug, Deserialize)]
+/// How much to add; the body may be left out entirely.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct IncrementBody {
+    /// 1 to 1 000 000; 1 when left out.
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 1_000_000, default = 1)]
     by: u32,
 }
 
@@ -29,13 +34,14 @@ fn one() -> u32 {
     1
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Value {
     value: i64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct NamedValue {
+    #[schema(value_type = String)]
     name: Name,
     value: i64,
 }
@@ -54,6 +60,11 @@ async fn add(state: &AppState, name: Name, body: IncrementBody) -> Result<i64, P
     Ok(state.db.increment(name, i64::from(body.by)).await?)
 }
 
+/// Adds to the counter `default`. A 200 means the write committed.
+#[utoipa::path(post, path = "/counter", operation_id = "incrementDefault", tag = "counters",
+    request_body(content = Option<IncrementBody>, content_type = "application/json"),
+    responses((status = 200, description = "Committed", body = Value),
+        CounterProblems, WriteProblems, Problems))]
 pub async fn increment_default(
     State(state): State<AppState>,
     OptionalJson(body): OptionalJson<IncrementBody>,
@@ -62,11 +73,20 @@ pub async fn increment_default(
     Ok(Json(Value { value }))
 }
 
+/// Reads the counter `default`.
+#[utoipa::path(get, path = "/counter", operation_id = "getDefault", tag = "counters",
+    responses((status = 200, description = "Current value", body = Value), Problems))]
 pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, Problem> {
     let value = state.db.read_counter(default_name()).await?;
     Ok(Json(Value { value }))
 }
 
+/// Adds to a named counter (created at 0). A 200 means the write committed.
+#[utoipa::path(post, path = "/counters/{name}", operation_id = "incrementCounter", tag = "counters",
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    request_body(content = Option<IncrementBody>, content_type = "application/json"),
+    responses((status = 200, description = "Committed", body = NamedValue),
+        CounterProblems, WriteProblems, Problems))]
 pub async fn increment(
     State(state): State<AppState>,
     Path(name): Path<String>,
@@ -77,6 +97,10 @@ pub async fn increment(
     Ok(Json(NamedValue { name, value }))
 }
 
+/// Reads a named counter; 0 if it was never written.
+#[utoipa::path(get, path = "/counters/{name}", operation_id = "getCounter", tag = "counters",
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    responses((status = 200, description = "Current value", body = NamedValue), Problems))]
 pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<String>,

@@ -88,6 +88,10 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
     if body.iter().all(u8::is_ascii_whitespace) && (is_json || !has_content_type) {
         return Ok(None);
     }
+    // JSON `null` says "no body" as plainly as an empty one.
+    if is_json && body.trim_ascii() == b"null" {
+        return Ok(None);
+    }
     if !is_json {
         return Err(Problem::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -7,22 +7,20 @@ mod counters;
 mod extract;
 mod health;
 pub mod observe;
+pub mod openapi;
 mod problem;
 
 use std::{sync::Arc, time::Duration};
 
 use axum::middleware;
-use axum::{
-    Router,
-    error_handling::HandleErrorLayer,
-    extract::DefaultBodyLimit,
-    routing::{get, post},
-};
+use axum::{Router, error_handling::HandleErrorLayer, extract::DefaultBodyLimit};
 use tower::ServiceBuilder;
 use tower_http::{
     request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
     trace::TraceLayer,
 };
+use utoipa::OpenApi;
+use utoipa_axum::{router::OpenApiRouter, routes};
 
 pub use problem::Problem;
 
@@ -30,6 +28,38 @@ use crate::db::Handle;
 
 /// Largest request body accepted; larger ones answer 413.
 pub const BODY_LIMIT: usize = 64 * 1024;
+
+/// The routes and the OpenAPI document describing exactly them.
+pub fn api_parts(
+    state: AppState,
+    metrics: Option<observe::MetricsState>,
+) -> (Router, utoipa::openapi::OpenApi) {
+    let api = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(counters::increment_default, counters::get_default))
+        .routes(routes!(counters::increment, counters::get))
+        .routes(routes!(budgets::get, budgets::put))
+        .routes(routes!(budgets::check))
+        .routes(routes!(budgets::usage))
+        .routes(routes!(budgets::reset))
+        .routes(routes!(health::ready))
+        .routes(routes!(health::livez))
+        .routes(routes!(openapi_json))
+        .with_state(state);
+    let api = match metrics {
+        Some(m) => api.merge(observe::metrics_api(m)),
+        None => api,
+    };
+    api.split_for_parts()
+}
+
+/// This API's OpenAPI document.
+#[utoipa::path(get, path = "/openapi.json", operation_id = "openapi", tag = "meta",
+    responses((status = 200, description = "OpenAPI document", body = Object)))]
+async fn openapi_json(
+    axum::Extension(doc): axum::Extension<Arc<utoipa::openapi::OpenApi>>,
+) -> axum::Json<Arc<utoipa::openapi::OpenApi>> {
+    axum::Json(doc)
+}
 
 /// What every handler can reach.
 #[derive(Clone)]
@@ -46,27 +76,10 @@ pub fn router(
     request_timeout: Duration,
     metrics: Option<observe::MetricsState>,
 ) -> Router {
-    let api = Router::new()
-        .route(
-            "/counter",
-            post(counters::increment_default).get(counters::get_default),
-        )
-        .route(
-            "/counters/{name}",
-            post(counters::increment).get(counters::get),
-        )
-        .route("/budgets/{name}", get(budgets::get).put(budgets::put))
-        .route("/budgets/{name}/check", post(budgets::check))
-        .route("/budgets/{name}/usage", get(budgets::usage))
-        .route("/budgets/{name}/reset", post(budgets::reset))
-        .route("/ready", get(health::ready))
-        .route("/livez", get(health::livez))
-        .with_state(state);
-    let api = match metrics {
-        Some(m) => api.merge(observe::metrics_router(m)),
-        None => api,
-    };
-    api.fallback(not_found)
+    let (api, doc) = api_parts(state, metrics);
+    let doc = Arc::new(doc);
+    api.layer(axum::Extension(doc))
+        .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(

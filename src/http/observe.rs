@@ -10,7 +10,6 @@ use axum::{
     http::{HeaderName, HeaderValue, Method, header},
     middleware::Next,
     response::{IntoResponse, Response},
-    routing::get,
 };
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -98,13 +97,21 @@ pub struct MetricsState {
     pub db_path: PathBuf,
 }
 
-/// `GET /metrics` in the Prometheus text format.
+/// `GET /metrics` on a listener of its own.
 pub fn metrics_router(state: MetricsState) -> Router {
-    Router::new()
-        .route("/metrics", get(render))
+    metrics_api(state).split_for_parts().0
+}
+
+/// `GET /metrics`, with its description.
+pub fn metrics_api(state: MetricsState) -> utoipa_axum::router::OpenApiRouter {
+    utoipa_axum::router::OpenApiRouter::new()
+        .routes(utoipa_axum::routes!(render))
         .with_state(state)
 }
 
+/// Prometheus metrics, in the text exposition format.
+#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "meta",
+    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
     crate::observe::sample(&m.db, &m.db_path);
     (

@@ -10,6 +10,7 @@ mod group_commit;
 mod helpers;
 mod lifecycle;
 mod observability;
+mod openapi;
 mod replica_env;
 mod replication;
 mod writer;

@@ -1,0 +1,152 @@
+//! The API description: OpenAPI generated from the handlers themselves
+//! (utoipa), served at `/openapi.json`. Routes are registered through
+//! `utoipa_axum`, so a route cannot exist without its description.
+
+use serde::Serialize;
+use utoipa::{
+    Modify, OpenApi, ToSchema,
+    openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme},
+};
+
+/// An RFC 9457 problem document. Budget checks add `allowed: false` (and
+/// `reason` when the database failed).
+#[derive(Serialize, ToSchema)]
+#[schema(as = Problem)]
+pub struct ProblemDoc {
+    /// A URI reference naming the kind of problem, e.g. `/problems/queue-full`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    /// The `x-request-id` of the request, to quote when reporting it.
+    pub request_id: Option<String>,
+    /// On budget checks: always `false`.
+    pub allowed: Option<bool>,
+    /// On budget checks that failed: `meter_error`.
+    pub reason: Option<String>,
+    /// On unknown budgets: the name asked for.
+    pub budget: Option<String>,
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "tally",
+        description = "Atomic counters and daily budgets over HTTP, backed by one SQLite file. \
+                       A 200 on a write means it committed."
+    ),
+    components(schemas(ProblemDoc)),
+    modifiers(&AdminAuth)
+)]
+pub struct ApiDoc;
+
+struct AdminAuth;
+
+impl Modify for AdminAuth {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        if let Some(c) = api.components.as_mut() {
+            c.add_security_scheme(
+                "admin",
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
+        }
+    }
+}
+
+/// Problem answers, by what can go wrong on an endpoint.
+#[allow(dead_code)] // only described, never built: Problem builds the bodies
+#[derive(utoipa::IntoResponses)]
+pub enum Problems {
+    #[response(
+        status = 400,
+        description = "Bad name, query or malformed JSON",
+        content_type = "application/problem+json"
+    )]
+    BadRequest(ProblemDoc),
+    #[response(
+        status = 404,
+        description = "No such budget or route",
+        content_type = "application/problem+json"
+    )]
+    NotFound(ProblemDoc),
+    #[response(
+        status = 405,
+        description = "Method not allowed",
+        content_type = "application/problem+json"
+    )]
+    MethodNotAllowed(ProblemDoc),
+    #[response(
+        status = 413,
+        description = "Body over 64 KiB",
+        content_type = "application/problem+json"
+    )]
+    TooLarge(ProblemDoc),
+    #[response(
+        status = 415,
+        description = "Body is not JSON",
+        content_type = "application/problem+json"
+    )]
+    UnsupportedMediaType(ProblemDoc),
+    #[response(
+        status = 422,
+        description = "Body does not fit the endpoint",
+        content_type = "application/problem+json"
+    )]
+    Unprocessable(ProblemDoc),
+    #[response(
+        status = 500,
+        description = "Database failed, or a write's outcome is unknown",
+        content_type = "application/problem+json"
+    )]
+    Internal(ProblemDoc),
+    #[response(
+        status = 503,
+        description = "Shutting down, timed out, or (checks) the meter failed",
+        content_type = "application/problem+json"
+    )]
+    Unavailable(ProblemDoc),
+}
+
+/// What only writes can answer.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum WriteProblems {
+    #[response(
+        status = 429,
+        description = "Write queue full; nothing was done. Retry after `Retry-After` seconds.",
+        content_type = "application/problem+json",
+        headers(("Retry-After" = u64, description = "Seconds to wait"))
+    )]
+    QueueFull(ProblemDoc),
+}
+
+/// What only admin endpoints can answer.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum AdminProblems {
+    #[response(
+        status = 401,
+        description = "Missing or wrong admin token",
+        content_type = "application/problem+json"
+    )]
+    Unauthorized(ProblemDoc),
+    #[response(
+        status = 403,
+        description = "Admin disabled: no token configured",
+        content_type = "application/problem+json"
+    )]
+    Forbidden(ProblemDoc),
+}
+
+/// What only counters can answer.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum CounterProblems {
+    #[response(
+        status = 409,
+        description = "The counter would overflow; unchanged",
+        content_type = "application/problem+json"
+    )]
+    Overflow(ProblemDoc),
+}

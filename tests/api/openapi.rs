@@ -1,0 +1,128 @@
+//! The OpenAPI document: complete, and what the server really does
+//! (checked by schemathesis, a property-based API tester, against the
+//! running server).
+
+use std::{path::Path, time::Duration};
+
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+
+use crate::helpers::{ADMIN, spawn_app};
+
+/// Every route of the API, as README documents it.
+const ROUTES: &[(&str, &str)] = &[
+    ("POST", "/counter"),
+    ("GET", "/counter"),
+    ("POST", "/counters/{name}"),
+    ("GET", "/counters/{name}"),
+    ("PUT", "/budgets/{name}"),
+    ("GET", "/budgets/{name}"),
+    ("POST", "/budgets/{name}/check"),
+    ("GET", "/budgets/{name}/usage"),
+    ("POST", "/budgets/{name}/reset"),
+    ("GET", "/ready"),
+    ("GET", "/livez"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+];
+
+#[tokio::test]
+async fn the_document_covers_every_route_and_only_real_ones() {
+    let app = spawn_app().await;
+    let doc: Value = app.get("/openapi.json").await.json().await.unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let mut documented = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let method = method.to_uppercase();
+            documented.push((method.clone(), path.clone()));
+            let responses = op["responses"].as_object().unwrap();
+            assert!(
+                responses.contains_key("200"),
+                "{method} {path} documents no 200"
+            );
+            // The server knows the route: no 404 "no such route", no 405.
+            let url = app.url(&path.replace("{name}", "probe"));
+            let r = app
+                .client
+                .request(Method::from_bytes(method.as_bytes()).unwrap(), url)
+                .bearer_auth(ADMIN)
+                .send()
+                .await
+                .unwrap();
+            assert_ne!(
+                r.status(),
+                StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {path}"
+            );
+            if r.status() == StatusCode::NOT_FOUND {
+                let body: Value = r.json().await.unwrap();
+                assert_ne!(body["detail"], "no such route", "{method} {path}");
+            }
+        }
+    }
+    for (method, path) in ROUTES {
+        assert!(
+            documented.contains(&(method.to_string(), path.to_string())),
+            "{method} {path} is served but not documented"
+        );
+    }
+    assert_eq!(documented.len(), ROUTES.len(), "{documented:?}");
+    // Operation ids are unique, as generated clients need.
+    let mut ids: Vec<&str> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|i| i.as_object().unwrap().values())
+        .map(|op| op["operationId"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    let n = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), n, "duplicate operation ids");
+    app.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemathesis_finds_no_server_error_and_no_schema_violation() {
+    let st = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/venv/bin/schemathesis");
+    assert!(
+        st.exists(),
+        "{} is missing: run ./scripts/test",
+        st.display()
+    );
+    let app = spawn_app().await;
+    let url = app.url("/openapi.json");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = tokio::process::Command::new(st);
+    cmd.args([
+        "run",
+        &url,
+        "--checks",
+        "not_a_server_error,response_schema_conformance,content_type_conformance",
+        "--header",
+        &format!("Authorization: Bearer {ADMIN}"),
+        "--max-examples",
+        "100",
+        "--seed",
+        "20261130",
+        "--no-color",
+        "--report-dir",
+    ])
+    .arg(dir.path())
+    .env("SCHEMATHESIS_HOOKS", "")
+    .current_dir(dir.path())
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(240), cmd.output())
+        .await
+        .expect("schemathesis finished within its bound")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "schemathesis found problems:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("No issues found"), "{text}");
+    app.stop().await.unwrap();
+}
