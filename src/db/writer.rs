@@ -48,6 +48,23 @@ struct Done<T> {
     kind: &'static str,
 }
 
+impl<T> Done<T> {
+    fn new(
+        reply: Reply<T>,
+        kind: &'static str,
+        result: Result<T, MeterError>,
+        target: Target,
+    ) -> Self {
+        Done {
+            reply,
+            request_id: None,
+            result,
+            target,
+            kind,
+        }
+    }
+}
+
 impl<T: std::fmt::Debug> Done<T> {
     /// Answers the caller with the command's result if the batch committed,
     /// or with the commit's error if it did not. A caller that has gone away
@@ -418,13 +435,12 @@ fn finish(op: Op, answer: Answer) -> Finished {
     };
     let kind = op.kind();
     match (op, answer) {
-        (Op::Increment { name, reply, .. }, Answer::Counter(r)) => Finished::Counter(Done {
-            request_id: None,
-            result: r.unwrap_or_else(|| Err(missing())),
+        (Op::Increment { name, reply, .. }, Answer::Counter(r)) => Finished::Counter(Done::new(
             reply,
-            target: Target::Counter(name),
             kind,
-        }),
+            r.unwrap_or_else(|| Err(missing())),
+            Target::Counter(name),
+        )),
         (
             Op::Check {
                 budget,
@@ -433,13 +449,12 @@ fn finish(op: Op, answer: Answer) -> Finished {
                 ..
             },
             Answer::Check(r),
-        ) => Finished::Check(Done {
-            request_id: None,
-            result: r.unwrap_or_else(|| Err(missing())),
+        ) => Finished::Check(Done::new(
             reply,
-            target: Target::Check { budget, visitor },
             kind,
-        }),
+            r.unwrap_or_else(|| Err(missing())),
+            Target::Check { budget, visitor },
+        )),
         (op, _) => fail(op, &missing()),
     }
 }
@@ -448,43 +463,39 @@ fn finish(op: Op, answer: Answer) -> Finished {
 fn fail(op: Op, err: &MeterError) -> Finished {
     let kind = op.kind();
     match op {
-        Op::Increment { name, reply, .. } => Finished::Counter(Done {
-            request_id: None,
-            result: Err(err.clone_shallow()),
+        Op::Increment { name, reply, .. } => Finished::Counter(Done::new(
             reply,
-            target: Target::Counter(name),
             kind,
-        }),
-        Op::PutBudget { name, reply, .. } => Finished::Budget(Done {
-            request_id: None,
-            result: Err(err.clone_shallow()),
+            Err(err.clone_shallow()),
+            Target::Counter(name),
+        )),
+        Op::PutBudget { name, reply, .. } => Finished::Budget(Done::new(
             reply,
-            target: Target::Budget(name),
             kind,
-        }),
+            Err(err.clone_shallow()),
+            Target::Budget(name),
+        )),
         Op::Check {
             budget,
             visitor,
             reply,
             ..
-        } => Finished::Check(Done {
-            request_id: None,
-            result: Err(err.clone_shallow()),
+        } => Finished::Check(Done::new(
             reply,
-            target: Target::Check { budget, visitor },
             kind,
-        }),
+            Err(err.clone_shallow()),
+            Target::Check { budget, visitor },
+        )),
         Op::Reset {
             budget,
             scope,
             reply,
-        } => Finished::Reset(Done {
-            request_id: None,
-            result: Err(err.clone_shallow()),
+        } => Finished::Reset(Done::new(
             reply,
-            target: Target::Reset { budget, scope },
             kind,
-        }),
+            Err(err.clone_shallow()),
+            Target::Reset { budget, scope },
+        )),
     }
 }
 
@@ -496,42 +507,38 @@ async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -
     }
     let kind = op.kind();
     match op {
-        Op::Increment { name, by, reply } => Finished::Counter(Done {
-            request_id: None,
-            result: meter::increment(conn, &name, by).await,
+        Op::Increment { name, by, reply } => Finished::Counter(Done::new(
             reply,
-            target: Target::Counter(name),
             kind,
-        }),
-        Op::PutBudget { name, spec, reply } => Finished::Budget(Done {
-            request_id: None,
-            result: meter::put_budget(conn, &name, &spec).await,
+            meter::increment(conn, &name, by).await,
+            Target::Counter(name),
+        )),
+        Op::PutBudget { name, spec, reply } => Finished::Budget(Done::new(
             reply,
-            target: Target::Budget(name),
             kind,
-        }),
+            meter::put_budget(conn, &name, &spec).await,
+            Target::Budget(name),
+        )),
         Op::Check {
             budget,
             visitor,
             day,
             reply,
-        } => Finished::Check(Done {
-            request_id: None,
-            result: meter::check(conn, &budget, &visitor, day).await,
+        } => Finished::Check(Done::new(
             reply,
-            target: Target::Check { budget, visitor },
             kind,
-        }),
+            meter::check(conn, &budget, &visitor, day).await,
+            Target::Check { budget, visitor },
+        )),
         Op::Reset {
             budget,
             scope,
             reply,
-        } => Finished::Reset(Done {
-            request_id: None,
-            result: meter::reset(conn, &budget, &scope).await,
+        } => Finished::Reset(Done::new(
             reply,
-            target: Target::Reset { budget, scope },
             kind,
-        }),
+            meter::reset(conn, &budget, &scope).await,
+            Target::Reset { budget, scope },
+        )),
     }
 }

@@ -222,3 +222,51 @@ impl Drop for Binary {
         let _ = self.child.wait();
     }
 }
+
+/// Load until a crash: `clients` loops posting to the counter at `url`
+/// until `stop` is set or the server goes away. Returns what was
+/// acknowledged (value, when).
+pub struct Hammer {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<JoinHandle<Vec<(i64, std::time::Instant)>>>,
+}
+
+impl Hammer {
+    pub fn start(url: String, clients: usize) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let tasks = (0..clients)
+            .map(|_| {
+                let (url, stop) = (url.clone(), Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let client = Client::new();
+                    let mut acked = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let Ok(r) = client.post(&url).send().await else {
+                            break;
+                        };
+                        if r.status() != StatusCode::OK {
+                            break;
+                        }
+                        let Ok(v) = r.json::<Value>().await else {
+                            break;
+                        };
+                        acked.push((v["value"].as_i64().unwrap(), std::time::Instant::now()));
+                    }
+                    acked
+                })
+            })
+            .collect();
+        Hammer { stop, tasks }
+    }
+
+    /// Stops the clients; every acknowledged write, sorted by value.
+    pub async fn stop(self) -> Vec<(i64, std::time::Instant)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut acked = Vec::new();
+        for t in self.tasks {
+            acked.extend(t.await.unwrap());
+        }
+        acked.sort();
+        acked
+    }
+}

@@ -249,33 +249,11 @@ async fn acknowledged_writes_survive_kill_9() {
     let db = dir.path().join("tally.db");
     let db = db.to_str().unwrap();
     let mut bin = Binary::start(&[("TALLY_DATABASE", db)]);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let (url, stop) = (bin.url("/counters/crash"), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let client = Client::new();
-            let mut acked = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match client.post(&url).send().await {
-                    Ok(r) if r.status() == StatusCode::OK => match r.json::<Value>().await {
-                        Ok(v) => acked.push(v["value"].as_i64().unwrap()),
-                        Err(_) => break,
-                    },
-                    _ => break,
-                }
-            }
-            acked
-        }));
-    }
+    let load = crate::helpers::Hammer::start(bin.url("/counters/crash"), 8);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     bin.child.kill().unwrap(); // SIGKILL
     let _ = bin.wait(Duration::from_secs(5)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut acked = Vec::new();
-    for t in tasks {
-        acked.extend(t.await.unwrap());
-    }
+    let acked: Vec<i64> = load.stop().await.into_iter().map(|(v, _)| v).collect();
     assert!(
         acked.len() > 100,
         "too few writes before the kill: {}",

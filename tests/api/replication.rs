@@ -192,40 +192,15 @@ async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
     let run = d.replicate();
     run.wait_serving(Duration::from_secs(20)).await;
 
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for _ in 0..4 {
-        let (url, stop) = (run.url("/counters/crash"), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let client = Client::new();
-            let mut acked = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match client.post(&url).send().await {
-                    Ok(r) if r.status() == StatusCode::OK => match r.json::<Value>().await {
-                        Ok(v) => {
-                            acked.push((v["value"].as_i64().unwrap(), std::time::Instant::now()))
-                        }
-                        Err(_) => break,
-                    },
-                    _ => break,
-                }
-            }
-            acked
-        }));
-    }
+    let load = crate::helpers::Hammer::start(run.url("/counters/crash"), 4);
     tokio::time::sleep(Duration::from_millis(3000)).await;
     let tally = run.tally_pid().expect("tally runs under litestream");
     // Both at once, as a node failure would.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(tally), Signal::SIGKILL).unwrap();
     run.signal(Signal::SIGKILL);
     let killed_at = std::time::Instant::now();
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut acked = Vec::new();
-    for t in tasks {
-        acked.extend(t.await.unwrap());
-    }
+    let acked = load.stop().await;
     drop(run);
-    acked.sort();
     let (highest, _) = *acked.last().expect("some writes were acknowledged");
 
     d.wipe();
