@@ -191,13 +191,13 @@ impl Database {
         let stats = Arc::new(QueueStats::default());
         let close = CancellationToken::new();
         let counter_reads = reads::start(readers.clone(), opts.readers);
-        let handle = Handle {
+        let handle = Handle(Arc::new(HandleInner {
             readers,
             counter_reads,
             tx,
             stats: Arc::clone(&stats),
             close: close.clone(),
-        };
+        }));
         let writer = Writer {
             conn,
             rx,
@@ -212,8 +212,11 @@ impl Database {
 }
 
 /// What handlers hold: read-only connections and the way into the queue.
+/// Cloned for every request, so a clone is one reference count.
 #[derive(Clone)]
-pub struct Handle {
+pub struct Handle(Arc<HandleInner>);
+
+struct HandleInner {
     readers: SqlitePool,
     counter_reads: mpsc::Sender<reads::CounterRead>,
     tx: mpsc::Sender<Envelope>,
@@ -225,32 +228,32 @@ impl Handle {
     /// The read-only pool. Its connections cannot write: they were opened
     /// read-only and run with `query_only`.
     pub fn readers(&self) -> &SqlitePool {
-        &self.readers
+        &self.0.readers
     }
 
     /// Whether the queue still accepts commands. A full queue still does.
     pub fn accepts_writes(&self) -> bool {
-        !self.tx.is_closed()
+        !self.0.tx.is_closed()
     }
 
     /// Commands waiting in the queue right now.
     pub fn queue_depth(&self) -> usize {
-        self.tx.max_capacity() - self.tx.capacity()
+        self.0.tx.max_capacity() - self.0.tx.capacity()
     }
 
     pub fn stats(&self) -> &QueueStats {
-        &self.stats
+        &self.0.stats
     }
 
     /// Stops the queue accepting commands. The writer still runs every
     /// command already accepted, then closes the database.
     pub fn close(&self) {
-        self.close.cancel();
+        self.0.close.cancel();
     }
 
     /// Closes the read-only pool, waiting for readers to finish.
     pub async fn close_readers(&self) {
-        self.readers.close().await;
+        self.0.readers.close().await;
     }
 
     /// The current value of a counter (0 if never written), read from the
@@ -258,7 +261,8 @@ impl Handle {
     pub async fn read_counter(&self, name: Name) -> Result<i64, MeterError> {
         let (reply, answer) = oneshot::channel();
         let gone = || MeterError::from(sqlx::Error::PoolClosed);
-        self.counter_reads
+        self.0
+            .counter_reads
             .send(reads::CounterRead { name, reply })
             .await
             .map_err(|_| gone())?;
@@ -303,7 +307,7 @@ impl Handle {
     pub fn retry_after(&self) -> Duration {
         Duration::from_secs(stats::retry_after_secs(
             self.queue_depth(),
-            self.stats.commit_rate(),
+            self.0.stats.commit_rate(),
         ))
     }
 
@@ -316,7 +320,7 @@ impl Handle {
         let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
         // the command was not accepted, a retry cannot double-apply it.
-        self.tx.try_send(envelope).map_err(|e| match e {
+        self.0.tx.try_send(envelope).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
                 metrics::counter!("tally_write_rejected_total").increment(1);
                 WriteError::Unavailable {

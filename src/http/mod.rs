@@ -16,7 +16,7 @@ use axum::middleware;
 use axum::{Router, error_handling::HandleErrorLayer, extract::DefaultBodyLimit};
 use tower::ServiceBuilder;
 use tower_http::{
-    request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
+    request_id::{PropagateRequestIdLayer, SetRequestIdLayer},
     trace::TraceLayer,
 };
 use utoipa::OpenApi;
@@ -102,7 +102,10 @@ pub fn router(
             }),
         )
         .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
-        .layer(SetRequestIdLayer::new(observe::REQUEST_ID, MakeRequestUuid))
+        .layer(SetRequestIdLayer::new(
+            observe::REQUEST_ID,
+            observe::MakeRequestId,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 axum::response::IntoResponse::into_response(Problem::internal(

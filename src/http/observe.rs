@@ -17,6 +17,26 @@ use crate::db::Handle;
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// Makes request ids: random version-4 UUIDs from a per-thread generator.
+/// They need to be unique, not unguessable, and tower-http's `MakeRequestUuid`
+/// asks the kernel for randomness on every request (a system call that
+/// showed up at ~3% of a no-op request's cost).
+#[derive(Clone, Copy, Default)]
+pub struct MakeRequestId;
+
+impl tower_http::request_id::MakeRequestId for MakeRequestId {
+    fn make_request_id<B>(
+        &mut self,
+        _: &axum::http::Request<B>,
+    ) -> Option<tower_http::request_id::RequestId> {
+        let id = uuid::Builder::from_random_bytes(fastrand::u128(..).to_le_bytes()).into_uuid();
+        let mut buf = uuid::Uuid::encode_buffer();
+        HeaderValue::from_str(id.hyphenated().encode_lower(&mut buf))
+            .ok()
+            .map(tower_http::request_id::RequestId::new)
+    }
+}
+
 /// Counts and times every request by method, route template and status.
 /// Requests that matched no route share the label `unmatched`, so no raw
 /// path ever becomes a label.
