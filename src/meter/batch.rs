@@ -19,16 +19,13 @@ use super::{Day, Decision, MeterError, Name, Reason, VisitorId, types::parse_tim
 
 /// Adds each `(name, by)` in order. Increments of one name are summed into
 /// one upsert; caller `i` gets the value its increment would have produced
-/// had the batch run one command at a time.
+/// had the batch run one command at a time. `None` when a counter would
+/// overflow: which caller overflows is for the one-by-one path to tell.
 pub async fn increment_many(
     conn: &mut SqliteConnection,
     items: &[(&Name, i64)],
 ) -> Result<Option<Vec<i64>>, MeterError> {
-    let mut totals: HashMap<&str, i64> = HashMap::new();
-    for (name, by) in items {
-        let t = totals.entry(name.as_str()).or_default();
-        *t = t.saturating_add(*by);
-    }
+    let totals = totals(items);
     let rows: Vec<(String, i64)> = sqlx::query_as(
         "INSERT INTO counters (name, value)
          SELECT key, value FROM json_each(?1) WHERE true
@@ -39,27 +36,88 @@ pub async fn increment_many(
     .bind(json!(totals).to_string())
     .fetch_all(&mut *conn)
     .await?;
-    if rows.len() != totals.len() {
-        // Some counter would overflow: work out which caller, one by one.
-        return Ok(None);
+    Ok(values_in_order(items, &totals, rows))
+}
+
+/// A whole transaction of increments in one round trip to SQLite: `BEGIN`,
+/// the upsert and `COMMIT` go as one script. An overflowing sum makes
+/// SQLite produce a REAL, which the STRICT table refuses, so the script
+/// stops before `COMMIT`: then the open transaction is rolled back here and
+/// the answer is `None`. On any other error the caller rolls back (the
+/// transaction may still be open) and must treat the batch as failed.
+pub async fn increment_many_committed(
+    conn: &mut SqliteConnection,
+    items: &[(&Name, i64)],
+) -> Result<Option<Vec<i64>>, MeterError> {
+    let totals = totals(items);
+    let rows = sqlx::query_as::<_, (String, i64)>(
+        "BEGIN IMMEDIATE;
+         INSERT INTO counters (name, value)
+         SELECT key, value FROM json_each(?1) WHERE true
+         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
+         RETURNING name, value;
+         COMMIT;",
+    )
+    .bind(json!(totals).to_string())
+    .fetch_all(&mut *conn)
+    .await;
+    match rows {
+        Ok(rows) => match values_in_order(items, &totals, rows) {
+            Some(values) => Ok(Some(values)),
+            // Cannot happen: every name of the batch is upserted. It has
+            // committed, so say so rather than replay it.
+            None => Err(MeterError::from(sqlx::Error::Protocol(
+                "the upsert returned fewer rows than names".into(),
+            ))),
+        },
+        Err(e) if is_datatype_error(&e) => {
+            sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?;
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
     }
-    // The value each name had before the batch, then counted up in order.
+}
+
+/// SQLITE_CONSTRAINT_DATATYPE: a STRICT column refused a value.
+fn is_datatype_error(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "3091")
+}
+
+fn totals<'a>(items: &[(&'a Name, i64)]) -> HashMap<&'a str, i64> {
+    let mut totals: HashMap<&str, i64> = HashMap::new();
+    for (name, by) in items {
+        let t = totals.entry(name.as_str()).or_default();
+        *t = t.saturating_add(*by);
+    }
+    totals
+}
+
+/// Each caller's value: the name's value before the batch, counted up in
+/// queue order. `None` if a name has no row (its update was refused).
+fn values_in_order(
+    items: &[(&Name, i64)],
+    totals: &HashMap<&str, i64>,
+    rows: Vec<(String, i64)>,
+) -> Option<Vec<i64>> {
+    if rows.len() != totals.len() {
+        return None;
+    }
     let mut running: HashMap<String, i64> = rows
         .into_iter()
         .map(|(name, value)| {
-            let before = value - totals[name.as_str()];
+            let before = value - totals.get(name.as_str()).copied().unwrap_or(0);
             (name, before)
         })
         .collect();
     let mut values = Vec::with_capacity(items.len());
     for (name, by) in items {
-        let Some(v) = running.get_mut(name.as_str()) else {
-            return Ok(None);
-        };
+        let v = running.get_mut(name.as_str())?;
         *v += by;
         values.push(*v);
     }
-    Ok(Some(values))
+    Some(values)
 }
 
 /// One budget check of a batch.

@@ -8,7 +8,7 @@ mod types;
 
 use std::sync::Arc;
 
-pub use batch::{CheckItem, check_many, increment_many};
+pub use batch::{CheckItem, check_many, increment_many, increment_many_committed};
 pub use sql::{check, get_budget, increment, put_budget, read_counters, read_usage, reset};
 pub use types::{
     Budget, BudgetSpec, Day, DayWindow, Decision, InvalidInput, Name, Reason, ResetScope, Usage,

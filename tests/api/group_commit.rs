@@ -308,3 +308,59 @@ async fn one_failing_command_does_not_fail_its_batch() {
     );
     app.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn one_trip_increment_batches_answer_as_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut batched = fresh_db(dir.path(), "b.db").await;
+    let mut single = fresh_db(dir.path(), "s.db").await;
+    let names: Vec<Name> = (0..5)
+        .map(|i| Name::parse(&format!("n{i}")).unwrap())
+        .collect();
+    let mut rng = fastrand::Rng::with_seed(11);
+    for _ in 0..100 {
+        let items: Vec<(&Name, i64)> = (0..rng.usize(1..50))
+            .map(|_| (&names[rng.usize(..names.len())], rng.i64(1..=1_000_000)))
+            .collect();
+        let mut want = Vec::new();
+        for (n, by) in &items {
+            want.push(meter::increment(&mut single, n, *by).await.unwrap());
+        }
+        let got = meter::increment_many_committed(&mut batched, &items)
+            .await
+            .unwrap();
+        assert_eq!(got, Some(want));
+    }
+    assert_eq!(dump(&mut batched).await, dump(&mut single).await);
+}
+
+#[tokio::test]
+async fn a_one_trip_batch_that_overflows_commits_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut conn = fresh_db(dir.path(), "o.db").await;
+    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let big = Name::parse("big").unwrap();
+    let small = Name::parse("small").unwrap();
+    let r = meter::increment_many_committed(&mut conn, &[(&small, 1), (&big, 500), (&big, 500)])
+        .await
+        .unwrap();
+    assert_eq!(r, None);
+    let before = dump(&mut conn).await;
+    assert_eq!(
+        before,
+        vec![(
+            "big".into(),
+            "".into(),
+            "*counter*".into(),
+            9223372036854775000
+        )]
+    );
+    // No transaction was left open: the next one starts and commits.
+    let r = meter::increment_many_committed(&mut conn, &[(&small, 1)])
+        .await
+        .unwrap();
+    assert_eq!(r, Some(vec![1]));
+}
