@@ -1,11 +1,16 @@
 //! The commands a handler can ask the writer to run, each with its own typed
 //! reply channel.
 
-use std::fmt;
+use std::{
+    fmt,
+    sync::{Arc, atomic::AtomicBool},
+};
 
 use tokio::sync::oneshot;
 
-use crate::meter::{Budget, BudgetSpec, Day, Decision, MeterError, Name, ResetScope, VisitorId};
+use crate::meter::{
+    Budget, BudgetSpec, Day, Decision, IdempotencyKey, MeterError, Name, ResetScope, VisitorId,
+};
 
 /// What a command answers: its result, or why it did not apply.
 pub type Reply<T> = oneshot::Sender<Result<T, MeterError>>;
@@ -15,6 +20,37 @@ pub struct Envelope {
     pub op: Op,
     /// The HTTP request that queued it, for the writer's log lines.
     pub request_id: Option<std::sync::Arc<str>>,
+    /// The client's idempotency key, when it sent one.
+    pub key: Option<Keyed>,
+}
+
+/// An idempotency key riding with its command.
+pub struct Keyed {
+    pub key: IdempotencyKey,
+    /// Set by the writer, before it replies, when the answer is the one
+    /// stored for the key rather than a new write.
+    pub replayed: Arc<AtomicBool>,
+}
+
+impl Op {
+    /// What the command does, to tell a retry from another request that
+    /// reuses its key.
+    pub fn fingerprint(&self) -> String {
+        match self {
+            Op::Increment { name, by, .. } => format!("increment {name} {by}"),
+            Op::Check {
+                budget,
+                visitor,
+                day,
+                ..
+            } => match day {
+                Some(d) => format!("check {budget} {d} {visitor}"),
+                None => format!("check {budget} today {visitor}"),
+            },
+            Op::PutBudget { name, .. } => format!("put_budget {name}"),
+            Op::Reset { budget, .. } => format!("reset {budget}"),
+        }
+    }
 }
 
 pub enum Op {

@@ -38,7 +38,9 @@ pub use writer::{Writer, WriterFailed, WriterTask};
 
 use crate::{
     config::Synchronous,
-    meter::{Budget, BudgetSpec, Day, Decision, MeterError, Name, ResetScope, VisitorId},
+    meter::{
+        Budget, BudgetSpec, Day, Decision, IdempotencyKey, MeterError, Name, ResetScope, VisitorId,
+    },
 };
 
 tokio::task_local! {
@@ -206,6 +208,7 @@ impl Database {
             stats,
             checkpoint_on_close: opts.checkpoints,
             delay: opts.writer_delay,
+            keys_forgotten_at: None,
         };
         Ok((handle, writer))
     }
@@ -270,12 +273,30 @@ impl Handle {
     }
 
     pub async fn increment(&self, name: Name, by: i64) -> Result<i64, WriteError> {
-        self.submit(|reply| Op::Increment { name, by, reply }).await
+        let (v, _) = self
+            .submit(None, |reply| Op::Increment { name, by, reply })
+            .await?;
+        Ok(v)
+    }
+
+    /// [`Self::increment`] under an idempotency key: the second value is
+    /// `true` when the answer is the one stored for the key (nothing new
+    /// was written).
+    pub async fn increment_once(
+        &self,
+        name: Name,
+        by: i64,
+        key: Option<IdempotencyKey>,
+    ) -> Result<(i64, bool), WriteError> {
+        self.submit(key, |reply| Op::Increment { name, by, reply })
+            .await
     }
 
     pub async fn put_budget(&self, name: Name, spec: BudgetSpec) -> Result<Budget, WriteError> {
-        self.submit(|reply| Op::PutBudget { name, spec, reply })
-            .await
+        Ok(self
+            .submit(None, |reply| Op::PutBudget { name, spec, reply })
+            .await?
+            .0)
     }
 
     pub async fn check(
@@ -284,7 +305,18 @@ impl Handle {
         visitor: VisitorId,
         day: Option<Day>,
     ) -> Result<Decision, WriteError> {
-        self.submit(|reply| Op::Check {
+        Ok(self.check_once(budget, visitor, day, None).await?.0)
+    }
+
+    /// [`Self::check`] under an idempotency key; see [`Self::increment_once`].
+    pub async fn check_once(
+        &self,
+        budget: Name,
+        visitor: VisitorId,
+        day: Option<Day>,
+        key: Option<IdempotencyKey>,
+    ) -> Result<(Decision, bool), WriteError> {
+        self.submit(key, |reply| Op::Check {
             budget,
             visitor,
             day,
@@ -294,12 +326,14 @@ impl Handle {
     }
 
     pub async fn reset(&self, budget: Name, scope: ResetScope) -> Result<u64, WriteError> {
-        self.submit(|reply| Op::Reset {
-            budget,
-            scope,
-            reply,
-        })
-        .await
+        Ok(self
+            .submit(None, |reply| Op::Reset {
+                budget,
+                scope,
+                reply,
+            })
+            .await?
+            .0)
     }
 
     /// How long a client refused for a full queue should wait: see
@@ -311,11 +345,22 @@ impl Handle {
         ))
     }
 
-    async fn submit<T>(&self, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, WriteError> {
+    /// Queues a command and waits for its answer; the flag says whether the
+    /// answer was replayed for an idempotency key.
+    async fn submit<T>(
+        &self,
+        key: Option<IdempotencyKey>,
+        op: impl FnOnce(Reply<T>) -> Op,
+    ) -> Result<(T, bool), WriteError> {
         let (reply, answer) = oneshot::channel();
+        let replayed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let envelope = Envelope {
             op: op(reply),
             request_id: CALLER.try_with(Arc::clone).ok(),
+            key: key.map(|key| command::Keyed {
+                key,
+                replayed: Arc::clone(&replayed),
+            }),
         };
         let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
@@ -333,7 +378,8 @@ impl Handle {
             Ok(result) => {
                 metrics::histogram!("tally_write_wait_seconds")
                     .record(queued_at.elapsed().as_secs_f64());
-                Ok(result?)
+                // The oneshot orders the writer's store before this load.
+                Ok((result?, replayed.load(std::sync::atomic::Ordering::Acquire)))
             }
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.

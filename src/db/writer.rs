@@ -9,11 +9,13 @@ use sqlx::{Connection, SqliteConnection};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use std::sync::atomic::Ordering;
+
 use super::{
-    command::{Envelope, Op, Reply, Target},
+    command::{Envelope, Keyed, Op, Reply, Target},
     stats::QueueStats,
 };
-use crate::meter::{self, MeterError};
+use crate::meter::{self, MeterError, idempotency};
 
 /// Owns the writable connection and the receiving end of the queue.
 /// Created by [`super::Database::open`]; run it with [`Writer::run`].
@@ -28,6 +30,8 @@ pub struct Writer {
     pub(super) checkpoint_on_close: bool,
     /// Test hook: sleep before each batch to make the queue fill up.
     pub(super) delay: Option<Duration>,
+    /// When expired idempotency keys were last deleted.
+    pub(super) keys_forgotten_at: Option<std::time::Instant>,
 }
 
 /// A command that ran, waiting for its transaction's fate before its caller
@@ -107,6 +111,37 @@ impl<T: std::fmt::Debug> Done<T> {
 }
 
 impl Finished {
+    /// The committed-to-be result, as stored for an idempotency key.
+    fn stored_result(&self) -> Option<String> {
+        match self {
+            Finished::Counter(Done { result: Ok(v), .. }) => Some(v.to_string()),
+            Finished::Check(Done { result: Ok(d), .. }) => Some(idempotency::encode_decision(d)),
+            _ => None,
+        }
+    }
+
+    /// The same command, answered with `e` instead.
+    fn failed(self, e: MeterError) -> Self {
+        match self {
+            Finished::Counter(d) => Finished::Counter(Done {
+                result: Err(e),
+                ..d
+            }),
+            Finished::Budget(d) => Finished::Budget(Done {
+                result: Err(e),
+                ..d
+            }),
+            Finished::Check(d) => Finished::Check(Done {
+                result: Err(e),
+                ..d
+            }),
+            Finished::Reset(d) => Finished::Reset(Done {
+                result: Err(e),
+                ..d
+            }),
+        }
+    }
+
     /// Names the request that queued the command.
     fn queued_by(mut self, id: Option<Arc<str>>) -> Self {
         match &mut self {
@@ -242,9 +277,11 @@ impl Writer {
     async fn run_batch(&mut self, batch: &mut Vec<Envelope>) {
         let size = batch.len();
         let started = std::time::Instant::now();
+        // Keyed commands look up and store their key one by one.
         let set_based = batch
             .iter()
-            .all(|e| matches!(e.op, Op::Increment { .. } | Op::Check { .. }));
+            .all(|e| e.key.is_none() && matches!(e.op, Op::Increment { .. } | Op::Check { .. }));
+        let keyed = batch.iter().any(|e| e.key.is_some());
         let (finished, outcome) = match set_based {
             true => match self.run_set_based(batch).await {
                 Some(done) => done,
@@ -254,6 +291,9 @@ impl Writer {
         };
         if let Err(e) = &outcome {
             tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+        }
+        if keyed {
+            self.forget_expired_keys().await;
         }
         let took = started.elapsed();
         self.stats.record_batch(size, took);
@@ -387,7 +427,10 @@ impl Writer {
                         continue;
                     }
                     let id = envelope.request_id;
-                    match self.apply_in_savepoint(envelope.op).await {
+                    match self
+                        .apply_in_savepoint(envelope.op, envelope.key.as_ref())
+                        .await
+                    {
                         (done, None) => finished.push(done.queued_by(id)),
                         (done, Some(e)) => {
                             finished.push(done.queued_by(id));
@@ -426,12 +469,19 @@ impl Writer {
     /// batch are untouched. If the savepoint itself cannot be rolled back
     /// (SQLite already rolled the whole transaction back, as it does on some
     /// I/O errors), the second value says the batch is broken.
-    async fn apply_in_savepoint(&mut self, op: Op) -> (Finished, Option<MeterError>) {
+    async fn apply_in_savepoint(
+        &mut self,
+        op: Op,
+        key: Option<&Keyed>,
+    ) -> (Finished, Option<MeterError>) {
         if let Err(e) = exec(&mut self.conn, "SAVEPOINT cmd").await {
             let done = apply(&mut self.conn, op, Some(&e)).await;
             return (done, Some(e));
         }
-        let done = apply(&mut self.conn, op, None).await;
+        let done = match key {
+            None => apply(&mut self.conn, op, None).await,
+            Some(key) => apply_once(&mut self.conn, op, key).await,
+        };
         let end = if done.is_ok() {
             exec(&mut self.conn, "RELEASE cmd").await
         } else {
@@ -441,6 +491,62 @@ impl Writer {
             }
         };
         (done, end.err())
+    }
+}
+
+impl Writer {
+    /// Forgets idempotency keys past their day, at most once a minute, in a
+    /// statement of its own after a batch that used keys.
+    async fn forget_expired_keys(&mut self) {
+        let due = self
+            .keys_forgotten_at
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(60));
+        if !due {
+            return;
+        }
+        self.keys_forgotten_at = Some(std::time::Instant::now());
+        match idempotency::forget_expired(&mut self.conn).await {
+            Ok(n) if n > 0 => tracing::info!(keys = n, "forgot expired idempotency keys"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),
+        }
+    }
+}
+
+/// Runs a keyed command once: if its key is known, answers what was stored
+/// for it (or refuses a different command reusing the key); otherwise runs
+/// the command and stores its result under the key, in the same savepoint.
+async fn apply_once(conn: &mut SqliteConnection, op: Op, keyed: &Keyed) -> Finished {
+    let fingerprint = op.fingerprint();
+    match idempotency::lookup(conn, &keyed.key).await {
+        Err(e) => fail(op, &e),
+        Ok(Some(stored)) if stored.fingerprint != fingerprint => fail(op, &MeterError::KeyReused),
+        Ok(Some(stored)) => {
+            let answer = match &op {
+                Op::Increment { .. } => {
+                    Answer::Counter(Some(idempotency::decode_value(&stored.result)))
+                }
+                Op::Check { .. } => {
+                    Answer::Check(Some(idempotency::decode_decision(&stored.result)))
+                }
+                // Only increments and checks take keys.
+                _ => Answer::Counter(None),
+            };
+            keyed.replayed.store(true, Ordering::Release);
+            finish(op, answer)
+        }
+        Ok(None) => {
+            let done = apply(conn, op, None).await;
+            let Some(result) = done.stored_result() else {
+                return done;
+            };
+            match idempotency::remember(conn, &keyed.key, &fingerprint, &result).await {
+                Ok(()) => done,
+                // The savepoint is rolled back: the write and its key go
+                // together or not at all.
+                Err(e) => done.failed(e),
+            }
+        }
     }
 }
 

@@ -9,7 +9,9 @@ use utoipa::ToSchema;
 
 use super::{
     AppState, Problem,
-    extract::{Admin, Json as JsonBody, OptionalJson, Path, Query},
+    extract::{
+        Admin, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query, replayed_header,
+    },
     openapi::{AdminProblems, Problems, WriteProblems},
 };
 use crate::{
@@ -138,7 +140,8 @@ impl From<Decision> for DecisionView {
 
 /// One call against a budget: the visitor's limit first, then the global
 /// one. Denied calls are counted too. Every answer but a 200 is a denial.
-#[utoipa::path(post, path = "/budgets/{name}/check", operation_id = "checkBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+#[utoipa::path(post, path = "/budgets/{name}/check", operation_id = "checkBudget", tag = "budgets",
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
     request_body(content = CheckBody, content_type = "application/json"),
     responses((status = 200, description = "Decided and committed", body = DecisionView,
         headers(("RateLimit-Policy" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
@@ -150,9 +153,11 @@ impl From<Decision> for DecisionView {
 pub async fn check(
     State(state): State<AppState>,
     Path(name): Path<String>,
+    key: Result<IdempotencyKeyHeader, Problem>,
     body: Result<JsonBody<CheckBody>, Problem>,
 ) -> Result<(HeaderMap, Json<DecisionView>), Problem> {
     let deny = |p: Problem| p.with("allowed", false);
+    let key = key.map_err(deny)?;
     let JsonBody(body) = body.map_err(deny)?;
     let name = Name::parse(&name).map_err(|e| deny(e.into()))?;
     let visitor = VisitorId::parse(&body.visitor)
@@ -163,16 +168,15 @@ pub async fn check(
         .map(Day::parse)
         .transpose()
         .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
-    match state.db.check(name.clone(), visitor, day).await {
-        Ok(decision) => {
+    match state.db.check_once(name.clone(), visitor, day, key.0).await {
+        Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
             metrics::counter!("tally_budget_decisions_total",
                 "budget" => name.as_str().to_owned(), "reason" => reason_label(decision.reason))
             .increment(1);
-            Ok((
-                rate_limit_headers(&decision, Timestamp::now()),
-                Json(decision.into()),
-            ))
+            let mut headers = rate_limit_headers(&decision, Timestamp::now());
+            headers.extend(replayed_header(replayed));
+            Ok((headers, Json(decision.into())))
         }
         Err(WriteError::Meter(MeterError::Database(err))) => {
             // Whether the budget exists is unknown here: keep its name out

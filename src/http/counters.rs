@@ -1,10 +1,10 @@
-use axum::{Json, extract::State};
+use axum::{Json, extract::State, http::HeaderMap};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::{
     AppState, Problem,
-    extract::{OptionalJson, Path},
+    extract::{IdempotencyKeyHeader, OptionalJson, Path, replayed_header},
     openapi::{CounterProblems, Problems, WriteProblems},
 };
 use crate::meter::Name;
@@ -50,27 +50,38 @@ fn default_name() -> Name {
     Name::parse(DEFAULT_COUNTER).unwrap_or_else(|_| unreachable!("the default name is valid"))
 }
 
-async fn add(state: &AppState, name: Name, body: IncrementBody) -> Result<i64, Problem> {
+async fn add(
+    state: &AppState,
+    name: Name,
+    body: IncrementBody,
+    key: IdempotencyKeyHeader,
+) -> Result<(HeaderMap, i64), Problem> {
     if !(1..=MAX_BY).contains(&body.by) {
         return Err(Problem::invalid_body(format!(
             "by: must be between 1 and {MAX_BY}, got {}",
             body.by
         )));
     }
-    Ok(state.db.increment(name, i64::from(body.by)).await?)
+    let (value, replayed) = state
+        .db
+        .increment_once(name, i64::from(body.by), key.0)
+        .await?;
+    Ok((replayed_header(replayed), value))
 }
 
 /// Adds to the counter `default`. A 200 means the write committed.
 #[utoipa::path(post, path = "/counter", operation_id = "incrementDefault", tag = "counters",
+    params(("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
     request_body(content = Option<IncrementBody>, content_type = "application/json"),
     responses((status = 200, description = "Committed", body = Value),
         CounterProblems, WriteProblems, Problems))]
 pub async fn increment_default(
     State(state): State<AppState>,
+    key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
-) -> Result<Json<Value>, Problem> {
-    let value = add(&state, default_name(), body).await?;
-    Ok(Json(Value { value }))
+) -> Result<(HeaderMap, Json<Value>), Problem> {
+    let (headers, value) = add(&state, default_name(), body, key).await?;
+    Ok((headers, Json(Value { value })))
 }
 
 /// Reads the counter `default`.
@@ -83,18 +94,19 @@ pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, P
 
 /// Adds to a named counter (created at 0). A 200 means the write committed.
 #[utoipa::path(post, path = "/counters/{name}", operation_id = "incrementCounter", tag = "counters",
-    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
     request_body(content = Option<IncrementBody>, content_type = "application/json"),
     responses((status = 200, description = "Committed", body = NamedValue),
         CounterProblems, WriteProblems, Problems))]
 pub async fn increment(
     State(state): State<AppState>,
     Path(name): Path<String>,
+    key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
-) -> Result<Json<NamedValue>, Problem> {
+) -> Result<(HeaderMap, Json<NamedValue>), Problem> {
     let name = Name::parse(&name)?;
-    let value = add(&state, name.clone(), body).await?;
-    Ok(Json(NamedValue { name, value }))
+    let (headers, value) = add(&state, name.clone(), body, key).await?;
+    Ok((headers, Json(NamedValue { name, value })))
 }
 
 /// Reads a named counter; 0 if it was never written.

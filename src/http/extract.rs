@@ -157,3 +157,36 @@ impl FromRequestParts<AppState> for Admin {
         }
     }
 }
+
+/// The optional `Idempotency-Key` field (draft-ietf-httpapi-idempotency-key-header).
+pub struct IdempotencyKeyHeader(pub Option<crate::meter::IdempotencyKey>);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKeyHeader {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
+        let Some(v) = parts.headers.get("idempotency-key") else {
+            return Ok(IdempotencyKeyHeader(None));
+        };
+        let text = v.to_str().map_err(|_| {
+            Problem::invalid(crate::meter::InvalidInput(
+                "an Idempotency-Key must be visible ASCII".into(),
+            ))
+        })?;
+        Ok(IdempotencyKeyHeader(Some(
+            crate::meter::IdempotencyKey::parse(text)?,
+        )))
+    }
+}
+
+/// `Idempotent-Replayed: true` on an answer replayed for a key.
+pub fn replayed_header(replayed: bool) -> axum::http::HeaderMap {
+    let mut h = axum::http::HeaderMap::new();
+    if replayed {
+        h.insert(
+            axum::http::HeaderName::from_static("idempotent-replayed"),
+            axum::http::HeaderValue::from_static("true"),
+        );
+    }
+    h
+}

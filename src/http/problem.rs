@@ -145,6 +145,15 @@ impl From<MeterError> for Problem {
             .detail(format!(
                 "counter `{name}` would exceed the largest 64-bit integer; it was not changed"
             )),
+            MeterError::KeyReused => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "Idempotency-Key reused",
+            )
+            .detail(
+                "this Idempotency-Key was first used for a different request; \
+                 use a new key for a new request",
+            ),
             MeterError::Database(err) => {
                 tracing::error!(error = %err, "database error");
                 Self::internal("the database failed; nothing was written")
@@ -184,7 +193,8 @@ impl From<WriteError> for Problem {
             )
             .detail(
                 "the write was accepted but its reply was lost; it may or may not have committed. \
-                 Do not retry blindly: read the current value first",
+                 Do not retry blindly: retry with the same Idempotency-Key, or read the current \
+                 value first",
             ),
             WriteError::Meter(e) => e.into(),
         }

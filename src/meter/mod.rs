@@ -3,12 +3,14 @@
 //! cannot hold a bad value; nothing here knows about HTTP or the queue.
 
 mod batch;
+pub mod idempotency;
 mod sql;
 mod types;
 
 use std::sync::Arc;
 
 pub use batch::{CheckItem, check_many, increment_many, increment_many_committed};
+pub use idempotency::IdempotencyKey;
 pub use sql::{check, get_budget, increment, put_budget, read_counters, read_usage, reset};
 pub use types::{
     Budget, BudgetSpec, Day, DayWindow, Decision, InvalidInput, Name, Reason, ResetScope, Usage,
@@ -22,6 +24,9 @@ pub enum MeterError {
     UnknownBudget(Name),
     #[error("counter `{0}` would overflow a 64-bit integer")]
     Overflow(Name),
+    /// The idempotency key was first used for another request.
+    #[error("this Idempotency-Key was already used for a different request")]
+    KeyReused,
     /// Shared, because one failed COMMIT is every caller's answer in a batch.
     #[error("database error: {0}")]
     Database(Arc<sqlx::Error>),
@@ -39,6 +44,7 @@ impl MeterError {
         match self {
             MeterError::UnknownBudget(_) => "unknown_budget",
             MeterError::Overflow(_) => "overflow",
+            MeterError::KeyReused => "key_reused",
             MeterError::Database(_) => "database_error",
         }
     }
@@ -48,6 +54,7 @@ impl MeterError {
         match self {
             MeterError::UnknownBudget(n) => MeterError::UnknownBudget(n.clone()),
             MeterError::Overflow(n) => MeterError::Overflow(n.clone()),
+            MeterError::KeyReused => MeterError::KeyReused,
             MeterError::Database(e) => MeterError::Database(Arc::clone(e)),
         }
     }

@@ -197,7 +197,7 @@ pub struct Budget {
 }
 
 /// Why a check was allowed or denied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
     Ok,

@@ -271,3 +271,31 @@ async fn acknowledged_writes_survive_kill_9() {
         acked.len()
     );
 }
+
+/// A key outlives a restart: it is committed with its write.
+#[tokio::test]
+async fn idempotency_keys_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db = db.to_str().unwrap();
+    let client = Client::new();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let mut bin = Binary::start(&[("TALLY_DATABASE", db)]);
+        let r = client
+            .post(bin.url("/counters/restart"))
+            .header("idempotency-key", "across-restarts")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let replayed = r.headers().contains_key("idempotent-replayed");
+        answers.push((r.json::<Value>().await.unwrap()["value"].clone(), replayed));
+        bin.sigterm();
+        assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
+    }
+    assert_eq!(
+        answers,
+        [(serde_json::json!(1), false), (serde_json::json!(1), true)]
+    );
+}

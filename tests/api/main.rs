@@ -8,6 +8,7 @@ mod contention;
 mod counters;
 mod group_commit;
 mod helpers;
+mod idempotency;
 mod lifecycle;
 mod observability;
 mod openapi;
