@@ -42,6 +42,7 @@ impl Application {
             writer_delay: settings
                 .test_writer_delay_ms
                 .map(std::time::Duration::from_millis),
+            writer_panic_after: settings.test_writer_panic_after,
         };
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
@@ -137,11 +138,16 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let addr = self.local_addr();
+        // Cancelled by the shutdown signal, or by the writer dying.
+        let stop = CancellationToken::new();
         let stopping = CancellationToken::new();
-        let signal = stopping.clone();
+        let (stop_on_signal, signal) = (stop.clone(), stopping.clone());
         let serve = axum::serve(self.listener, self.router)
             .with_graceful_shutdown(async move {
-                shutdown.await;
+                tokio::select! {
+                    () = shutdown => {}
+                    () = stop_on_signal.cancelled() => {}
+                }
                 signal.cancel();
             })
             .into_future();
@@ -155,19 +161,33 @@ impl Application {
         });
         tracing::info!(%addr, "serving");
 
+        // Without its writer tally can accept no write: stop serving, so
+        // that the pod is restarted, rather than answer errors forever.
+        let mut writer = self.writer;
+        let mut writer_died = None;
         let drain_timeout = self.settings.drain_timeout;
-        let served = tokio::select! {
-            r = &mut serve => r,
-            () = async { stopping.cancelled().await; tokio::time::sleep(drain_timeout).await } => {
-                tracing::warn!(?drain_timeout, "in-flight requests did not finish in time; dropping them");
-                serve.abort();
-                Ok(Ok(()))
+        let served = loop {
+            tokio::select! {
+                r = &mut serve => break r,
+                () = async { stopping.cancelled().await; tokio::time::sleep(drain_timeout).await } => {
+                    tracing::warn!(?drain_timeout, "in-flight requests did not finish in time; dropping them");
+                    serve.abort();
+                    break Ok(Ok(()));
+                }
+                e = writer.died(), if writer_died.is_none() => {
+                    tracing::error!(error = %e, "the writer stopped; shutting down");
+                    writer_died = Some(e);
+                    stop.cancel();
+                }
             }
         };
         tracing::info!("HTTP stopped; draining the write queue");
 
         self.db.close();
-        let written = self.writer.join().await;
+        let written = match writer_died {
+            Some(e) => Err(e),
+            None => writer.join().await,
+        };
         self.db.close_readers().await;
         if let Some(m) = metrics {
             m.abort();

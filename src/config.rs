@@ -105,6 +105,12 @@ pub struct Settings {
     /// backpressure only; never set it in production.
     #[arg(long, env = "TALLY_TEST_WRITER_DELAY_MS", hide = true)]
     pub test_writer_delay_ms: Option<u64>,
+
+    /// Make the writer thread panic when it takes its batch number N+1,
+    /// holding that batch. For tests of losing the writer only; never set
+    /// it in production.
+    #[arg(long, env = "TALLY_TEST_WRITER_PANIC_AFTER", hide = true)]
+    pub test_writer_panic_after: Option<u64>,
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {
@@ -146,6 +152,7 @@ impl fmt::Debug for Settings {
             .field("litestream_socket", &self.litestream_socket)
             .field("replica_wait_timeout", &self.replica_wait_timeout)
             .field("test_writer_delay_ms", &self.test_writer_delay_ms)
+            .field("test_writer_panic_after", &self.test_writer_panic_after)
             .finish()
     }
 }

@@ -61,6 +61,8 @@ pub struct DbOptions {
     pub checkpoints: bool,
     /// Test hook: the writer sleeps this long before each batch.
     pub writer_delay: Option<Duration>,
+    /// Test hook: the writer panics on taking batch number N+1.
+    pub writer_panic_after: Option<u64>,
 }
 
 /// Why a write got no result.
@@ -209,6 +211,8 @@ impl Database {
             checkpoint_on_close: opts.checkpoints,
             delay: opts.writer_delay,
             keys_forgotten_at: None,
+            panic_after: opts.writer_panic_after,
+            batches: 0,
         };
         Ok((handle, writer))
     }

@@ -32,6 +32,10 @@ pub struct Writer {
     pub(super) delay: Option<Duration>,
     /// When expired idempotency keys were last deleted.
     pub(super) keys_forgotten_at: Option<std::time::Instant>,
+    /// Test hook: panic on taking batch number N+1.
+    pub(super) panic_after: Option<u64>,
+    /// Batches taken so far.
+    pub(super) batches: u64,
 }
 
 /// A command that ran, waiting for its transaction's fate before its caller
@@ -189,7 +193,23 @@ pub struct WriterTask {
 impl WriterTask {
     /// Waits for the writer to drain the queue and close the database.
     pub async fn join(self) -> Result<(), WriterFailed> {
-        match self.done.await {
+        Self::outcome(self.done.await)
+    }
+
+    /// Resolves if the writer stops on its own, which it only does when it
+    /// died: while tally serves, nothing else closes its queue. The task
+    /// then yields its outcome through this call, not [`Self::join`].
+    pub async fn died(&mut self) -> WriterFailed {
+        match Self::outcome((&mut self.done).await) {
+            Err(e) => e,
+            Ok(()) => WriterFailed::StoppedEarly,
+        }
+    }
+
+    fn outcome(
+        r: Result<Result<(), sqlx::Error>, tokio::sync::oneshot::error::RecvError>,
+    ) -> Result<(), WriterFailed> {
+        match r {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(WriterFailed::Close(e)),
             Err(_) => Err(WriterFailed::Died),
@@ -203,6 +223,8 @@ pub enum WriterFailed {
     Close(sqlx::Error),
     #[error("the writer thread died")]
     Died,
+    #[error("the writer stopped while tally was serving")]
+    StoppedEarly,
 }
 
 impl Writer {
@@ -255,6 +277,13 @@ impl Writer {
             if let Some(delay) = self.delay {
                 tokio::time::sleep(delay).await;
             }
+            if self.panic_after == Some(self.batches) {
+                panic!(
+                    "test hook: the writer panics holding batch {}",
+                    self.batches + 1
+                );
+            }
+            self.batches += 1;
             self.run_batch(&mut batch).await;
         }
         self.stats.mark_closed();

@@ -299,3 +299,36 @@ async fn idempotency_keys_survive_a_restart() {
         [(serde_json::json!(1), false), (serde_json::json!(1), true)]
     );
 }
+
+/// If the writer dies holding accepted writes, their callers hear that the
+/// outcome is unknown (not a false success, not a false failure), and tally
+/// stops with an error instead of serving without a writer.
+#[tokio::test]
+async fn losing_the_writer_reports_outcome_unknown_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db.to_str().unwrap()),
+        ("TALLY_TEST_WRITER_PANIC_AFTER", "1"),
+        ("TALLY_TEST_WRITER_DELAY_MS", "200"),
+    ]);
+    let client = Client::new();
+    let r = client.post(bin.url("/counters/w")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (c, u) = (client.clone(), bin.url("/counters/w"));
+        tasks.push(tokio::spawn(async move { c.post(u).send().await.unwrap() }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        let body = crate::helpers::problem(r, StatusCode::INTERNAL_SERVER_ERROR).await;
+        assert_eq!(body["type"], "/problems/outcome-unknown");
+        assert!(body["detail"].as_str().unwrap().contains("Idempotency-Key"));
+    }
+    let status = bin.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(1), "{}", bin.log_text());
+    let logs = bin.log_text();
+    assert!(logs.contains("the writer stopped; shutting down"), "{logs}");
+    assert!(logs.contains("the writer thread died"), "{logs}");
+}
