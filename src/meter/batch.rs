@@ -196,32 +196,31 @@ pub async fn check_many(
                 .collect(),
         ));
     }
-    let visitor_rows: Vec<(String, String, String, i64)> = sqlx::query_as(
+    // Both kinds of rows in one statement: every statement is a round trip
+    // to the connection's thread. A global row has no visitor.
+    let rows: Vec<(String, String, Option<String>, i64)> = sqlx::query_as(
         "SELECT u.budget, u.day, u.visitor, u.calls
          FROM json_each(?1) AS k
          JOIN budget_visitor_usage AS u
-           ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2",
-    )
-    .bind(json!(visitor_keys).to_string())
-    .fetch_all(&mut *conn)
-    .await?;
-    let global_rows: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT g.budget, g.day, g.calls
-         FROM json_each(?1) AS k
+           ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
+         UNION ALL
+         SELECT g.budget, g.day, NULL, g.calls
+         FROM json_each(?2) AS k
          JOIN budget_global_usage AS g
            ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1",
     )
+    .bind(json!(visitor_keys).to_string())
     .bind(json!(global_keys).to_string())
     .fetch_all(&mut *conn)
     .await?;
-    let mut visitors: HashMap<(String, String, String), i64> = visitor_rows
-        .into_iter()
-        .map(|(b, d, v, c)| ((b, d, v), c))
-        .collect();
-    let mut globals: HashMap<(String, String), i64> = global_rows
-        .into_iter()
-        .map(|(b, d, c)| ((b, d), c))
-        .collect();
+    let mut visitors: HashMap<(String, String, String), i64> = HashMap::new();
+    let mut globals: HashMap<(String, String), i64> = HashMap::new();
+    for (b, d, v, c) in rows {
+        match v {
+            Some(v) => visitors.insert((b, d, v), c),
+            None => globals.insert((b, d), c),
+        };
+    }
 
     // 3. Each command in order, in memory.
     let mut results = Vec::with_capacity(items.len());
@@ -289,28 +288,23 @@ pub async fn check_many(
         .into_iter()
         .map(|((b, d, v), c)| json!([b, d, v, c]))
         .collect();
-    sqlx::query(
-        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
-         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
-         ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls",
-    )
-    .bind(json!(visitor_rows).to_string())
-    .execute(&mut *conn)
-    .await?;
     let global_rows: Vec<_> = globals
         .into_iter()
         .filter(|(_, c)| *c > 0)
         .map(|((b, d), c)| json!([b, d, c]))
         .collect();
-    if !global_rows.is_empty() {
-        sqlx::query(
-            "INSERT INTO budget_global_usage (budget, day, calls)
-             SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?1) WHERE true
-             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls",
-        )
-        .bind(json!(global_rows).to_string())
-        .execute(&mut *conn)
-        .await?;
-    }
+    // Both write-backs as one script, one round trip.
+    sqlx::query(
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
+         ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls;
+         INSERT INTO budget_global_usage (budget, day, calls)
+         SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2) WHERE true
+         ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
+    )
+    .bind(json!(visitor_rows).to_string())
+    .bind(json!(global_rows).to_string())
+    .execute(&mut *conn)
+    .await?;
     Ok(Some(results))
 }
