@@ -26,14 +26,16 @@ use crate::{
 #[serde(deny_unknown_fields)]
 pub struct BudgetBody {
     /// Calls one visitor may make per day; 0 denies everything.
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     visitor_limit: u32,
     /// Calls all visitors together may make per day.
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     global_limit: u32,
     /// Days of usage kept; 7 when left out.
     #[schema(minimum = 1, maximum = 3650)]
     retention_days: Option<u32>,
     /// IANA time zone whose days the budget counts; `UTC` when left out.
-    #[schema(example = "Europe/Berlin")]
+    #[schema(example = "Europe/Berlin", min_length = 1)]
     timezone: Option<String>,
 }
 
@@ -104,7 +106,7 @@ pub async fn get(
 #[serde(deny_unknown_fields)]
 pub struct CheckBody {
     /// Who is calling: 1 to 256 characters, no control characters.
-    #[schema(min_length = 1, max_length = 256)]
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
     visitor: String,
     /// The day to count the call on; today in the budget's time zone when left out.
     #[schema(format = Date)]
@@ -248,6 +250,7 @@ pub struct UsageQuery {
     #[param(format = Date)]
     day: Option<String>,
     /// Also report this visitor's calls.
+    #[param(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
     visitor: Option<String>,
 }
 
@@ -285,6 +288,7 @@ pub async fn usage(
 pub struct ResetBody {
     #[schema(format = Date)]
     day: Option<String>,
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
     visitor: Option<String>,
 }
 
