@@ -188,22 +188,31 @@ impl Finished {
 /// The writer running on its own thread; see [`Writer::spawn`].
 pub struct WriterTask {
     done: tokio::sync::oneshot::Receiver<Result<(), sqlx::Error>>,
+    /// The writer's outcome, once [`Self::died`] has seen it end.
+    ended: Option<Result<(), WriterFailed>>,
 }
 
 impl WriterTask {
     /// Waits for the writer to drain the queue and close the database.
-    pub async fn join(self) -> Result<(), WriterFailed> {
-        Self::outcome(self.done.await)
+    pub async fn join(mut self) -> Result<(), WriterFailed> {
+        match self.ended.take() {
+            Some(r) => r,
+            None => Self::outcome(self.done.await),
+        }
     }
 
-    /// Resolves if the writer stops on its own, which it only does when it
-    /// died: while tally serves, nothing else closes its queue. The task
-    /// then yields its outcome through this call, not [`Self::join`].
+    /// Resolves if the writer dies. A writer that ended cleanly (its queue
+    /// was closed and drained) has not died: then this never resolves, and
+    /// [`Self::join`] reports the clean end.
     pub async fn died(&mut self) -> WriterFailed {
-        match Self::outcome((&mut self.done).await) {
-            Err(e) => e,
-            Ok(()) => WriterFailed::StoppedEarly,
+        if self.ended.is_none() {
+            let r = Self::outcome((&mut self.done).await);
+            if let Err(e) = r {
+                return e;
+            }
+            self.ended = Some(Ok(()));
         }
+        std::future::pending().await
     }
 
     fn outcome(
@@ -223,8 +232,6 @@ pub enum WriterFailed {
     Close(sqlx::Error),
     #[error("the writer thread died")]
     Died,
-    #[error("the writer stopped while tally was serving")]
-    StoppedEarly,
 }
 
 impl Writer {
@@ -247,7 +254,7 @@ impl Writer {
                 };
                 let _ = tx.send(result);
             })?;
-        Ok(WriterTask { done })
+        Ok(WriterTask { done, ended: None })
     }
 
     /// Runs until the queue is closed (by [`super::Handle::close`] or by every

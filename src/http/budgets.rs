@@ -106,7 +106,11 @@ pub async fn get(
 #[serde(deny_unknown_fields)]
 pub struct CheckBody {
     /// Who is calling: 1 to 256 characters, no control characters.
-    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
+    )]
     visitor: String,
     /// The day to count the call on; today in the budget's time zone when left out.
     #[schema(format = Date)]
@@ -250,7 +254,11 @@ pub struct UsageQuery {
     #[param(format = Date)]
     day: Option<String>,
     /// Also report this visitor's calls.
-    #[param(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
+    #[param(
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
+    )]
     visitor: Option<String>,
 }
 
@@ -288,7 +296,11 @@ pub async fn usage(
 pub struct ResetBody {
     #[schema(format = Date)]
     day: Option<String>,
-    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$")]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
+    )]
     visitor: Option<String>,
 }
 

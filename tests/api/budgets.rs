@@ -300,18 +300,7 @@ async fn a_broken_database_denies_checks() {
     let app = spawn_app().await;
     app.budget("fc", 10, 10).await;
     assert_eq!(app.check("fc", "A", DAY).await["allowed"], true);
-    {
-        use sqlx::ConnectOptions;
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&app.db_path)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::query("DROP TABLE budget_visitor_usage")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-    }
+    app.sql_behind("DROP TABLE budget_visitor_usage").await;
     for _ in 0..3 {
         let r = app
             .post_json("/budgets/fc/check", json!({"visitor": "A", "day": DAY}))

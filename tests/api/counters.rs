@@ -83,18 +83,8 @@ async fn concurrent_increments_are_exact_and_distinct() {
 async fn overflow_is_refused_and_leaves_the_counter_alone() {
     let app = spawn_app().await;
     // Put the counter near the top from behind the API.
-    {
-        use sqlx::ConnectOptions;
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&app.db_path)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-    }
+    app.sql_behind("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
+        .await;
     let r = app.post_json("/counters/big", json!({"by": 1000})).await;
     let body = crate::helpers::problem(r, StatusCode::CONFLICT).await;
     assert_eq!(body["type"], "/problems/counter-overflow");

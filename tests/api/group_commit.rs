@@ -22,6 +22,16 @@ async fn fresh_db(dir: &std::path::Path, name: &str) -> SqliteConnection {
     conn
 }
 
+/// A database whose counter `big` is 807 below the largest 64-bit integer.
+async fn near_overflow(dir: &std::path::Path) -> SqliteConnection {
+    let mut conn = fresh_db(dir, "o.db").await;
+    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
 async fn dump(conn: &mut SqliteConnection) -> Vec<(String, String, String, i64)> {
     let mut rows: Vec<(String, String, String, i64)> = sqlx::query_as(
         "SELECT budget, day, visitor, calls FROM budget_visitor_usage
@@ -159,13 +169,8 @@ async fn set_based_batches_answer_as_one_at_a_time() {
 #[tokio::test]
 async fn increment_overflow_in_a_batch_is_replayed_one_by_one() {
     let dir = tempfile::tempdir().unwrap();
-    let mut conn = fresh_db(dir.path(), "o.db").await;
-    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    let big = Name::parse("big").unwrap();
-    let small = Name::parse("small").unwrap();
+    let mut conn = near_overflow(dir.path()).await;
+    let (big, small) = (Name::parse("big").unwrap(), Name::parse("small").unwrap());
     // Each alone fits; together they overflow: only one by one tells who.
     let r = meter::increment_many(&mut conn, &[(&small, 1), (&big, 500), (&big, 500)])
         .await
@@ -191,17 +196,8 @@ async fn wait_for_depth(app: &TestApp, depth: u64) {
 async fn one_failing_command_does_not_fail_its_batch() {
     let app = spawn_with(|s| s.test_writer_delay_ms = Some(400)).await;
     app.budget("gc", 1, 10).await;
-    {
-        let mut conn = SqliteConnectOptions::new()
-            .filename(&app.db_path)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-    }
+    app.sql_behind("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
+        .await;
     // Occupy the writer, so that the commands below queue up behind it.
     let warm = tokio::spawn({
         let (c, u) = (app.client.clone(), app.url("/counters/warm"));
@@ -337,13 +333,8 @@ async fn one_trip_increment_batches_answer_as_one_at_a_time() {
 #[tokio::test]
 async fn a_one_trip_batch_that_overflows_commits_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut conn = fresh_db(dir.path(), "o.db").await;
-    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    let big = Name::parse("big").unwrap();
-    let small = Name::parse("small").unwrap();
+    let mut conn = near_overflow(dir.path()).await;
+    let (big, small) = (Name::parse("big").unwrap(), Name::parse("small").unwrap());
     let r = meter::increment_many_committed(&mut conn, &[(&small, 1), (&big, 500), (&big, 500)])
         .await
         .unwrap();

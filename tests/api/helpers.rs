@@ -121,6 +121,18 @@ impl TestApp {
         r.json().await.unwrap()
     }
 
+    /// Runs `sql` on the database file from outside tally, on a connection
+    /// of its own, as another process would.
+    pub async fn sql_behind(&self, sql: &'static str) {
+        use sqlx::ConnectOptions;
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&self.db_path)
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+    }
+
     /// Stops the app the way SIGTERM would, and returns its result.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.stop.take().unwrap().send(());

@@ -156,21 +156,11 @@ async fn keys_are_forgotten_after_a_day() {
     // A key stored two days ago, behind the API (as an earlier run of
     // tally would have left it), for an increment of `old`.
     app.post_json("/counters/old", json!({})).await;
-    {
-        use sqlx::ConnectOptions;
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&app.db_path)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::query(
-            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+    app.sql_behind(
+        "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
              VALUES ('stale', 'increment old 1', '1', unixepoch() - 2 * 86400)",
-        )
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    }
+    )
+    .await;
     // The first keyed batch of this writer forgets expired keys after it.
     post_keyed(&app, "/counters/other", "fresh", json!({})).await;
     let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
