@@ -123,7 +123,15 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
         .lines()
         .filter(|l| l.contains("write committed but its caller had gone"))
         .collect();
-    assert_eq!(gone.len(), 20 - answered, "{logs}");
+    // Every write whose caller gave up is logged. (A client can give up in
+    // the instant after its reply reached the handler and before the
+    // response was written; that caller was not gone yet, hence the one.)
+    let unanswered = 20 - answered;
+    assert!(
+        gone.len() <= unanswered && gone.len() + 1 >= unanswered,
+        "{} logged for {unanswered} unanswered: {logs}",
+        gone.len()
+    );
     for line in gone {
         let v: Value = serde_json::from_str(line).unwrap();
         assert_eq!(v["level"], "WARN");
