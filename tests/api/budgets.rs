@@ -334,6 +334,22 @@ fn header_params(
         .collect()
 }
 
+/// Where `day` starts and ends in `tz`, worked out here independently of
+/// tally's own arithmetic.
+fn day_bounds(
+    day: jiff::civil::Date,
+    tz: &jiff::tz::TimeZone,
+) -> (jiff::Timestamp, jiff::Timestamp) {
+    let start = |d: jiff::civil::Date| {
+        d.to_zoned_datetime(tz.clone())
+            .unwrap()
+            .start_of_day()
+            .unwrap()
+            .timestamp()
+    };
+    (start(day), start(day.tomorrow().unwrap()))
+}
+
 #[tokio::test]
 async fn checks_carry_ratelimit_fields_for_the_budget_day() {
     let app = spawn_app().await;
@@ -348,23 +364,9 @@ async fn checks_carry_ratelimit_fields_for_the_budget_day() {
     assert_eq!(r.status(), StatusCode::OK);
     let now = jiff::Timestamp::now().to_zoned_datetime(tz.clone());
     let today = now.date();
-    let start = today
-        .to_zoned_datetime(tz.clone())
-        .unwrap()
-        .start_of_day()
-        .unwrap();
-    let end = today
-        .tomorrow()
-        .unwrap()
-        .to_zoned_datetime(tz.clone())
-        .unwrap()
-        .start_of_day()
-        .unwrap();
-    let day_len = end.timestamp().duration_since(start.timestamp()).as_secs();
-    let left = end
-        .timestamp()
-        .duration_since(jiff::Timestamp::now())
-        .as_secs();
+    let (start, end) = day_bounds(today, &tz);
+    let day_len = end.duration_since(start).as_secs();
+    let left = end.duration_since(jiff::Timestamp::now()).as_secs();
 
     let check = |day: Option<String>| {
         let body = match day {
@@ -413,22 +415,8 @@ async fn checks_carry_ratelimit_fields_for_the_budget_day() {
     // Tomorrow resets a whole day later than today.
     let r = check(Some(today.tomorrow().unwrap().to_string())).await;
     let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
-    let tomorrow_len = {
-        let t = today.tomorrow().unwrap();
-        let s = t
-            .to_zoned_datetime(tz.clone())
-            .unwrap()
-            .start_of_day()
-            .unwrap();
-        let e = t
-            .tomorrow()
-            .unwrap()
-            .to_zoned_datetime(tz.clone())
-            .unwrap()
-            .start_of_day()
-            .unwrap();
-        e.timestamp().duration_since(s.timestamp()).as_secs()
-    };
+    let (s, e) = day_bounds(today.tomorrow().unwrap(), &tz);
+    let tomorrow_len = e.duration_since(s).as_secs();
     assert!((state["visitor"]["t"] - (left + tomorrow_len)).abs() <= 3);
     app.stop().await.unwrap();
 }
