@@ -357,14 +357,16 @@ impl Handle {
         op: impl FnOnce(Reply<T>) -> Op,
     ) -> Result<(T, bool), WriteError> {
         let (reply, answer) = oneshot::channel();
-        let replayed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Only keyed writes can be replays; the rest skip the allocation.
+        let keyed = key.map(|key| command::Keyed {
+            key,
+            replayed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        });
+        let replayed = keyed.as_ref().map(|k| Arc::clone(&k.replayed));
         let envelope = Envelope {
             op: op(reply),
             request_id: CALLER.try_with(Arc::clone).ok(),
-            key: key.map(|key| command::Keyed {
-                key,
-                replayed: Arc::clone(&replayed),
-            }),
+            key: keyed,
         };
         let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
@@ -383,7 +385,9 @@ impl Handle {
                 metrics::histogram!("tally_write_wait_seconds")
                     .record(queued_at.elapsed().as_secs_f64());
                 // The oneshot orders the writer's store before this load.
-                Ok((result?, replayed.load(std::sync::atomic::Ordering::Acquire)))
+                let replayed =
+                    replayed.is_some_and(|r| r.load(std::sync::atomic::Ordering::Acquire));
+                Ok((result?, replayed))
             }
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.
