@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use serde_json::json;
 use sqlx::SqliteConnection;
 
-use super::{Day, Decision, MeterError, Name, Reason, VisitorId, types::parse_timezone};
+use super::{Day, Decision, MeterError, Name, Reason, VisitorId, to_json, types::parse_timezone};
 
 /// Adds each `(name, by)` in order. Increments of one name are summed into
 /// one upsert; caller `i` gets the value its increment would have produced
@@ -33,7 +33,7 @@ pub async fn increment_many(
              WHERE value <= 9223372036854775807 - excluded.value
          RETURNING name, value",
     )
-    .bind(json!(totals).to_string())
+    .bind(to_json(&totals))
     .fetch_all(&mut *conn)
     .await?;
     Ok(values_in_order(items, &totals, rows))
@@ -58,7 +58,7 @@ pub async fn increment_many_committed(
          RETURNING name, value;
          COMMIT;",
     )
-    .bind(json!(totals).to_string())
+    .bind(to_json(&totals))
     .fetch_all(&mut *conn)
     .await;
     match rows {
@@ -149,7 +149,7 @@ pub async fn check_many(
         "SELECT name, visitor_limit, global_limit, retention_days, timezone
          FROM budgets WHERE name IN (SELECT value FROM json_each(?1))",
     )
-    .bind(json!(names).to_string())
+    .bind(to_json(&names))
     .fetch_all(&mut *conn)
     .await?;
     let mut configs = HashMap::new();

@@ -59,3 +59,10 @@ impl MeterError {
         }
     }
 }
+
+/// JSON text for a `json_each` parameter, written straight from `v` (no
+/// intermediate `serde_json::Value` on the hot path). Maps with string keys
+/// and sequences of strings and numbers cannot fail to serialize.
+fn to_json<T: serde::Serialize + ?Sized>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
+}

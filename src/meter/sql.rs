@@ -40,7 +40,7 @@ pub async fn read_counters(
         "SELECT name, value FROM counters
          WHERE name IN (SELECT value FROM json_each(?1))",
     )
-    .bind(serde_json::json!(names).to_string())
+    .bind(super::to_json(&names))
     .fetch_all(pool)
     .await?;
     Ok(rows.into_iter().collect())
