@@ -387,25 +387,8 @@ impl Writer {
             let _ = exec(&mut self.conn, "ROLLBACK").await;
             return None;
         };
-        let outcome = match commit(&mut self.conn).await {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                let _ = exec(&mut self.conn, "ROLLBACK").await;
-                Err(e)
-            }
-        };
-        let mut values = values.into_iter();
-        let mut decisions = decisions.into_iter();
-        let mut finished = Vec::with_capacity(batch.len());
-        for e in batch.drain(..) {
-            let result = match &e.op {
-                Op::Increment { .. } => Answer::Counter(values.next().map(Ok)),
-                Op::Check { .. } => Answer::Check(decisions.next()),
-                _ => Answer::Counter(None),
-            };
-            finished.push(finish(e.op, result).queued_by(e.request_id));
-        }
-        Some((finished, outcome))
+        let outcome = commit(&mut self.conn).await;
+        Some((answer_in_order(batch, values, decisions), outcome))
     }
 
     /// The hottest batch, increments only: the whole transaction in one
@@ -434,15 +417,7 @@ impl Writer {
         };
         metrics::histogram!("tally_commit_duration_seconds")
             .record(started.elapsed().as_secs_f64());
-        let mut values = values.into_iter();
-        let finished = batch
-            .drain(..)
-            .map(|e| {
-                let answer = Answer::Counter(values.next().map(Ok));
-                finish(e.op, answer).queued_by(e.request_id)
-            })
-            .collect();
-        Some((finished, outcome))
+        Some((answer_in_order(batch, values, Vec::new()), outcome))
     }
 
     /// The general path: one transaction, each command in its own savepoint.
@@ -479,14 +454,7 @@ impl Writer {
                         let _ = exec(&mut self.conn, "ROLLBACK").await;
                         Err(e)
                     }
-                    None => match commit(&mut self.conn).await {
-                        Ok(()) => Ok(()),
-                        Err(e) => {
-                            // A failed COMMIT may leave the transaction open.
-                            let _ = exec(&mut self.conn, "ROLLBACK").await;
-                            Err(e)
-                        }
-                    },
+                    None => commit(&mut self.conn).await,
                 }
             }
         };
@@ -587,11 +555,38 @@ async fn apply_once(conn: &mut SqliteConnection, op: Op, keyed: &Keyed) -> Finis
 }
 
 /// COMMIT, timed: its fsync is most of what a durable write waits for.
+/// A failed COMMIT may leave the transaction open, so it is rolled back.
 async fn commit(conn: &mut SqliteConnection) -> Result<(), MeterError> {
     let started = std::time::Instant::now();
     let r = exec(conn, "COMMIT").await;
     metrics::histogram!("tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
+    if r.is_err() {
+        let _ = exec(conn, "ROLLBACK").await;
+    }
     r
+}
+
+/// Pairs each command of a set-based batch, in queue order, with its
+/// result: the next value for an increment, the next decision for a check.
+fn answer_in_order(
+    batch: &mut Vec<Envelope>,
+    values: Vec<i64>,
+    decisions: Vec<Result<meter::Decision, MeterError>>,
+) -> Vec<Finished> {
+    let mut values = values.into_iter();
+    let mut decisions = decisions.into_iter();
+    batch
+        .drain(..)
+        .map(|e| {
+            let answer = match &e.op {
+                Op::Increment { .. } => Answer::Counter(values.next().map(Ok)),
+                Op::Check { .. } => Answer::Check(decisions.next()),
+                // Not in a set-based batch; `finish` answers it an error.
+                _ => Answer::Counter(None),
+            };
+            finish(e.op, answer).queued_by(e.request_id)
+        })
+        .collect()
 }
 
 async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), MeterError> {
