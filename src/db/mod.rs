@@ -248,10 +248,6 @@ impl Handle {
         self.0.tx.max_capacity() - self.0.tx.capacity()
     }
 
-    pub fn stats(&self) -> &QueueStats {
-        &self.0.stats
-    }
-
     /// Stops the queue accepting commands. The writer still runs every
     /// command already accepted, then closes the database.
     pub fn close(&self) {
@@ -276,17 +272,10 @@ impl Handle {
         answer.await.map_err(|_| gone())?
     }
 
-    pub async fn increment(&self, name: Name, by: i64) -> Result<i64, WriteError> {
-        let (v, _) = self
-            .submit(None, |reply| Op::Increment { name, by, reply })
-            .await?;
-        Ok(v)
-    }
-
-    /// [`Self::increment`] under an idempotency key: the second value is
-    /// `true` when the answer is the one stored for the key (nothing new
-    /// was written).
-    pub async fn increment_once(
+    /// Adds `by` to a counter, under an idempotency key if given: the second
+    /// value is `true` when the answer is the one stored for the key
+    /// (nothing new was written).
+    pub async fn increment(
         &self,
         name: Name,
         by: i64,
@@ -303,17 +292,9 @@ impl Handle {
             .0)
     }
 
+    /// One budget check, under an idempotency key if given; see
+    /// [`Self::increment`].
     pub async fn check(
-        &self,
-        budget: Name,
-        visitor: VisitorId,
-        day: Option<Day>,
-    ) -> Result<Decision, WriteError> {
-        Ok(self.check_once(budget, visitor, day, None).await?.0)
-    }
-
-    /// [`Self::check`] under an idempotency key; see [`Self::increment_once`].
-    pub async fn check_once(
         &self,
         budget: Name,
         visitor: VisitorId,

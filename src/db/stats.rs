@@ -1,7 +1,7 @@
 //! Numbers the writer shares with handlers without taking a lock.
 
 use std::{
-    sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
@@ -10,33 +10,15 @@ const RATE_ALPHA: f64 = 0.2;
 /// Longest `Retry-After` tally ever asks for, in seconds.
 pub const MAX_RETRY_AFTER_SECS: u64 = 30;
 
-/// Queue state that handlers read on every refused write.
+/// The writer's commit rate, which handlers read on every refused write.
 #[derive(Debug, Default)]
 pub struct QueueStats {
-    depth: AtomicUsize,
-    closed: AtomicBool,
     /// Commands committed per second while the writer is busy, as an
     /// exponentially weighted average over batches; `f64` bits, 0 = unknown.
     rate_bits: AtomicU64,
 }
 
 impl QueueStats {
-    pub fn set_depth(&self, depth: usize) {
-        self.depth.store(depth, Ordering::Relaxed);
-    }
-
-    pub fn depth(&self) -> usize {
-        self.depth.load(Ordering::Relaxed)
-    }
-
-    pub fn mark_closed(&self) {
-        self.closed.store(true, Ordering::Relaxed);
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
-    }
-
     /// Folds one batch (its size and how long it took to run and commit)
     /// into the commit rate. Only the writer calls this, so a plain
     /// load-then-store cannot lose an update.

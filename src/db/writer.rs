@@ -280,7 +280,6 @@ impl Writer {
                     continue;
                 }
             }
-            self.stats.set_depth(self.rx.len());
             if let Some(delay) = self.delay {
                 tokio::time::sleep(delay).await;
             }
@@ -293,7 +292,6 @@ impl Writer {
             self.batches += 1;
             self.run_batch(&mut batch).await;
         }
-        self.stats.mark_closed();
         tracing::info!("write queue drained");
         self.shutdown().await
     }

@@ -174,7 +174,7 @@ pub async fn check(
         .map(Day::parse)
         .transpose()
         .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
-    match state.db.check_once(name.clone(), visitor, day, key.0).await {
+    match state.db.check(name.clone(), visitor, day, key.0).await {
         Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
             metrics::counter!("tally_budget_decisions_total",

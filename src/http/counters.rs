@@ -62,10 +62,7 @@ async fn add(
             body.by
         )));
     }
-    let (value, replayed) = state
-        .db
-        .increment_once(name, i64::from(body.by), key.0)
-        .await?;
+    let (value, replayed) = state.db.increment(name, i64::from(body.by), key.0).await?;
     Ok((replayed_header(replayed), value))
 }
 
