@@ -12,7 +12,6 @@
 
 use std::collections::HashMap;
 
-use serde_json::json;
 use sqlx::SqliteConnection;
 
 use super::{Day, Decision, MeterError, Name, Reason, VisitorId, to_json, types::parse_timezone};
@@ -184,8 +183,9 @@ pub async fn check_many(
     for (item, day) in items.iter().zip(&days) {
         if let Some(day) = day {
             let d = day.to_string();
-            visitor_keys.push(json!([item.budget.as_str(), d, item.visitor.as_str()]));
-            global_keys.push(json!([item.budget.as_str(), d]));
+            // Tuples serialize as the JSON arrays `->> 0`, `->> 1` read.
+            visitor_keys.push((item.budget.as_str(), d.clone(), item.visitor.as_str()));
+            global_keys.push((item.budget.as_str(), d));
         }
     }
     if visitor_keys.is_empty() {
@@ -209,8 +209,8 @@ pub async fn check_many(
          JOIN budget_global_usage AS g
            ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1",
     )
-    .bind(json!(visitor_keys).to_string())
-    .bind(json!(global_keys).to_string())
+    .bind(to_json(&visitor_keys))
+    .bind(to_json(&global_keys))
     .fetch_all(&mut *conn)
     .await?;
     let mut visitors: HashMap<(String, String, String), i64> = HashMap::new();
@@ -286,12 +286,12 @@ pub async fn check_many(
     // 5. Write the final counts back.
     let visitor_rows: Vec<_> = visitors
         .into_iter()
-        .map(|((b, d, v), c)| json!([b, d, v, c]))
+        .map(|((b, d, v), c)| (b, d, v, c))
         .collect();
     let global_rows: Vec<_> = globals
         .into_iter()
         .filter(|(_, c)| *c > 0)
-        .map(|((b, d), c)| json!([b, d, c]))
+        .map(|((b, d), c)| (b, d, c))
         .collect();
     // Both write-backs as one script, one round trip.
     sqlx::query(
@@ -302,8 +302,8 @@ pub async fn check_many(
          SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2) WHERE true
          ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
     )
-    .bind(json!(visitor_rows).to_string())
-    .bind(json!(global_rows).to_string())
+    .bind(to_json(&visitor_rows))
+    .bind(to_json(&global_rows))
     .execute(&mut *conn)
     .await?;
     Ok(Some(results))
