@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use sqlx::{ConnectOptions, SqliteConnection, sqlite::SqliteConnectOptions};
 use tally::meter::{self, CheckItem, Day, Name, VisitorId};
 
-use crate::helpers::{TestApp, problem, spawn_with};
+use crate::helpers::{problem, spawn_with, wait_for_queue_depth};
 
 async fn fresh_db(dir: &std::path::Path, name: &str) -> SqliteConnection {
     let mut conn = SqliteConnectOptions::new()
@@ -178,17 +178,6 @@ async fn increment_overflow_in_a_batch_is_replayed_one_by_one() {
     assert_eq!(r, None);
 }
 
-async fn wait_for_depth(app: &TestApp, depth: u64) {
-    for _ in 0..1000 {
-        let r: Value = app.get("/ready").await.json().await.unwrap();
-        if r["queue_depth"].as_u64().unwrap() >= depth {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("queue never reached {depth}");
-}
-
 /// One batch holding a refused check, an overflowing increment (which sends
 /// the batch down the one-by-one path), an admin write and good commands:
 /// every caller gets its own correct answer and the good ones commit.
@@ -267,7 +256,7 @@ async fn one_failing_command_does_not_fail_its_batch() {
         }
         tasks.push(tokio::spawn(rb.send()));
         // In queue order: each waits for the one before it to be queued.
-        wait_for_depth(&app, i as u64 + 1).await;
+        wait_for_queue_depth(&app.client, &app.url(""), i as u64 + 1).await;
     }
     let mut answers = Vec::new();
     for t in tasks {

@@ -282,3 +282,23 @@ impl Hammer {
         acked
     }
 }
+
+/// Polls `/ready` at `base` (`http://host:port`) until the write queue holds
+/// at least `depth` commands.
+pub async fn wait_for_queue_depth(client: &Client, base: &str, depth: u64) {
+    for _ in 0..1000 {
+        let r: Value = client
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if r["queue_depth"].as_u64().unwrap() >= depth {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("queue never reached depth {depth}");
+}

@@ -5,25 +5,7 @@ use std::{collections::HashSet, time::Duration};
 use reqwest::{Client, StatusCode};
 use serde_json::Value;
 
-use crate::helpers::Binary;
-
-async fn wait_for_queue(client: &Client, bin: &Binary, depth: u64) {
-    for _ in 0..500 {
-        let r: Value = client
-            .get(bin.url("/ready"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if r["queue_depth"].as_u64().unwrap() >= depth {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("queue never reached depth {depth}");
-}
+use crate::helpers::{Binary, wait_for_queue_depth};
 
 async fn read_counter(db: &str, name: &str) -> i64 {
     let bin = Binary::start(&[("TALLY_DATABASE", db)]);
@@ -54,7 +36,7 @@ async fn sigterm_commits_and_answers_every_accepted_write() {
         let url = bin.url("/counters/drain");
         tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
     }
-    wait_for_queue(&client, &bin, 10).await;
+    wait_for_queue_depth(&client, &bin.url(""), 10).await;
     bin.sigterm();
     let mut values = HashSet::new();
     for t in tasks {
