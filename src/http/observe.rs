@@ -5,7 +5,6 @@ use std::{path::PathBuf, sync::Arc, time::Instant};
 
 use axum::{
     Router,
-    body::Body,
     extract::{MatchedPath, Request, State},
     http::{HeaderName, HeaderValue, Method, header},
     middleware::Next,
@@ -71,42 +70,18 @@ fn method_label(m: &Method) -> &'static str {
     }
 }
 
-/// Runs the request with its id in scope, and writes the id into a
-/// problem+json answer as the `request_id` member, so that a client can
-/// quote it and an operator can find the request's log lines.
+/// Runs the request with its id in scope: problem bodies quote it as
+/// `request_id`, and the writer's log lines about its commands name it.
 pub async fn with_request_id(req: Request, next: Next) -> Response {
-    let Some(id) = req
+    let id = req
         .headers()
         .get(&REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .map(Arc::<str>::from)
-    else {
-        return next.run(req).await;
-    };
-    let res = crate::db::CALLER
-        .scope(Arc::clone(&id), next.run(req))
-        .await;
-    let is_problem = res
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes() == b"application/problem+json");
-    if !is_problem {
-        return res;
+        .map(Arc::<str>::from);
+    match id {
+        Some(id) => crate::db::CALLER.scope(id, next.run(req)).await,
+        None => next.run(req).await,
     }
-    let (mut parts, body) = res.into_parts();
-    // Problem bodies are small and built by this crate.
-    let Ok(bytes) = axum::body::to_bytes(body, 64 * 1024).await else {
-        return (parts.status, "").into_response();
-    };
-    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
-        Ok(serde_json::Value::Object(mut map)) => {
-            map.insert("request_id".into(), serde_json::Value::from(&*id));
-            serde_json::to_vec(&map).unwrap_or_else(|_| bytes.to_vec())
-        }
-        _ => bytes.to_vec(),
-    };
-    parts.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(parts, Body::from(body))
 }
 
 /// What `/metrics` needs.

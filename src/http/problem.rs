@@ -232,6 +232,11 @@ impl IntoResponse for Problem {
         body.insert("status".into(), json!(this.status.as_u16()));
         body.insert("detail".into(), json!(this.detail));
         body.extend(this.extensions);
+        // The request being answered, set for the whole request by
+        // `observe::with_request_id`, so a client can quote it.
+        if let Ok(id) = crate::db::CALLER.try_with(|id| json!(&**id)) {
+            body.insert("request_id".into(), id);
+        }
         let mut res = (this.status, axum::Json(Value::Object(body))).into_response();
         let headers = res.headers_mut();
         headers.insert(
