@@ -19,6 +19,8 @@ pub struct Application {
     router: axum::Router,
     /// `/metrics` on a listener of its own, when configured.
     metrics: Option<(TcpListener, axum::Router)>,
+    /// The exporter's periodic upkeep; stopped with the service.
+    upkeep: tokio::task::JoinHandle<()>,
     db: Handle,
     writer: WriterTask,
     settings: Settings,
@@ -80,7 +82,7 @@ impl Application {
             db: db.clone(),
             db_path: settings.database.clone(),
         };
-        tokio::spawn(observe::upkeep(prometheus, Duration::from_secs(5)));
+        let upkeep = tokio::spawn(observe::upkeep(prometheus, Duration::from_secs(5)));
         let (router, metrics) = match settings.metrics_listen {
             None => (
                 http::router(state, settings.request_timeout, Some(metrics_state)),
@@ -103,6 +105,7 @@ impl Application {
             listener,
             router,
             metrics,
+            upkeep,
             db,
             writer,
             settings,
@@ -192,6 +195,7 @@ impl Application {
         if let Some(m) = metrics {
             m.abort();
         }
+        self.upkeep.abort();
 
         served
             .context("HTTP server task failed")?
