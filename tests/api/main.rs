@@ -10,6 +10,8 @@ mod group_commit;
 mod helpers;
 mod idempotency;
 mod lifecycle;
+#[path = "../common/loopback.rs"]
+mod loopback;
 mod observability;
 mod openapi;
 mod replica_env;

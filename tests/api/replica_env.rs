@@ -1,9 +1,11 @@
 //! Real Litestream and a real S3 server (moto) on loopback, started and
 //! stopped by the tests. `./scripts/test` installs both under `.tools/`.
 
+pub use crate::loopback::{S3, free_port, tool};
+
 use std::{
     io::{BufRead, BufReader},
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex, mpsc},
@@ -11,86 +13,6 @@ use std::{
 };
 
 use serde_json::Value;
-
-pub fn tool(name: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".tools/venv/bin")
-        .join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run ./scripts/test, which installs the pinned Litestream and S3 server",
-        p.display()
-    );
-    p
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A moto S3 server on a loopback port, killed on drop.
-pub struct S3 {
-    child: Child,
-    pub endpoint: String,
-}
-
-impl S3 {
-    pub async fn start() -> Self {
-        let port = free_port();
-        let child = Command::new(tool("moto_server"))
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto_server starts");
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let s3 = S3 { child, endpoint };
-        let client = reqwest::Client::new();
-        for _ in 0..200 {
-            if client.get(&s3.endpoint).send().await.is_ok() {
-                return s3;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("moto did not start on port {port}");
-    }
-
-    pub async fn create_bucket(&self, bucket: &str) {
-        let r = reqwest::Client::new()
-            .put(format!("{}/{bucket}", self.endpoint))
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "bucket: {}", r.status());
-    }
-}
-
-impl S3 {
-    /// Freezes the server (SIGSTOP): calls to it hang until [`Self::resume`].
-    pub fn pause(&self) {
-        self.send(nix::sys::signal::Signal::SIGSTOP);
-    }
-
-    pub fn resume(&self) {
-        self.send(nix::sys::signal::Signal::SIGCONT);
-    }
-
-    fn send(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
-    }
-}
-
-impl Drop for S3 {
-    fn drop(&mut self) {
-        self.resume();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Everything one tally-under-Litestream deployment needs: a data
 /// directory, a replica location, ports and a socket.
