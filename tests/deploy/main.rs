@@ -1,0 +1,9 @@
+//! Tests of what users install: the container image built from the
+//! repository's `Dockerfile` with podman, and the Helm chart in
+//! `helm/tally`, rendered and checked, and its pod run for real with
+//! `podman kube play`. S3 is moto on loopback; every container uses the
+//! host's network and talks to loopback only.
+
+mod image;
+#[path = "../common/loopback.rs"]
+mod loopback;
