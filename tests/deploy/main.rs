@@ -4,6 +4,7 @@
 //! `podman kube play`. S3 is moto on loopback; every container uses the
 //! host's network and talks to loopback only.
 
+mod chart;
 mod image;
 #[path = "../common/loopback.rs"]
 mod loopback;
