@@ -8,3 +8,4 @@ mod chart;
 mod image;
 #[path = "../common/loopback.rs"]
 mod loopback;
+mod monitoring;
