@@ -9,3 +9,4 @@ mod image;
 #[path = "../common/loopback.rs"]
 mod loopback;
 mod monitoring;
+mod pod;

@@ -1,0 +1,381 @@
+//! The chart's pod, run for real. The StatefulSet's pod template from
+//! `helm template` is played with `podman kube play` as a `kind: Pod`, with
+//! the image built from the Dockerfile and S3 on loopback, and driven
+//! through a pod's life: restore (init container) -> replica gate -> ready
+//! -> writes -> graceful stop -> a new pod on an empty volume -> restore ->
+//! every acknowledged write present.
+//!
+//! What is changed from the rendered spec, and why (podman is not a
+//! kubelet; `../shared` tooling notes list what it honours):
+//! - `hostNetwork: true`, and listen addresses moved from all interfaces to
+//!   loopback: the test talks to loopback only.
+//! - no `ports` on the containers: podman 4.3 turns them into port
+//!   mappings, which it refuses on the host network (they only document
+//!   the ports there).
+//! - `restartPolicy: Never`: with `Always` podman restarts the init
+//!   container forever.
+//! - the `emptyDir` gets a name unique to the run: podman turns it into a
+//!   named volume, which must not outlive the test or meet another run's.
+//! - annotation values are cut to 63 characters: podman 4.3 holds them to
+//!   the limit of label values (a kubelet takes the 64-character
+//!   `checksum/config` as it is).
+//! - the pod is stopped with `podman pod stop -t <the rendered
+//!   terminationGracePeriodSeconds>`, since podman ignores that field.
+//!
+//! Everything else (commands, env, the Secret and ConfigMap references,
+//! security context, mounts) is played as rendered: the Secret as a podman
+//! secret holding the rendered data, the ConfigMap in the same YAML.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+use crate::loopback::{S3, free_port};
+
+/// `podman` with runc and the ulimits this machine needs, which
+/// `kube play` takes only from a containers.conf.
+struct Podman {
+    dir: tempfile::TempDir,
+}
+
+impl Podman {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("containers.conf"),
+            "[engine]\nruntime = \"runc\"\n\n[containers]\n\
+             default_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n",
+        )
+        .unwrap();
+        Podman { dir }
+    }
+
+    fn cmd(&self) -> Command {
+        let mut cmd = Command::new("podman");
+        cmd.env("CONTAINERS_CONF", self.dir.path().join("containers.conf"));
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd().args(args).output().expect("podman runs")
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "podman {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// A played pod and what it created, removed on drop even when the test
+/// fails.
+struct PlayedPod<'a> {
+    podman: &'a Podman,
+    name: String,
+    /// The emptyDir's volume, then one per ConfigMap (podman keeps both).
+    volumes: Vec<String>,
+    secrets: Vec<String>,
+    yaml: PathBuf,
+    http: u16,
+}
+
+impl PlayedPod<'_> {
+    fn play(&self) {
+        self.podman
+            .ok(&["kube", "play", &self.yaml.to_string_lossy()]);
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+
+    /// The main container's output: Litestream's and tally's logs.
+    fn logs(&self) -> String {
+        let out = self.podman.run(&["logs", &format!("{}-tally", self.name)]);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    async fn wait_ready(&self, limit: Duration) {
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(r) = client.get(self.url("/ready")).send().await
+                && r.status() == 200
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("the pod was not ready within {limit:?}:\n{}", self.logs());
+    }
+
+    fn exit_code(&self, container: &str) -> i64 {
+        let out = self.podman.ok(&[
+            "inspect",
+            "--format",
+            "{{.State.ExitCode}}",
+            &format!("{}-{container}", self.name),
+        ]);
+        out.trim().parse().unwrap()
+    }
+
+    /// Removes the pod and its volume: the next play starts on an empty
+    /// `emptyDir`, as a new pod on another node would.
+    fn remove(&self) {
+        self.podman.ok(&["pod", "rm", "-f", &self.name]);
+        for v in &self.volumes {
+            let _ = self.podman.run(&["volume", "rm", "-f", v]);
+        }
+    }
+}
+
+impl Drop for PlayedPod<'_> {
+    fn drop(&mut self) {
+        let _ = self.podman.run(&["pod", "rm", "-f", "-t", "0", &self.name]);
+        for v in &self.volumes {
+            let _ = self.podman.run(&["volume", "rm", "-f", v]);
+        }
+        for s in &self.secrets {
+            let _ = self.podman.run(&["secret", "rm", s]);
+        }
+    }
+}
+
+/// Turns the rendered chart into a pod podman can play: the StatefulSet's
+/// pod template as a `kind: Pod`, with the changes listed in the module
+/// doc, and the ConfigMaps beside it.
+fn pod_yaml(docs: &[Value], name: &str, volume: &str) -> (String, u64) {
+    let sts = docs
+        .iter()
+        .find(|d| d["kind"] == "StatefulSet")
+        .expect("the chart renders a StatefulSet");
+    let template = &sts["spec"]["template"];
+    let mut spec = template["spec"].clone();
+    let grace = spec["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("terminationGracePeriodSeconds is rendered");
+    spec["hostNetwork"] = json!(true);
+    spec["restartPolicy"] = json!("Never");
+
+    let empty_dirs: Vec<String> = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v.get("emptyDir").is_some())
+        .map(|v| v["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(empty_dirs.len(), 1, "one emptyDir: {empty_dirs:?}");
+    let data = &empty_dirs[0];
+    for v in spec["volumes"].as_array_mut().unwrap() {
+        if v["name"] == *data {
+            v["name"] = json!(volume);
+        }
+    }
+    for kind in ["initContainers", "containers"] {
+        for c in spec[kind].as_array_mut().into_iter().flatten() {
+            if let Some(c) = c.as_object_mut() {
+                c.remove("ports");
+            }
+            for m in c["volumeMounts"].as_array_mut().into_iter().flatten() {
+                if m["name"] == *data {
+                    m["name"] = json!(volume);
+                }
+            }
+            for e in c["env"].as_array_mut().into_iter().flatten() {
+                if let Some(v) = e["value"].as_str() {
+                    let loopback = if let Some(port) = v.strip_prefix("0.0.0.0:") {
+                        Some(format!("127.0.0.1:{port}"))
+                    } else {
+                        v.strip_prefix(':')
+                            .filter(|p| p.parse::<u16>().is_ok())
+                            .map(|port| format!("127.0.0.1:{port}"))
+                    };
+                    if let Some(l) = loopback {
+                        e["value"] = json!(l);
+                    }
+                }
+            }
+        }
+    }
+
+    let mut annotations = template["metadata"]["annotations"].clone();
+    for v in annotations
+        .as_object_mut()
+        .into_iter()
+        .flat_map(|a| a.values_mut())
+    {
+        if let Some(s) = v.as_str().filter(|s| s.len() > 63) {
+            *v = json!(s[..63]);
+        }
+    }
+    let pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": template["metadata"]["labels"],
+            "annotations": annotations,
+        },
+        "spec": spec,
+    });
+    let mut yaml = String::new();
+    for d in docs
+        .iter()
+        .filter(|d| d["kind"] == "ConfigMap")
+        .chain([&pod])
+    {
+        yaml.push_str("---\n");
+        yaml.push_str(&serde_yaml_ng::to_string(d).unwrap());
+    }
+    (yaml, grace)
+}
+
+/// Each rendered Secret as a podman secret of the same name, holding the
+/// flat JSON map of its base64 `data` that `kube play` reads
+/// `secretKeyRef`s from.
+fn create_secrets(podman: &Podman, docs: &[Value]) -> Vec<String> {
+    let mut names = Vec::new();
+    for s in docs.iter().filter(|d| d["kind"] == "Secret") {
+        let name = s["metadata"]["name"].as_str().unwrap().to_owned();
+        // `data` is base64 already, which is what podman reads.
+        let data = &s["data"];
+        assert!(data.is_object(), "Secret {name} renders `data`: {s}");
+        let file = podman.file(&format!("secret-{name}.json"));
+        std::fs::write(&file, serde_json::to_vec(data).unwrap()).unwrap();
+        let _ = podman.run(&["secret", "rm", &name]);
+        podman.ok(&["secret", "create", &name, &file.to_string_lossy()]);
+        names.push(name);
+    }
+    names
+}
+
+async fn write_counters(pod: &PlayedPod<'_>, n: u32) -> Vec<(String, i64)> {
+    let client = reqwest::Client::new();
+    let mut acked = Vec::new();
+    for i in 0..n {
+        let name = format!("pod-{}", i % 7);
+        let r = client
+            .post(pod.url(&format!("/counters/{name}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "write {i}");
+        let v: Value = r.json().await.unwrap();
+        acked.push((name, v["value"].as_i64().unwrap()));
+    }
+    acked
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_rendered_pod_restores_serves_drains_and_restores_again() {
+    let image = crate::image::built();
+    let (repository, tag) = image.rsplit_once(':').unwrap();
+    let s3 = S3::start().await;
+    s3.create_bucket("tally-pod").await;
+    let (http, metrics, litestream) = (free_port(), free_port(), free_port());
+    let ports = [
+        http.to_string(),
+        metrics.to_string(),
+        litestream.to_string(),
+    ];
+    let sets = [
+        ("image.repository", repository),
+        ("image.tag", tag),
+        ("image.pullPolicy", "Never"),
+        ("replica.bucket", "tally-pod"),
+        ("replica.endpoint", s3.endpoint.as_str()),
+        ("replica.region", "us-east-1"),
+        ("replica.forcePathStyle", "true"),
+        ("replica.credentials.accessKeyId", "test-key"),
+        ("replica.credentials.secretAccessKey", "test-secret"),
+        ("ports.http", ports[0].as_str()),
+        ("ports.metrics", ports[1].as_str()),
+        ("ports.litestream", ports[2].as_str()),
+    ];
+    let docs = crate::chart::render("podtest", "tally-test", &sets);
+
+    let podman = Podman::new();
+    let unique = format!("tally-pod-{}-{}", std::process::id(), fastrand::u32(..));
+    let (yaml, grace) = pod_yaml(&docs, &unique, &format!("{unique}-data"));
+    let yaml_path = podman.file("pod.yaml");
+    std::fs::write(&yaml_path, &yaml).unwrap();
+    let pod = PlayedPod {
+        secrets: create_secrets(&podman, &docs),
+        podman: &podman,
+        name: unique.clone(),
+        volumes: std::iter::once(format!("{unique}-data"))
+            .chain(
+                docs.iter()
+                    .filter(|d| d["kind"] == "ConfigMap")
+                    .map(|d| d["metadata"]["name"].as_str().unwrap().to_owned()),
+            )
+            .collect(),
+        yaml: yaml_path,
+        http,
+    };
+
+    // First pod: an empty replica, so the restore finds nothing and tally
+    // starts fresh once Litestream has confirmed its first sync.
+    pod.play();
+    // podman starts the main container only after the init container
+    // exited 0, and then removes the init container.
+    pod.wait_ready(Duration::from_secs(120)).await;
+    let acked = write_counters(&pod, 40).await;
+
+    let started = Instant::now();
+    pod.podman
+        .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
+    let took = started.elapsed();
+    assert_eq!(
+        pod.exit_code("tally"),
+        0,
+        "Litestream must exit 0 after its final sync:\n{}",
+        pod.logs()
+    );
+    assert!(
+        took < Duration::from_secs(grace),
+        "a clean stop must finish inside the grace period ({took:?} of {grace} s)"
+    );
+
+    // Second pod, on a new empty volume: everything comes back from S3.
+    pod.remove();
+    pod.play();
+    pod.wait_ready(Duration::from_secs(120)).await;
+    let client = reqwest::Client::new();
+    let mut want = std::collections::BTreeMap::new();
+    for (name, value) in &acked {
+        let e = want.entry(name.clone()).or_insert(0);
+        *e = (*e).max(*value);
+    }
+    for (name, value) in want {
+        let v: Value = client
+            .get(pod.url(&format!("/counters/{name}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["value"], value, "{name} after restore:\n{}", pod.logs());
+    }
+    pod.podman
+        .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
+    assert_eq!(pod.exit_code("tally"), 0, "{}", pod.logs());
+}
