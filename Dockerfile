@@ -1,3 +1,6 @@
+# syntax=docker/dockerfile:1
+# (BuildKit's Dockerfile syntax: the RUN --mount cache mounts below need it.)
+
 # tally and Litestream in one image. Litestream is PID 1: it replicates the
 # database to S3, runs tally as its child, forwards SIGTERM to it and makes
 # a final sync once tally has drained. `tally` alone (embedded, no replica)
@@ -24,6 +27,17 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
  && cargo build --release --locked --bin tally \
  && install -D -m 0755 target/release/tally /out/tally
 
+# Debian's public CA bundle, from Debian's package, for the runtime. Not
+# the builder's: a build machine may trust private CAs (a company proxy's)
+# that the image must not inherit.
+FROM debian:bookworm-slim AS certs
+# Not pinned to a version: Debian removes a package's old version from the
+# archive when a point release replaces it, and a pinned build then fails.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
 FROM debian:bookworm-slim
 LABEL org.opencontainers.image.title="tally" \
       org.opencontainers.image.description="Atomic counters and daily budgets over HTTP on one SQLite file, replicated to S3 by Litestream" \
@@ -38,9 +52,9 @@ ENV TALLY_DATABASE=/data/tally.db \
     TALLY_METRICS_LISTEN=0.0.0.0:9100 \
     TMPDIR=/data
 RUN install -d -o 65532 -g 65532 -m 0750 /data
-# Litestream verifies S3's TLS certificate; the builder's CA bundle is the
-# same Debian one, without installing a package here.
-COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
+# Litestream verifies S3's TLS certificate against this bundle; copied
+# rather than installed, so the runtime stage keeps no apt state.
+COPY --from=certs /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=litestream/litestream:0.5.17 /usr/local/bin/litestream /usr/local/bin/litestream
 COPY litestream.yml /etc/litestream.yml
 COPY --from=build /out/tally /usr/local/bin/tally

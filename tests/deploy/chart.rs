@@ -21,6 +21,10 @@ use crate::loopback::tool_in;
 /// The bucket every render needs (the chart refuses to render without one).
 const BUCKET: (&str, &str) = ("replica.bucket", "tally-test");
 
+/// The image every render gets unless a test sets its own: the chart
+/// refuses to render without one (there is no public tally image).
+const IMAGE: (&str, &str) = ("image.repository", "registry.test/tally");
+
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -33,8 +37,9 @@ fn chart_dir() -> PathBuf {
 /// NAMESPACE --set KEY=VALUE...` and returns its manifests as JSON, in
 /// Helm's order (the `helm test` pod included). `sets` use Helm's `--set`
 /// syntax, so numbers and booleans arrive typed and a value must not contain
-/// a comma; `replica.bucket` is required. Panics with Helm's message when the
-/// chart refuses the values.
+/// a comma; `replica.bucket` is required. `image.repository` is set to
+/// [`IMAGE`] first, so a set of it replaces that. Panics with Helm's message
+/// when the chart refuses the values.
 pub fn render(release: &str, namespace: &str, sets: &[(&str, &str)]) -> Vec<Value> {
     helm_template(release, namespace, &set_args(sets))
         .unwrap_or_else(|e| panic!("helm template failed for {sets:?}:\n{e}"))
@@ -46,14 +51,15 @@ fn set_args(sets: &[(&str, &str)]) -> Vec<String> {
         .collect()
 }
 
-/// `helm template` with any extra arguments: the manifests, or Helm's
-/// stderr when it exits non-zero.
+/// `helm template` with [`IMAGE`] and then any extra arguments: the
+/// manifests, or Helm's stderr when it exits non-zero.
 fn helm_template(release: &str, namespace: &str, args: &[String]) -> Result<Vec<Value>, String> {
     let out = Command::new(tool_in("bin", "helm"))
         .arg("template")
         .arg(release)
         .arg(chart_dir())
         .args(["--namespace", namespace])
+        .args(set_args(&[IMAGE]))
         .args(args)
         .output()
         .expect("helm runs");
@@ -212,9 +218,43 @@ fn database_on_an_empty_dir_without_volume_claims() {
     }
 
     let docs = rendered(&[("persistence.sizeLimit", "2Gi")]);
-    let volumes = pod_spec(&docs)["volumes"].as_array().unwrap();
-    let data = volumes.iter().find(|v| v["name"] == "data").unwrap();
-    assert_eq!(data["emptyDir"]["sizeLimit"], "2Gi");
+    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], "2Gi");
+}
+
+fn data_volume(docs: &[Value]) -> &Value {
+    pod_spec(docs)["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "data")
+        .expect("a data volume")
+}
+
+/// A size limit may be a number of bytes, from `--set` (an integer to Helm)
+/// or from a values file (a float to Helm), and stays a whole number.
+#[test]
+fn size_limit_takes_a_number_of_bytes() {
+    let docs = rendered(&[("persistence.sizeLimit", "2147483648")]);
+    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], 2147483648u64);
+
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        file.path(),
+        "replica:\n  bucket: tally-test\npersistence:\n  sizeLimit: 3221225472\n",
+    )
+    .unwrap();
+    let docs = helm_template(
+        "tally",
+        "tally",
+        &["--values".to_owned(), file.path().display().to_string()],
+    )
+    .unwrap();
+    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], 3221225472u64);
+
+    for bad in ["2 Gi", "lots", "-1"] {
+        let e = refused(&[BUCKET, ("persistence.sizeLimit", bad)]);
+        assert!(e.contains("sizeLimit"), "{bad}: {e}");
+    }
 }
 
 #[test]
@@ -438,9 +478,16 @@ fn schema_rejects_unknown_keys_and_wrong_types() {
 fn schema_closes_every_object() {
     fn walk(path: &str, schema: &Value) {
         if schema["type"] == "object" && path != "/properties/global" {
+            // A Kubernetes object handed over as is (affinity, security
+            // contexts) may take any key, and says so.
+            let passthrough = schema["additionalProperties"] == true
+                && schema["description"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("passed through to Kubernetes as is"));
             assert!(
                 schema["additionalProperties"] == false
-                    || schema["additionalProperties"]["type"].is_string(),
+                    || schema["additionalProperties"]["type"].is_string()
+                    || passthrough,
                 "{path} leaves additionalProperties open"
             );
         }
@@ -581,7 +628,7 @@ fn app_version_is_the_crate_version() {
     let docs = rendered(&[]);
     assert_eq!(
         tally(&docs)["image"],
-        format!("tally:{}", env!("CARGO_PKG_VERSION"))
+        format!("{}:{}", IMAGE.1, env!("CARGO_PKG_VERSION"))
     );
 }
 
@@ -770,6 +817,363 @@ fn helm_test_pod_writes_through_the_service() {
             .any(|(k, v)| pod["metadata"]["labels"][k] != *v),
         "the Service's selector picks the test pod"
     );
+}
+
+#[test]
+fn the_default_replica_wait_leaves_room_for_a_snapshot_upload() {
+    // Every new pod uploads a full copy of the database inside the wait.
+    assert_eq!(
+        u64_at(&values_yaml()["config"]["replicaWaitTimeoutSeconds"]),
+        300
+    );
+    let docs = rendered(&[]);
+    let c = tally(&docs);
+    assert_eq!(env(c, "TALLY_REPLICA_WAIT_TIMEOUT"), "300");
+    let probe = &c["startupProbe"];
+    assert!(u64_at(&probe["failureThreshold"]) * u64_at(&probe["periodSeconds"]) >= 300);
+}
+
+/// The controller labels the pod `controller-revision-hash=<StatefulSet
+/// name>-<hash of up to 10 characters>`, a label value of at most 63
+/// characters; the pod is named `<StatefulSet name>-0`.
+fn assert_pod_names_fit(docs: &[Value]) {
+    let sts = one(docs, "StatefulSet")["metadata"]["name"]
+        .as_str()
+        .unwrap();
+    assert!(
+        sts.len() + 1 + 10 <= 63,
+        "StatefulSet name {sts} ({} characters) makes a revision label over 63",
+        sts.len()
+    );
+    assert!(!sts.ends_with('-'), "{sts}");
+    // The Service the StatefulSet names exists under that name.
+    let svc = one(docs, "Service");
+    assert_eq!(
+        one(docs, "StatefulSet")["spec"]["serviceName"],
+        svc["metadata"]["name"]
+    );
+}
+
+#[test]
+fn long_names_give_a_statefulset_whose_pod_kubernetes_accepts() {
+    // Helm's own limit for a release name is 53 characters...
+    let longest = "r".repeat(53);
+    let docs = render(&longest, "tally", &[BUCKET]);
+    assert_pod_names_fit(&docs);
+    // ...so a 60-character one never reaches the chart.
+    let e = helm_template(&"r".repeat(60), "tally", &set_args(&[BUCKET])).unwrap_err();
+    assert!(e.contains("53"), "{e}");
+    // A long override is cut too, and the pod's labels stay valid.
+    let override60 = format!("tally-{}", "o".repeat(54));
+    let docs = rendered(&[("fullnameOverride", &override60)]);
+    assert_pod_names_fit(&docs);
+    assert!(
+        override60.starts_with(
+            one(&docs, "StatefulSet")["metadata"]["name"]
+                .as_str()
+                .unwrap()
+        )
+    );
+    let docs = rendered(&[("nameOverride", &"n".repeat(60))]);
+    assert_pod_names_fit(&docs);
+}
+
+#[test]
+fn pod_management_is_parallel_so_an_upgrade_replaces_a_crash_looping_pod() {
+    let docs = rendered(&[]);
+    let spec = &one(&docs, "StatefulSet")["spec"];
+    assert_eq!(spec["podManagementPolicy"], "Parallel");
+    assert_eq!(spec["replicas"], 1);
+    assert_eq!(spec["updateStrategy"]["type"], "RollingUpdate");
+}
+
+#[test]
+fn dashboards_of_releases_in_several_namespaces_do_not_collide() {
+    let dashboard = |namespace: &str| {
+        let docs = render(
+            "tally",
+            namespace,
+            &[
+                BUCKET,
+                ("grafanaDashboard.enabled", "true"),
+                ("grafanaDashboard.namespace", "monitoring"),
+            ],
+        );
+        let cm = of_kind(&docs, "ConfigMap")
+            .into_iter()
+            .find(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
+            .expect("the dashboard ConfigMap")
+            .clone();
+        assert_eq!(cm["metadata"]["namespace"], "monitoring");
+        let keys: Vec<String> = cm["data"].as_object().unwrap().keys().cloned().collect();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        let json: Value = serde_json::from_str(cm["data"][&keys[0]].as_str().unwrap()).unwrap();
+        (
+            cm["metadata"]["name"].as_str().unwrap().to_owned(),
+            keys[0].clone(),
+            json["uid"].clone(),
+        )
+    };
+    let (a, b) = (dashboard("team-a"), dashboard("team-b"));
+    // Neither the ConfigMap nor the sidecar's file replaces the other's.
+    assert_ne!(a.0, b.0);
+    assert_ne!(a.1, b.1);
+    assert!(a.1.ends_with(".json"), "{}", a.1);
+    // One dashboard in Grafana, its namespace variable picks the release.
+    assert_eq!(a.2, b.2);
+}
+
+#[test]
+fn a_parent_chart_may_set_enabled() {
+    for on in ["true", "false"] {
+        one(&rendered(&[("enabled", on)]), "StatefulSet");
+    }
+    let e = refused(&[BUCKET, ("enabled", "yes")]);
+    assert!(e.contains("enabled"), "{e}");
+}
+
+#[test]
+fn affinity_spread_and_security_contexts_can_be_set() {
+    let docs = helm_template(
+        "tally",
+        "tally",
+        &set_args(&[BUCKET])
+            .into_iter()
+            .chain([
+                "--set-json".to_owned(),
+                r#"affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"pool","operator":"In","values":["counters"]}]}]}}}"#.to_owned(),
+                "--set-json".to_owned(),
+                r#"topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"topology.kubernetes.io/zone","whenUnsatisfiable":"ScheduleAnyway"}]"#.to_owned(),
+            ])
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let spec = pod_spec(&docs);
+    assert_eq!(
+        spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["values"][0],
+        "counters"
+    );
+    let spread = &spec["topologySpreadConstraints"][0];
+    assert_eq!(spread["topologyKey"], "topology.kubernetes.io/zone");
+    // Without a labelSelector a constraint counts no pods: the chart
+    // gives it the pod's selector.
+    assert_eq!(
+        spread["labelSelector"]["matchLabels"],
+        one(&docs, "StatefulSet")["spec"]["selector"]["matchLabels"]
+    );
+    let e = refused(&[BUCKET, ("affinity.nodeAfinity.x", "1")]);
+    assert!(e.contains("Additional property"), "{e}");
+
+    // OpenShift's restricted-v2 assigns the ids: null removes them, the
+    // rest of the restricted defaults stays, in every container the chart
+    // runs (the helm test pod's too).
+    let docs = rendered(&[
+        ("podSecurityContext.runAsUser", "null"),
+        ("podSecurityContext.runAsGroup", "null"),
+        ("podSecurityContext.fsGroup", "null"),
+        ("containerSecurityContext.runAsUser", "null"),
+        ("containerSecurityContext.runAsGroup", "null"),
+    ]);
+    let mut pods: Vec<&Value> = vec![pod_spec(&docs)];
+    pods.extend(of_kind(&docs, "Pod").into_iter().map(|p| &p["spec"]));
+    for spec in pods {
+        let pod = &spec["securityContext"];
+        for id in ["runAsUser", "runAsGroup", "fsGroup"] {
+            assert!(pod.get(id).is_none(), "pod {id}: {pod}");
+        }
+        assert_eq!(pod["runAsNonRoot"], true);
+        assert_eq!(pod["seccompProfile"]["type"], "RuntimeDefault");
+        let containers = ["initContainers", "containers"]
+            .into_iter()
+            .flat_map(|k| spec[k].as_array().cloned().unwrap_or_default());
+        for c in containers {
+            let sc = &c["securityContext"];
+            assert!(sc.get("runAsUser").is_none(), "{sc}");
+            assert!(sc.get("runAsGroup").is_none(), "{sc}");
+            assert_eq!(sc["runAsNonRoot"], true);
+            assert_eq!(sc["readOnlyRootFilesystem"], true);
+            assert_eq!(sc["allowPrivilegeEscalation"], false);
+            assert_eq!(strings(&sc["capabilities"]["drop"]), ["ALL"]);
+            assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+        }
+    }
+    // A uid of the namespace's range instead, merged into the defaults.
+    let docs = rendered(&[("containerSecurityContext.runAsUser", "1000680000")]);
+    let sc = &tally(&docs)["securityContext"];
+    assert_eq!(sc["runAsUser"], 1000680000);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    let e = refused(&[BUCKET, ("podSecurityContext.runAsUser", "root")]);
+    assert!(e.contains("runAsUser"), "{e}");
+}
+
+#[test]
+fn the_image_repository_is_required() {
+    // No default: a bare "tally" would be someone else's image.
+    assert_eq!(values_yaml()["image"]["repository"], "");
+    let e = refused(&[BUCKET, ("image.repository", "")]);
+    assert!(e.contains("image.repository is required"), "{e}");
+    assert!(e.contains("Dockerfile"), "{e}");
+}
+
+#[test]
+fn litestreams_metrics_listener_can_be_turned_off() {
+    let sets = [
+        ("metrics.litestream.enabled", "false"),
+        ("metrics.podMonitor.enabled", "true"),
+        ("networkPolicy.enabled", "true"),
+        (
+            "networkPolicy.metricsFrom[0].podSelector.matchLabels.app",
+            "prometheus",
+        ),
+    ];
+    let docs = rendered(&sets);
+    for c in [restore(&docs), tally(&docs)] {
+        assert_eq!(env(c, "LITESTREAM_METRICS_ADDR"), "", "empty: no listener");
+    }
+    let ports = tally(&docs)["ports"].as_array().unwrap();
+    assert!(ports.iter().all(|p| p["name"] != "litestream"), "{ports:?}");
+    let endpoints = one(&docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(endpoints.len(), 1);
+    assert_eq!(endpoints[0]["port"], "metrics");
+    let rules = one(&docs, "NetworkPolicy")["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let opened: Vec<_> = rules
+        .iter()
+        .flat_map(|r| r["ports"].as_array().unwrap().iter())
+        .map(|p| p["port"].as_str().unwrap())
+        .collect();
+    assert_eq!(opened, ["http", "metrics"]);
+    // On by default: the Litestream alerts need it.
+    assert_eq!(values_yaml()["metrics"]["litestream"]["enabled"], true);
+}
+
+#[test]
+fn extra_env_may_not_replace_what_the_chart_sets() {
+    let docs = rendered(&[("adminToken.value", "t")]);
+    let names: Vec<String> = tally(&docs)["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap().to_owned())
+        .collect();
+    for must in [
+        "TALLY_DRAIN_TIMEOUT",
+        "TALLY_REPLICA_WAIT_TIMEOUT",
+        "LITESTREAM_PATH",
+        "TALLY_DATABASE",
+    ] {
+        assert!(names.iter().any(|n| n == must), "{must} in {names:?}");
+    }
+    for name in &names {
+        let e = refused(&[
+            BUCKET,
+            ("adminToken.value", "t"),
+            ("extraEnv[0].name", name),
+            ("extraEnv[0].value", "x"),
+        ]);
+        assert!(
+            e.contains(&format!("extraEnv[0]: {name} is set by the chart")),
+            "{name}: {e}"
+        );
+    }
+    // The same name in the restore container's environment only.
+    let e = refused(&[
+        BUCKET,
+        ("extraEnv[0].name", "TALLY_SYNCHRONOUS"),
+        ("extraEnv[1].name", "LITESTREAM_BUCKET"),
+    ]);
+    assert!(e.contains("TALLY_SYNCHRONOUS"), "{e}");
+}
+
+/// Litestream expands `${LITESTREAM_PATH}` and the others into its YAML
+/// before parsing it: a value with whitespace or `#` would be cut short
+/// there, silently ("prod/tally #2" would become "prod/tally").
+#[test]
+fn replica_values_that_litestreams_yaml_would_cut_are_refused() {
+    for (key, bad) in [
+        ("replica.path", "prod/tally #2"),
+        ("replica.path", "prod/tally#2"),
+        ("replica.path", "prod tally"),
+        ("replica.path", "'quoted'"),
+        ("replica.path", "*alias"),
+        ("replica.bucket", "My_Bucket"),
+        ("replica.bucket", "ab"),
+        ("replica.bucket", "bucket #1"),
+        ("replica.bucket", "-bucket"),
+        ("replica.region", "us east 1"),
+        ("replica.region", "us-east-1 #x"),
+        ("replica.endpoint", "minio.storage:9000"),
+        ("replica.endpoint", "http://minio:9000 #x"),
+        ("replica.endpoint", "http://minio:9000/'x'"),
+    ] {
+        let e = refused(&[BUCKET, (key, bad)]);
+        assert!(
+            e.contains(key.trim_start_matches("replica.")) && e.contains("pattern"),
+            "{key}={bad:?}: {e}"
+        );
+    }
+    // YAML's null would leave Litestream an empty path: the bucket's root.
+    // (`--set` would make it Helm's null, which restores the default.)
+    let e = helm_template(
+        "tally",
+        "tally",
+        &set_args(&[BUCKET])
+            .into_iter()
+            .chain(["--set-string".to_owned(), "replica.path=null".to_owned()])
+            .collect::<Vec<_>>(),
+    )
+    .unwrap_err();
+    assert!(e.contains("replica.path"), "{e}");
+
+    let docs = rendered(&[
+        ("replica.bucket", "my.bucket-1"),
+        ("replica.path", "prod/tally-2/a=b_c.d"),
+        ("replica.region", "eu-west-1"),
+        ("replica.endpoint", "https://s3.example.com:9000/prefix"),
+    ]);
+    let c = tally(&docs);
+    assert_eq!(env(c, "LITESTREAM_BUCKET"), "my.bucket-1");
+    assert_eq!(env(c, "LITESTREAM_PATH"), "prod/tally-2/a=b_c.d");
+    assert_eq!(env(c, "LITESTREAM_REGION"), "eu-west-1");
+    assert_eq!(
+        env(c, "LITESTREAM_ENDPOINT"),
+        "https://s3.example.com:9000/prefix"
+    );
+}
+
+#[test]
+fn labels_of_the_chart_cannot_be_overridden() {
+    for key in [
+        "podLabels.app\\.kubernetes\\.io/name",
+        "podLabels.app\\.kubernetes\\.io/instance",
+        "commonLabels.app\\.kubernetes\\.io/component",
+        "commonLabels.helm\\.sh/chart",
+    ] {
+        let e = refused(&[BUCKET, (key, "other")]);
+        assert!(e.contains("abels"), "{key}: {e}");
+    }
+    // Other labels are fine; podLabels wins over commonLabels on the pod.
+    let docs = rendered(&[
+        ("commonLabels.team", "counters"),
+        ("commonLabels.tier", "common"),
+        ("podLabels.tier", "pod"),
+        ("podLabels.example\\.com/app\\.kubernetes\\.io", "x"),
+    ]);
+    let sts = one(&docs, "StatefulSet");
+    let labels = &sts["spec"]["template"]["metadata"]["labels"];
+    assert_eq!(labels["tier"], "pod");
+    assert_eq!(labels["team"], "counters");
+    assert_eq!(labels["example.com/app.kubernetes.io"], "x");
+    assert_eq!(sts["metadata"]["labels"]["tier"], "common");
+    for (k, v) in sts["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&labels[k], v, "the pod keeps selector label {k}");
+    }
 }
 
 /// Lint, kubernetes-validate, yamllint and checkov, as `scripts/check-chart`

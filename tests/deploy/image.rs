@@ -689,3 +689,73 @@ fn the_dockerfile_is_hadolint_clean() {
         text(&out)
     );
 }
+
+/// The base64 bodies of the PEM certificates in `text`, whitespace removed.
+fn pem_bodies(text: &str) -> Vec<String> {
+    let mut bodies = Vec::new();
+    let mut body: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if line == "-----BEGIN CERTIFICATE-----" {
+            body = Some(String::new());
+        } else if line == "-----END CERTIFICATE-----" {
+            bodies.extend(body.take());
+        } else if let Some(b) = body.as_mut() {
+            b.push_str(line);
+        }
+    }
+    bodies
+}
+
+/// The image trusts Debian's public CAs and nothing the build machine added:
+/// the builder (here the stand-in, as on many build machines) trusts the
+/// CAs in /usr/local/share/ca-certificates, such as a re-signing proxy's,
+/// and a bundle copied from it would carry them into every deployment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_images_ca_bundle_is_debians_not_the_build_machines() {
+    let image = built();
+    let c = Container::new("certs");
+    let out = podman(
+        &run_args(
+            image,
+            &c,
+            false,
+            ["--tmpfs", DATA_TMPFS],
+            &[],
+            &["cat", "/etc/ssl/certs/ca-certificates.crt"],
+        ),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let bundle: std::collections::HashSet<String> =
+        pem_bodies(&String::from_utf8_lossy(&out.stdout))
+            .into_iter()
+            .collect();
+    // Debian's bundle holds well over a hundred public roots.
+    assert!(bundle.len() > 100, "{} certificates", bundle.len());
+
+    let mut local = Vec::new();
+    let mut dirs = vec![PathBuf::from("/usr/local/share/ca-certificates")];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "crt") {
+                let pem = std::fs::read_to_string(&path).unwrap_or_default();
+                local.extend(pem_bodies(&pem).into_iter().map(|b| (path.clone(), b)));
+            }
+        }
+    }
+    eprintln!("{} local CA certificate(s) on this machine", local.len());
+    for (path, body) in &local {
+        assert!(
+            !bundle.contains(body),
+            "the image trusts this machine's local CA {}",
+            path.display()
+        );
+    }
+}

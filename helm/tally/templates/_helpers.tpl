@@ -6,18 +6,22 @@ Name of the chart, for labels.
 {{- end }}
 
 {{/*
-Full name of the release's resources, at most 63 characters (DNS label).
-If the release name already contains the chart name it is used as is.
+Full name of the release's resources, at most 52 characters, not the usual
+63: it is also the StatefulSet's name, and the controller labels its pod
+controller-revision-hash=<StatefulSet name>-<hash of up to 10 characters>,
+a label value that may not pass 63 characters (a longer name gives a
+StatefulSet whose pod the API server refuses). If the release name already
+contains the chart name it is used as is.
 */}}
 {{- define "tally.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -43,6 +47,23 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: tally
 {{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels of the tally pod: the release's labels with podLabels, where a key
+in both podLabels and commonLabels takes podLabels' value (the schema keeps
+both out of app.kubernetes.io/ and helm.sh/, so neither can change the
+selector).
+*/}}
+{{- define "tally.podLabels" -}}
+{{ include "tally.selectorLabels" . }}
+helm.sh/chart: {{ include "tally.chart" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tally
+{{- with merge (deepCopy .Values.podLabels) .Values.commonLabels }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
@@ -133,8 +154,25 @@ Checks across values that the schema cannot express. Included by the
 StatefulSet, so every render runs them.
 */}}
 {{- define "tally.validate" -}}
+{{- if not .Values.image.repository }}
+{{- fail "image.repository is required: build the image from the repository's Dockerfile, push it to a registry your cluster pulls from and name it (--set image.repository=REGISTRY/tally). There is no public tally image: a bare \"tally\" would pull someone else's image, or nothing." }}
+{{- end }}
 {{- if not .Values.replica.bucket }}
 {{- fail "replica.bucket is required: the S3 bucket Litestream replicates the database to (--set replica.bucket=NAME)" }}
+{{- end }}
+{{- /*
+An extraEnv entry with a name the chart sets would come last in the list
+and silently win: TALLY_DRAIN_TIMEOUT, say, would break the grace
+arithmetic, LITESTREAM_PATH the one-writer-per-path rule.
+*/}}
+{{- $chartEnv := list }}
+{{- range (include "tally.tallyEnv" . | fromYamlArray) }}
+{{- $chartEnv = append $chartEnv .name }}
+{{- end }}
+{{- range $i, $e := .Values.extraEnv }}
+{{- if has $e.name $chartEnv }}
+{{- fail (printf "extraEnv[%d]: %s is set by the chart; set it through the chart's values instead (values.yaml): a second definition would silently replace the chart's, and with it what the chart computes from it (the grace period, the replica path)" $i $e.name) }}
+{{- end }}
 {{- end }}
 {{- with .Values.replica.credentials }}
 {{- if and .existingSecret.name (or .accessKeyId .secretAccessKey) }}
@@ -173,8 +211,9 @@ both address the same replica. Credentials come from a Secret only.
   value: {{ .Values.replica.region | quote }}
 - name: LITESTREAM_FORCE_PATH_STYLE
   value: {{ .Values.replica.forcePathStyle | toString | quote }}
+# Empty turns Litestream's metrics listener off.
 - name: LITESTREAM_METRICS_ADDR
-  value: {{ printf ":%d" (int .Values.ports.litestream) | quote }}
+  value: {{ ternary (printf ":%d" (int .Values.ports.litestream)) "" .Values.metrics.litestream.enabled | quote }}
 {{- $secret := "" }}
 {{- $idKey := "" }}
 {{- $secretKey := "" }}
@@ -205,32 +244,47 @@ both address the same replica. Credentials come from a Secret only.
 {{- end }}
 
 {{/*
-The restricted container security context (Pod Security "restricted").
+The tally container's environment as the chart sets it (extraEnv comes
+after it). tally.validate refuses an extraEnv entry with one of these
+names.
 */}}
-{{- define "tally.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-capabilities:
-  drop:
-    - ALL
-seccompProfile:
-  type: RuntimeDefault
+{{- define "tally.tallyEnv" -}}
+{{ include "tally.litestreamEnv" . }}
+- name: TALLY_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.ports.http) | quote }}
+- name: TALLY_METRICS_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
+- name: TALLY_DRAIN_TIMEOUT
+  value: {{ .Values.shutdown.drainTimeoutSeconds | int | quote }}
+- name: TALLY_REPLICA_WAIT_TIMEOUT
+  value: {{ .Values.config.replicaWaitTimeoutSeconds | int | quote }}
+- name: TALLY_REQUEST_TIMEOUT
+  value: {{ .Values.config.requestTimeoutSeconds | int | quote }}
+- name: TALLY_QUEUE_CAPACITY
+  value: {{ .Values.config.queueCapacity | int | quote }}
+- name: TALLY_MAX_BATCH
+  value: {{ .Values.config.maxBatch | int | quote }}
+- name: TALLY_SYNCHRONOUS
+  value: {{ .Values.config.synchronous | quote }}
+- name: TALLY_READERS
+  value: {{ .Values.config.readers | int | quote }}
+- name: TALLY_LOG
+  value: {{ .Values.config.log | quote }}
+- name: TALLY_LOG_FORMAT
+  value: {{ .Values.config.logFormat | quote }}
+{{- if include "tally.createAdminToken" . }}
+- name: TALLY_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tally.fullname" . }}
+      key: admin-token
+{{- else if .Values.adminToken.existingSecret.name }}
+- name: TALLY_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.adminToken.existingSecret.name }}
+      key: {{ .Values.adminToken.existingSecret.key }}
 {{- end }}
-
-{{/*
-The pod security context: the image's numeric user, and fsGroup so that
-the emptyDir is writable by it.
-*/}}
-{{- define "tally.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
-fsGroup: 65532
-seccompProfile:
-  type: RuntimeDefault
 {{- end }}
 
 {{/*
