@@ -12,6 +12,59 @@ use crate::meter::{
     Budget, BudgetSpec, Day, Decision, IdempotencyKey, MeterError, Name, ResetScope, VisitorId,
 };
 
+/// Every `result` label `tally_write_commands_total` can carry, per command
+/// kind ([`Op::kind`]): `ok`, the refusals a command can meet
+/// ([`MeterError::kind`]), and `not_committed` for a batch whose COMMIT
+/// failed for another reason than the storage's. Exported at 0 from the
+/// start so that a first failure is an increase an alert can see.
+pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
+    (
+        "increment",
+        &[
+            "ok",
+            "overflow",
+            "key_reused",
+            "storage_full",
+            "storage_lost",
+            "database_error",
+            "not_committed",
+        ],
+    ),
+    (
+        "put_budget",
+        &[
+            "ok",
+            "storage_full",
+            "storage_lost",
+            "database_error",
+            "not_committed",
+        ],
+    ),
+    (
+        "check",
+        &[
+            "ok",
+            "unknown_budget",
+            "key_reused",
+            "storage_full",
+            "storage_lost",
+            "database_error",
+            "not_committed",
+        ],
+    ),
+    (
+        "reset",
+        &[
+            "ok",
+            "unknown_budget",
+            "storage_full",
+            "storage_lost",
+            "database_error",
+            "not_committed",
+        ],
+    ),
+];
+
 /// What a command answers: its result, or why it did not apply.
 pub type Reply<T> = oneshot::Sender<Result<T, MeterError>>;
 
@@ -108,6 +161,42 @@ impl fmt::Display for Target {
                 Some(v) => write!(f, "budget={budget} day={} visitor={v:?}", scope.day),
                 None => write!(f, "budget={budget} day={}", scope.day),
             },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{path::Path, sync::Arc};
+
+    use super::*;
+
+    /// The label list names real results only: a typo would export a
+    /// series at 0 forever while the real one stays absent.
+    #[test]
+    fn write_results_are_real_results() {
+        let name = Name::parse("n").unwrap();
+        let db = || Arc::new(sqlx::Error::PoolClosed);
+        let kinds: Vec<&str> = [
+            MeterError::UnknownBudget(name.clone()),
+            MeterError::Overflow(name),
+            MeterError::KeyReused,
+            MeterError::StorageFull(db()),
+            MeterError::StorageLost {
+                path: Arc::from(Path::new("x")),
+            },
+            MeterError::Database(db()),
+        ]
+        .iter()
+        .map(MeterError::kind)
+        .chain(["ok", "not_committed"])
+        .collect();
+        let commands: Vec<&str> = WRITE_RESULTS.iter().map(|(c, _)| *c).collect();
+        assert_eq!(commands, ["increment", "put_budget", "check", "reset"]);
+        for (command, results) in WRITE_RESULTS {
+            for r in *results {
+                assert!(kinds.contains(r), "{command}: {r}");
+            }
         }
     }
 }

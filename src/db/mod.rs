@@ -11,9 +11,11 @@
 //! No function hands out a writable connection: the only one is a private
 //! field of `Writer`, and `Writer::run` consumes it. Every write is a round
 //! trip through the queue (a command in, a oneshot reply back), and a reply
-//! is sent only after the transaction holding the command has committed.
+//! is sent only after the transaction holding the command has committed,
+//! into the file that still has the database's name (`files`).
 
 mod command;
+mod files;
 mod reads;
 mod stats;
 mod writer;
@@ -32,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use command::Envelope;
-pub use command::{Op, Reply};
+pub use command::{Op, Reply, WRITE_RESULTS};
 pub use stats::{QueueStats, retry_after_secs};
 pub use writer::{Writer, WriterFailed, WriterTask};
 
@@ -120,6 +122,11 @@ impl Database {
             source,
         };
 
+        // Whether tally's data was there before this start: a wrong replica
+        // path makes a restore step skip quietly, and a first deploy looks
+        // the same. Say which it was.
+        let file_existed = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+
         let synchronous = match opts.synchronous {
             Synchronous::Full => SqliteSynchronous::Full,
             Synchronous::Normal => SqliteSynchronous::Normal,
@@ -165,6 +172,26 @@ impl Database {
             checkpoints = opts.checkpoints,
             "database open"
         );
+        let had_tables = file_existed && {
+            let (n,): (i64,) = sqlx::query_as(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'counters'",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .map_err(open_err)?;
+            n > 0
+        };
+        if had_tables {
+            tracing::info!(path = %path.display(), "opened an existing database");
+        } else {
+            tracing::warn!(
+                path = %path.display(),
+                file_existed,
+                "created a new, empty database; if this is not the first start, a restore \
+                 from the replica did not happen"
+            );
+        }
+        metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
 
         sqlx::migrate!("./migrations")
             .run(&mut conn)
@@ -213,6 +240,9 @@ impl Database {
             keys_forgotten_at: None,
             panic_after: opts.writer_panic_after,
             batches: 0,
+            // After the migrations: by now SQLite has created -wal and -shm.
+            files: files::DbFiles::record(path),
+            disk_full_since: None,
         };
         Ok((handle, writer))
     }
@@ -359,7 +389,12 @@ impl Handle {
                     retry_after: self.retry_after(),
                 }
             }
-            mpsc::error::TrySendError::Closed(_) => WriteError::Closed,
+            mpsc::error::TrySendError::Closed(_) => match self.0.stats.storage_lost() {
+                Some(path) => WriteError::Meter(MeterError::StorageLost {
+                    path: Arc::clone(path),
+                }),
+                None => WriteError::Closed,
+            },
         })?;
         match answer.await {
             Ok(result) => {

@@ -1,7 +1,11 @@
 //! Numbers the writer shares with handlers without taking a lock.
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    path::Path,
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -16,6 +20,10 @@ pub struct QueueStats {
     /// Commands committed per second while the writer is busy, as an
     /// exponentially weighted average over batches; `f64` bits, 0 = unknown.
     rate_bits: AtomicU64,
+    /// Set by the writer when the database files were deleted or replaced:
+    /// why the queue closed, so that a write refused at the door hears the
+    /// same answer as those the writer refused.
+    storage_lost: OnceLock<Arc<Path>>,
 }
 
 impl QueueStats {
@@ -32,6 +40,16 @@ impl QueueStats {
             sample
         };
         self.rate_bits.store(new.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Records that the database files are gone (the first report wins).
+    pub fn set_storage_lost(&self, path: Arc<Path>) {
+        let _ = self.storage_lost.set(path);
+    }
+
+    /// The lost database file, once the writer has found it gone.
+    pub fn storage_lost(&self) -> Option<&Arc<Path>> {
+        self.storage_lost.get()
     }
 
     /// Commands per second the writer commits while busy; 0 before the

@@ -2,8 +2,14 @@
 //! connection. It takes every command already waiting in the queue (up to
 //! the batch cap), runs each inside its own savepoint of one transaction,
 //! commits once, and only then answers every caller.
+//!
+//! Before answering, it makes sure the commit went into the file at the
+//! database's path (see [`super::files`]). If the file was deleted or
+//! replaced, no caller hears a success: the batch and everything queued
+//! behind it is answered `storage_lost`, the queue closes, and the writer
+//! ends with an error so that tally exits non-zero and is restarted.
 
-use std::{sync::Arc, time::Duration};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use sqlx::{Connection, SqliteConnection};
 use tokio::sync::mpsc;
@@ -13,6 +19,7 @@ use std::sync::atomic::Ordering;
 
 use super::{
     command::{Envelope, Keyed, Op, Reply, Target},
+    files::{DbFiles, Lost},
     stats::QueueStats,
 };
 use crate::meter::{self, MeterError, idempotency};
@@ -36,7 +43,16 @@ pub struct Writer {
     pub(super) panic_after: Option<u64>,
     /// Batches taken so far.
     pub(super) batches: u64,
+    /// The database's files as opened, to notice them being deleted.
+    pub(super) files: DbFiles,
+    /// Since when commits fail for a full disk, to log the start and the end
+    /// of it rather than every failed batch.
+    pub(super) disk_full_since: Option<std::time::Instant>,
 }
+
+/// How often an idle writer checks that its files are still in place. After
+/// a batch it always checks.
+const FILES_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A command that ran, waiting for its transaction's fate before its caller
 /// hears of it.
@@ -80,6 +96,8 @@ impl<T: std::fmt::Debug> Done<T> {
     fn deliver(self, commit: &Result<(), MeterError>) {
         let committed = commit.is_ok() && self.result.is_ok();
         let result = match (commit, &self.result) {
+            // Why the batch failed, when the reason is the storage's.
+            (Err(e @ (MeterError::StorageFull(_) | MeterError::StorageLost { .. })), _) => e.kind(),
             (Err(_), _) => "not_committed",
             (Ok(()), Ok(_)) => "ok",
             (Ok(()), Err(e)) => e.kind(),
@@ -187,7 +205,7 @@ impl Finished {
 
 /// The writer running on its own thread; see [`Writer::spawn`].
 pub struct WriterTask {
-    done: tokio::sync::oneshot::Receiver<Result<(), sqlx::Error>>,
+    done: tokio::sync::oneshot::Receiver<Result<(), WriterFailed>>,
     /// The writer's outcome, once [`Self::died`] has seen it end.
     ended: Option<Result<(), WriterFailed>>,
 }
@@ -216,22 +234,26 @@ impl WriterTask {
     }
 
     fn outcome(
-        r: Result<Result<(), sqlx::Error>, tokio::sync::oneshot::error::RecvError>,
+        r: Result<Result<(), WriterFailed>, tokio::sync::oneshot::error::RecvError>,
     ) -> Result<(), WriterFailed> {
-        match r {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(WriterFailed::Close(e)),
-            Err(_) => Err(WriterFailed::Died),
-        }
+        r.unwrap_or(Err(WriterFailed::Died))
     }
 }
 
+/// Why the writer ended without answering everything it should have. A
+/// failed final checkpoint or close is not one: by then every accepted
+/// command has been answered (see [`Writer::run`]).
 #[derive(Debug, thiserror::Error)]
 pub enum WriterFailed {
-    #[error("the writer failed to close the database: {0}")]
-    Close(sqlx::Error),
+    #[error("the writer could not start: {0}")]
+    Start(std::io::Error),
     #[error("the writer thread died")]
     Died,
+    #[error(
+        "the database file {} was {what} while open; writes since went to a file that is gone",
+        path.display()
+    )]
+    StorageLost { path: PathBuf, what: &'static str },
 }
 
 impl Writer {
@@ -250,7 +272,7 @@ impl Writer {
                     .build()
                 {
                     Ok(rt) => rt.block_on(self.run()),
-                    Err(e) => Err(sqlx::Error::Io(e)),
+                    Err(e) => Err(WriterFailed::Start(e)),
                 };
                 let _ = tx.send(result);
             })?;
@@ -259,10 +281,15 @@ impl Writer {
 
     /// Runs until the queue is closed (by [`super::Handle::close`] or by every
     /// handle being dropped) and every command already accepted has been
-    /// committed and answered; then closes the database cleanly.
-    pub async fn run(mut self) -> Result<(), sqlx::Error> {
+    /// committed and answered; then closes the database, logging (not
+    /// returning) a failed final checkpoint or close: nothing is left to
+    /// answer, and every commit is already in the WAL. It returns an error
+    /// only if the database files were lost (see [`super::files`]).
+    pub async fn run(mut self) -> Result<(), WriterFailed> {
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut closing = false;
+        let mut watch = tokio::time::interval(FILES_CHECK_INTERVAL);
+        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
@@ -279,6 +306,14 @@ impl Writer {
                     tracing::info!(queued = self.rx.len(), "write queue closed, draining");
                     continue;
                 }
+                // Idle: a deleted file would otherwise go unnoticed until the
+                // next write, and tally would look ready all that time.
+                _ = watch.tick() => {
+                    if let Err(lost) = self.files.check() {
+                        return Err(self.lose(lost, &mut batch).await);
+                    }
+                    continue;
+                }
             }
             if let Some(delay) = self.delay {
                 tokio::time::sleep(delay).await;
@@ -290,25 +325,95 @@ impl Writer {
                 );
             }
             self.batches += 1;
-            self.run_batch(&mut batch).await;
-        }
-        tracing::info!("write queue drained");
-        self.shutdown().await
-    }
-
-    async fn shutdown(mut self) -> Result<(), sqlx::Error> {
-        if self.checkpoint_on_close {
-            let (busy, _, _): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
-                .fetch_one(&mut self.conn)
-                .await?;
-            if busy != 0 {
-                tracing::warn!("final WAL checkpoint was blocked by a reader; the WAL stays");
+            if let Err(lost) = self.run_batch(&mut batch).await {
+                return Err(self.lose(lost, &mut batch).await);
             }
         }
-        self.conn.close().await
+        tracing::info!("write queue drained");
+        if let Err(lost) = self.files.check() {
+            return Err(self.lose(lost, &mut batch).await);
+        }
+        self.shutdown().await;
+        Ok(())
     }
 
-    async fn run_batch(&mut self, batch: &mut Vec<Envelope>) {
+    /// Checkpoints (unless Litestream owns that) and closes the database.
+    /// Every accepted command has been answered by now and every commit is
+    /// in the WAL, which the next open replays: a failure here (a full disk
+    /// cannot take the checkpointed pages) loses nothing, so it is logged,
+    /// and the writer's end is still a clean one. Under Litestream a
+    /// non-zero exit would skip its final sync, exactly when it matters.
+    async fn shutdown(mut self) {
+        if self.checkpoint_on_close {
+            match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(TRUNCATE)")
+                .fetch_one(&mut self.conn)
+                .await
+            {
+                Ok((0, _, _)) => {}
+                Ok(_) => {
+                    tracing::warn!("final WAL checkpoint was blocked by a reader; the WAL stays")
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "final WAL checkpoint failed; the WAL stays and is replayed at the next start, \
+                     nothing is lost"
+                ),
+            }
+        }
+        if let Err(e) = self.conn.close().await {
+            tracing::error!(
+                error = %e,
+                "closing the database failed after every write was committed and answered"
+            );
+        }
+    }
+
+    /// The database files are gone: stop taking writes at once, so that
+    /// `/ready` fails and no later write is queued behind a dead file.
+    fn stop_taking_writes(&mut self, lost: &Lost) {
+        if self.rx.is_closed() && self.stats.storage_lost().is_some() {
+            return;
+        }
+        tracing::error!(
+            path = %lost.path.display(),
+            what = lost.what,
+            "the database file was {} underneath tally: writes would go to a file that no \
+             longer has a name; refusing every write and stopping",
+            lost.what
+        );
+        self.stats.set_storage_lost(Arc::clone(&lost.path));
+        self.rx.close();
+        metrics::gauge!("tally_write_queue_closed").set(1.0);
+    }
+
+    /// Answers every command still queued `storage_lost` without running
+    /// it, and gives the writer's error.
+    async fn lose(mut self, lost: Lost, batch: &mut Vec<Envelope>) -> WriterFailed {
+        self.stop_taking_writes(&lost);
+        let err = MeterError::StorageLost {
+            path: Arc::clone(&lost.path),
+        };
+        let mut refused = batch.len();
+        for e in batch.drain(..) {
+            fail(e.op, &err).queued_by(e.request_id).deliver(&Ok(()));
+        }
+        // The queue is closed: this ends once it is empty.
+        while self.rx.recv_many(batch, self.max_batch).await > 0 {
+            refused += batch.len();
+            for e in batch.drain(..) {
+                fail(e.op, &err).queued_by(e.request_id).deliver(&Ok(()));
+            }
+        }
+        tracing::error!(refused, "queued writes refused: the database file is gone");
+        WriterFailed::StorageLost {
+            path: lost.path.to_path_buf(),
+            what: lost.what,
+        }
+    }
+
+    /// Runs one batch and answers its callers; an error if the database
+    /// files turned out to be gone (every caller was answered so).
+    async fn run_batch(&mut self, batch: &mut Vec<Envelope>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
         // Keyed commands look up and store their key one by one.
@@ -323,10 +428,38 @@ impl Writer {
             },
             false => self.run_one_by_one(batch).await,
         };
-        if let Err(e) = &outcome {
-            tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+        // Before anyone hears of the batch: a commit into a deleted file
+        // succeeded for SQLite and is lost all the same.
+        let lost = self.files.check().err();
+        let outcome = match &lost {
+            Some(lost) => {
+                self.stop_taking_writes(lost);
+                Err(MeterError::StorageLost {
+                    path: Arc::clone(&lost.path),
+                })
+            }
+            None => outcome,
+        };
+        match &outcome {
+            Err(MeterError::StorageLost { .. }) => {}
+            Err(e @ MeterError::StorageFull(_)) => {
+                if self.disk_full_since.is_none() {
+                    self.disk_full_since = Some(std::time::Instant::now());
+                    tracing::error!(error = %e, batch = size, "the disk is full: writes fail (507) until space is freed");
+                } else {
+                    tracing::debug!(batch = size, "batch not committed: the disk is still full");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error")
+            }
+            Ok(()) => {
+                if let Some(since) = self.disk_full_since.take() {
+                    tracing::warn!(full_for = ?since.elapsed(), "space was freed: writes commit again");
+                }
+            }
         }
-        if keyed {
+        if keyed && lost.is_none() {
             self.forget_expired_keys().await;
         }
         let took = started.elapsed();
@@ -337,6 +470,10 @@ impl Writer {
         tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
         for f in finished {
             f.deliver(&outcome);
+        }
+        match lost {
+            Some(lost) => Err(lost),
+            None => Ok(()),
         }
     }
 

@@ -15,6 +15,11 @@ use crate::{
     meter::{InvalidInput, MeterError},
 };
 
+/// `Retry-After` for writes refused because the disk is full or the
+/// database file is gone: freeing space, or a restart, takes an operator or
+/// an orchestrator a few seconds at least.
+pub const STORAGE_RETRY_AFTER: Duration = Duration::from_secs(5);
+
 /// A problem document, with optional extension members and `Retry-After`.
 /// Boxed: it travels in the `Err` side of every handler's result.
 #[derive(Debug)]
@@ -53,6 +58,13 @@ impl Problem {
     /// Adds an extension member (RFC 9457 section 3.2).
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.0.extensions.insert(key.to_owned(), value.into());
+        self
+    }
+
+    /// Asks the client to wait this long before retrying (`Retry-After`,
+    /// in whole seconds, at least 1).
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.0.retry_after = Some(after);
         self
     }
 
@@ -154,6 +166,30 @@ impl From<MeterError> for Problem {
                 "this Idempotency-Key was first used for a different request; \
                  use a new key for a new request",
             ),
+            // The writer has logged the failed batch; one line per refused
+            // request would only add to a full disk's troubles.
+            MeterError::StorageFull(_) => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "storage-full",
+                "Storage full",
+            )
+            .detail(
+                "the database's disk is full; nothing was written. \
+                 Retrying is safe and succeeds once space is freed",
+            )
+            .with("reason", "storage_full")
+            .retry_after(STORAGE_RETRY_AFTER),
+            MeterError::StorageLost { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "storage-lost",
+                "Database file lost",
+            )
+            .detail(
+                "the database file was deleted or replaced underneath tally; this write was not \
+                 kept. tally stops so that it is restarted; retry then",
+            )
+            .with("reason", "storage_lost")
+            .retry_after(STORAGE_RETRY_AFTER),
             MeterError::Database(err) => {
                 tracing::error!(error = %err, "database error");
                 Self::internal("the database failed; nothing was written")

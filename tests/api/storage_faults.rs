@@ -1,0 +1,456 @@
+//! The disk under tally failing for real: a database file deleted or
+//! replaced underneath the running binary, and a full file system (a small
+//! tmpfs mounted by the test, which needs root). Each test is bounded in
+//! time and cleans up (kills tally, unmounts) even when it fails.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+
+use crate::helpers::{ADMIN, Binary, problem};
+
+/// A size-limited tmpfs on a fresh directory, unmounted when dropped.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tally-test"])
+            .arg(dir.path())
+            .output()
+            .expect("mount runs");
+        assert!(
+            out.status.success(),
+            "cannot mount a tmpfs (these tests need root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Writes a file until the file system is full; returns its path.
+    fn fill(&self) -> PathBuf {
+        let path = self.path().join("filler");
+        let mut f = std::fs::File::create(&path).unwrap();
+        for chunk in [1 << 16, 4096, 1] {
+            let buf = vec![0u8; chunk];
+            loop {
+                match f.write(&buf) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                    Err(e) => panic!("filling the tmpfs: {e}"),
+                }
+            }
+        }
+        path
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let umount = |lazy: bool| {
+            let mut c = Command::new("umount");
+            if lazy {
+                c.arg("-l");
+            }
+            c.arg(self.dir.path()).status().is_ok_and(|s| s.success())
+        };
+        if !umount(false) {
+            umount(true);
+        }
+    }
+}
+
+/// The database's three files.
+fn db_files(db: &Path) -> [PathBuf; 3] {
+    ["", "-wal", "-shm"].map(|s| {
+        let mut p = db.as_os_str().to_owned();
+        p.push(s);
+        PathBuf::from(p)
+    })
+}
+
+fn rm_database(db: &Path) {
+    for f in db_files(db) {
+        assert!(f.exists(), "{} should exist while tally runs", f.display());
+        std::fs::remove_file(&f).unwrap();
+    }
+}
+
+async fn increment(client: &Client, bin: &Binary, name: &str) -> reqwest::Response {
+    client
+        .post(bin.url(&format!("/counters/{name}")))
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn read(client: &Client, bin: &Binary, name: &str) -> i64 {
+    let r = client
+        .get(bin.url(&format!("/counters/{name}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    r.json::<Value>().await.unwrap()["value"].as_i64().unwrap()
+}
+
+/// The sample of `metric` whose labels include every one of `labels`.
+async fn metric(client: &Client, bin: &Binary, metric: &str, labels: &[&str]) -> Option<f64> {
+    let text = client
+        .get(bin.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(metric))
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The JSON log lines whose message starts with `message`.
+fn logged(bin: &Binary, message: &str) -> Vec<Value> {
+    bin.log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with(message))
+        })
+        .collect()
+}
+
+/// [`logged`], once the line is there: the log reader may still be
+/// catching up with a process that has just exited.
+async fn logged_soon(bin: &Binary, message: &str) -> Vec<Value> {
+    for _ in 0..250 {
+        let lines = logged(bin, message);
+        if !lines.is_empty() {
+            return lines;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Vec::new()
+}
+
+/// Starts tally on `db` and says how it found the database: the log line
+/// and `tally_database_new`.
+async fn start_and_see_how_it_opened(db: &str, client: &Client) -> (Binary, bool) {
+    let bin = Binary::start(&[("TALLY_DATABASE", db)]);
+    let created = logged(&bin, "created a new, empty database");
+    let opened = logged(&bin, "opened an existing database");
+    assert_eq!(created.len() + opened.len(), 1, "{}", bin.log_text());
+    let line = created.first().or(opened.first()).unwrap();
+    assert_eq!(line["fields"]["path"], db);
+    let new = !created.is_empty();
+    assert_eq!(line["level"], if new { "WARN" } else { "INFO" });
+    let gauge = metric(client, &bin, "tally_database_new", &[]).await;
+    assert_eq!(gauge, Some(if new { 1.0 } else { 0.0 }));
+    (bin, new)
+}
+
+/// `rm tally.db*` under a running tally: the next write is refused with
+/// `503 storage-lost` (never a 200 into the unlinked file), readiness goes,
+/// the error names the path, and tally exits non-zero so it is restarted.
+/// The restart says plainly that it started empty.
+#[tokio::test]
+async fn a_deleted_database_refuses_writes_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let client = Client::new();
+
+    let (bin, new) = start_and_see_how_it_opened(db_str, &client).await;
+    assert!(new, "a first start creates the database");
+    drop(bin);
+    let (mut bin, new) = start_and_see_how_it_opened(db_str, &client).await;
+    assert!(!new, "the second start finds the first one's database");
+
+    for i in 1..=5 {
+        let r = increment(&client, &bin, "gone").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.json::<Value>().await.unwrap()["value"], i);
+    }
+    rm_database(&db);
+    let r = increment(&client, &bin, "gone").await;
+    let retry_after = r.headers().get("retry-after").cloned();
+    let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(body["type"], "/problems/storage-lost", "{body}");
+    assert_eq!(retry_after.unwrap(), "5");
+    // From here on tally is on its way out: whatever answers is not a 200.
+    for path in ["/ready", "/counters/gone"] {
+        let answer = match path {
+            "/ready" => client.get(bin.url(path)).send().await,
+            _ => client.post(bin.url(path)).send().await,
+        };
+        if let Ok(r) = answer {
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        }
+    }
+    let status = bin.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(1), "{}", bin.log_text());
+    let lost = logged_soon(&bin, "the database file was deleted underneath tally").await;
+    assert_eq!(lost.len(), 1, "{}", bin.log_text());
+    assert_eq!(lost[0]["level"], "ERROR");
+    assert_eq!(lost[0]["fields"]["path"], db_str);
+    assert_eq!(
+        logged_soon(&bin, "the writer stopped; shutting down")
+            .await
+            .len(),
+        1
+    );
+
+    // What was in the deleted file is gone with it; the restart says that
+    // it starts empty, and holds nothing answered after the delete.
+    let (bin, new) = start_and_see_how_it_opened(db_str, &client).await;
+    assert!(new, "the restart must say it created a new database");
+    assert_eq!(read(&client, &bin, "gone").await, 0);
+}
+
+/// Under load: no write sent after the files were deleted is acknowledged.
+#[tokio::test]
+async fn under_load_no_write_sent_after_the_delete_is_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    let deleted_at = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let acked = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, deleted_at, acked) =
+                (bin.url("/counters/load"), deleted_at.clone(), acked.clone());
+            tokio::spawn(async move {
+                let client = Client::new();
+                // (sent after the delete, status) of every answered request.
+                let mut answers = Vec::new();
+                let until = Instant::now() + Duration::from_secs(15);
+                while Instant::now() < until {
+                    let after = deleted_at.get().is_some();
+                    match client.post(&url).send().await {
+                        Ok(r) => {
+                            if r.status() == StatusCode::OK {
+                                acked.fetch_add(1, Ordering::Relaxed);
+                            }
+                            answers.push((after, r.status()));
+                        }
+                        Err(_) => break,
+                    }
+                }
+                answers
+            })
+        })
+        .collect();
+    // Deleted in the middle of the load, however slow the machine is.
+    let loaded = Instant::now() + Duration::from_secs(10);
+    while acked.load(Ordering::Relaxed) < 100 && Instant::now() < loaded {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rm_database(&db);
+    deleted_at.set(Instant::now()).unwrap();
+    let status = bin.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(1), "{}", bin.log_text());
+    let mut answers = Vec::new();
+    for c in clients {
+        answers.extend(c.await.unwrap());
+    }
+    let ok_before = answers
+        .iter()
+        .filter(|(after, s)| !after && *s == StatusCode::OK)
+        .count();
+    let ok_after = answers
+        .iter()
+        .filter(|(after, s)| *after && *s == StatusCode::OK)
+        .count();
+    let refused = answers
+        .iter()
+        .filter(|(_, s)| *s == StatusCode::SERVICE_UNAVAILABLE)
+        .count();
+    assert!(
+        ok_before > 50,
+        "too little load before the delete: {ok_before}"
+    );
+    assert_eq!(
+        ok_after, 0,
+        "writes sent after the delete were acknowledged"
+    );
+    assert!(refused > 0, "no write was refused: {answers:?}");
+}
+
+/// Nothing written, and the file is replaced (a restore over a running
+/// tally): the idle writer notices it within seconds and tally exits.
+#[tokio::test]
+async fn an_idle_tally_notices_its_database_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    let copy = dir.path().join("copy.db");
+    std::fs::copy(&db, &copy).unwrap();
+    std::fs::rename(&copy, &db).unwrap();
+    let started = Instant::now();
+    let status = bin.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(1), "{}", bin.log_text());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let lost = logged_soon(&bin, "the database file was replaced underneath tally").await;
+    assert_eq!(lost.len(), 1, "{}", bin.log_text());
+}
+
+/// A full file system: writes answer `507 storage-full` with `Retry-After`
+/// and are counted; reads and readiness stay; budget checks fail closed;
+/// once space is freed writes succeed again without a restart, and every
+/// acknowledged write is there (and nothing refused is), also after one.
+#[tokio::test]
+async fn a_full_disk_answers_507_and_recovers_when_space_is_freed() {
+    let fs = Tmpfs::mount("16m");
+    let db = fs.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let client = Client::new();
+    let r = client
+        .put(bin.url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 100, "global_limit": 1000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut acked = 0;
+    for _ in 0..10 {
+        assert_eq!(
+            increment(&client, &bin, "full").await.status(),
+            StatusCode::OK
+        );
+        acked += 1;
+    }
+
+    let filler = fs.fill();
+    // The WAL's last page may still take a frame or two.
+    let mut full = None;
+    for _ in 0..100 {
+        let r = increment(&client, &bin, "full").await;
+        match r.status() {
+            StatusCode::OK => acked += 1,
+            _ => {
+                full = Some(r);
+                break;
+            }
+        }
+    }
+    let r = full.expect("writes kept succeeding on a full disk");
+    assert_eq!(r.headers()["retry-after"], "5");
+    let body = problem(r, StatusCode::INSUFFICIENT_STORAGE).await;
+    assert_eq!(body["type"], "/problems/storage-full", "{body}");
+    for _ in 0..5 {
+        let r = increment(&client, &bin, "full").await;
+        match r.status() {
+            StatusCode::OK => acked += 1,
+            _ => {
+                problem(r, StatusCode::INSUFFICIENT_STORAGE).await;
+            }
+        }
+    }
+    // Reads and readiness are not writes.
+    assert_eq!(read(&client, &bin, "full").await, acked);
+    let ready = client.get(bin.url("/ready")).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
+    // A check cannot be counted, so it is denied.
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": "v"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_server_error(), "{}", r.status());
+    assert_eq!(r.json::<Value>().await.unwrap()["allowed"], false);
+    let counted = metric(
+        &client,
+        &bin,
+        "tally_write_commands_total",
+        &["command=\"increment\"", "result=\"storage_full\""],
+    )
+    .await;
+    assert!(counted.is_some_and(|n| n >= 1.0), "{counted:?}");
+    logged_soon(&bin, "the disk is full").await;
+    assert_eq!(
+        logged(&bin, "the disk is full").len(),
+        1,
+        "logged once, not per batch: {}",
+        bin.log_text()
+    );
+
+    std::fs::remove_file(&filler).unwrap();
+    for _ in 0..10 {
+        let r = increment(&client, &bin, "full").await;
+        assert_eq!(r.status(), StatusCode::OK, "after freeing space");
+        acked += 1;
+    }
+    assert_eq!(read(&client, &bin, "full").await, acked);
+    assert_eq!(logged_soon(&bin, "space was freed").await.len(), 1);
+    bin.sigterm();
+    assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
+
+    let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    assert_eq!(read(&client, &bin, "full").await, acked);
+}
+
+/// SIGTERM while the disk is full: every accepted write is answered, the
+/// final checkpoint cannot write its pages and is logged, and the exit is
+/// still 0 (under Litestream a non-zero exit skips the final sync). Nothing
+/// acknowledged is lost: it is all in the WAL.
+#[tokio::test]
+async fn sigterm_on_a_full_disk_logs_the_failed_checkpoint_and_exits_0() {
+    let fs = Tmpfs::mount("16m");
+    let db = fs.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    let client = Client::new();
+    // New rows on new pages, so that the checkpoint has to grow the file.
+    let names: Vec<String> = (0..300).map(|i| format!("{i:0>128}")).collect();
+    for name in &names {
+        assert_eq!(
+            increment(&client, &bin, name).await.status(),
+            StatusCode::OK
+        );
+    }
+    let filler = fs.fill();
+    let r = increment(&client, &bin, "one-more").await;
+    let refused = r.status() == StatusCode::INSUFFICIENT_STORAGE;
+
+    bin.sigterm();
+    let status = bin.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    assert_eq!(logged_soon(&bin, "stopped cleanly").await.len(), 1);
+    let failed = logged(&bin, "final WAL checkpoint failed");
+    assert_eq!(failed.len(), 1, "{}", bin.log_text());
+    assert_eq!(failed[0]["level"], "ERROR");
+
+    std::fs::remove_file(&filler).unwrap();
+    let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    for name in &names {
+        assert_eq!(read(&client, &bin, name).await, 1, "{name}");
+    }
+    assert_eq!(
+        read(&client, &bin, "one-more").await,
+        if refused { 0 } else { 1 }
+    );
+}
