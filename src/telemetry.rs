@@ -1,5 +1,5 @@
 //! Structured logs: JSON lines when stderr is not a terminal (a log
-//! pipeline), readable text when it is.
+//! pipeline), readable text when it is. Colours only on a terminal.
 
 use std::io::IsTerminal;
 
@@ -15,14 +15,24 @@ pub fn init() {
         Ok("text") => false,
         _ => !std::io::stderr().is_terminal(),
     };
+    // Escape sequences are for a terminal to draw; in a file or a log
+    // pipeline they are noise in every line. NO_COLOR (no-color.org) turns
+    // them off on a terminal too.
+    let colours = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let registry = tracing_subscriber::registry().with(filter);
     if json {
         registry
-            .with(fmt::layer().json().with_writer(std::io::stderr))
+            .with(
+                fmt::layer()
+                    .json()
+                    .with_ansi(false)
+                    .with_writer(std::io::stderr),
+            )
             .init();
     } else {
         registry
-            .with(fmt::layer().with_writer(std::io::stderr))
+            .with(fmt::layer().with_ansi(colours).with_writer(std::io::stderr))
             .init();
     }
 }

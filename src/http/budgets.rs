@@ -65,6 +65,32 @@ fn parse_day(day: Option<&str>) -> Result<Option<Day>, Problem> {
     Ok(day.map(Day::parse).transpose()?)
 }
 
+/// `day`, if the budget keeps it now: today in its time zone or one of the
+/// `retention_days` days before it, exactly what pruning keeps. A later day
+/// does not exist yet and an earlier one is pruned (or about to be), so
+/// naming one is refused with a 422 that changed nothing.
+fn kept_day(budget: &Budget, day: Day) -> Result<Day, Problem> {
+    let kept = budget.spec.kept_days(Timestamp::now());
+    if kept.contains(day) {
+        return Ok(day);
+    }
+    Err(Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "day-outside-window",
+        "Day outside the budget's window",
+    )
+    .detail(format!(
+        "budget `{}` keeps the days {} to {} (today in {} and the {} days before it); {day} is not one of them",
+        budget.name,
+        kept.oldest,
+        kept.today,
+        budget.spec.timezone_name,
+        budget.spec.retention_days,
+    ))
+    .with("oldest_day", kept.oldest.to_string())
+    .with("today", kept.today.to_string()))
+}
+
 /// Creates or replaces a budget (admin).
 #[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
     request_body(content = BudgetBody, content_type = "application/json"),
@@ -112,7 +138,10 @@ pub struct CheckBody {
         pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
     )]
     visitor: String,
-    /// The day to count the call on; today in the budget's time zone when left out.
+    /// The day to count the call on; today in the budget's time zone when
+    /// left out. Only a day the budget keeps: today or one of the
+    /// `retention_days` days before it; any other day (a future one
+    /// included) is refused with 422 `/problems/day-outside-window`.
     #[schema(format = Date)]
     day: Option<String>,
 }
@@ -144,8 +173,14 @@ impl From<Decision> for DecisionView {
     }
 }
 
+/// The route of [`check`], as its requests' `MatchedPath` names it.
+pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
+
 /// One call against a budget: the visitor's limit first, then the global
-/// one. Denied calls are counted too. Every answer but a 200 is a denial.
+/// one. Denied calls are counted too. Every answer but a 200 is a denial
+/// (`"allowed": false`). A `day` outside the days the budget keeps (today in
+/// its time zone and the `retention_days` days before it) is 422
+/// `/problems/day-outside-window`, and nothing is counted.
 #[utoipa::path(post, path = "/budgets/{name}/check", operation_id = "checkBudget", tag = "budgets",
     params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
     request_body(content = CheckBody, content_type = "application/json"),
@@ -174,6 +209,18 @@ pub async fn check(
         .map(Day::parse)
         .transpose()
         .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
+    // A day the client names must be one the budget keeps, which only the
+    // budget's configuration tells. The writer prunes from the real today
+    // whatever day it is given, so even a budget changed between this read
+    // and the check cannot make it delete a day it keeps.
+    let day = match day {
+        None => None,
+        Some(day) => match meter::get_budget(state.db.readers(), &name).await {
+            Ok(budget) => Some(kept_day(&budget, day).map_err(deny)?),
+            Err(e) if e.is_storage_failure() => return Err(meter_failed(&e)),
+            Err(e) => return Err(deny(e.into())),
+        },
+    };
     match state.db.check(name.clone(), visitor, day, key.0).await {
         Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
@@ -184,23 +231,32 @@ pub async fn check(
             headers.extend(replayed_header(replayed));
             Ok((headers, Json(decision.into())))
         }
-        Err(WriteError::Meter(MeterError::Database(err))) => {
-            // Whether the budget exists is unknown here: keep its name out
-            // of the labels, so bad input cannot grow them.
-            metrics::counter!("tally_budget_decisions_total",
-                "budget" => "", "reason" => "meter_error")
-            .increment(1);
-            tracing::error!(error = %err, "budget check failed; denying");
-            Err(Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "meter-error",
-                "Budget check failed",
-            )
-            .detail("the budget could not be checked, so the call is denied")
-            .with("allowed", false)
-            .with("reason", "meter_error"))
-        }
+        Err(WriteError::Meter(e)) if e.is_storage_failure() => Err(meter_failed(&e)),
         Err(e) => Err(deny(e.into())),
+    }
+}
+
+/// The answer to a check the database failed (an error, a full disk, a
+/// lost file): denied, since a check fails closed.
+fn meter_failed(err: &MeterError) -> Problem {
+    // Whether the budget exists is unknown here: keep its name out of the
+    // labels, so bad input cannot grow them.
+    metrics::counter!("tally_budget_decisions_total",
+        "budget" => "", "reason" => "meter_error")
+    .increment(1);
+    tracing::error!(error = %err, "budget check failed; denying");
+    let denied = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "meter-error",
+        "Budget check failed",
+    )
+    .detail("the budget could not be checked, so the call is denied")
+    .with("allowed", false)
+    .with("reason", "meter_error");
+    // A full or lost disk is not over at once: say when to try again.
+    match err.is_storage_failure() {
+        true => denied.retry_after(super::problem::STORAGE_RETRY_AFTER),
+        false => denied,
     }
 }
 
@@ -250,7 +306,9 @@ fn reason_label(r: Reason) -> &'static str {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct UsageQuery {
-    /// The day; today in the budget's time zone when left out.
+    /// The day; today in the budget's time zone when left out. Only a day
+    /// the budget keeps (today or one of the `retention_days` days before
+    /// it): any other is 422 `/problems/day-outside-window`.
     #[param(format = Date)]
     day: Option<String>,
     /// Also report this visitor's calls.
@@ -282,6 +340,16 @@ pub async fn usage(
     let name = Name::parse(&name)?;
     let day = parse_day(q.day.as_deref())?;
     let visitor = q.visitor.as_deref().map(VisitorId::parse).transpose()?;
+    // Outside its window a budget has no usage to tell: future days have
+    // none yet, and past ones read one thing or 0 depending on whether a
+    // prune has run. Refuse them as a check would.
+    let day = match day {
+        None => None,
+        Some(day) => Some(kept_day(
+            &meter::get_budget(state.db.readers(), &name).await?,
+            day,
+        )?),
+    };
     let u = meter::read_usage(state.db.readers(), &name, day, visitor.as_ref()).await?;
     Ok(Json(UsageView {
         day: u.day,
@@ -294,6 +362,9 @@ pub async fn usage(
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResetBody {
+    /// Today in the budget's time zone when left out. Only a day the budget
+    /// keeps (today or one of the `retention_days` days before it): any
+    /// other is 422 `/problems/day-outside-window`.
     #[schema(format = Date)]
     day: Option<String>,
     #[schema(
@@ -342,13 +413,12 @@ pub async fn reset(
         .map(VisitorId::parse)
         .transpose()
         .map_err(|e| Problem::invalid_body(format!("visitor: {}", e.0)))?;
-    // The default day is the budget's own today, so the budget is read first.
+    // The default day is the budget's own today, and a day given must be
+    // one it keeps, so the budget is read first.
+    let budget = meter::get_budget(state.db.readers(), &name).await?;
     let day = match day {
-        Some(d) => d,
-        None => {
-            let b = meter::get_budget(state.db.readers(), &name).await?;
-            Day::today(&b.spec.timezone)
-        }
+        Some(d) => kept_day(&budget, d)?,
+        None => Day::today(&budget.spec.timezone),
     };
     let scope = ResetScope { day, visitor };
     let deleted_rows = state.db.reset(name.clone(), scope.clone()).await?;

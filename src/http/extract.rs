@@ -16,16 +16,69 @@ use super::{AppState, Problem};
 #[from_request(via(axum::extract::Path), rejection(Problem))]
 pub struct Path<T>(pub T);
 
-/// `axum::extract::Query` answering bad input with a problem.
-#[derive(FromRequestParts)]
-#[from_request(via(axum::extract::Query), rejection(Problem))]
+/// `axum::extract::Query` answering bad input with a problem. A query whose
+/// percent-decoded bytes are not UTF-8 is refused, as the same bytes in a
+/// path are: axum's own decoding would replace them with U+FFFD, and two
+/// different visitor ids would read as one.
 pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
+        if let Some(q) = parts.uri.query()
+            && !decodes_to_utf8(q)
+        {
+            return Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid-query",
+                "Invalid query string",
+            )
+            .detail("the query string is not valid UTF-8 once percent-decoded"));
+        }
+        let axum::extract::Query(v) =
+            axum::extract::Query::from_request_parts(parts, state).await?;
+        Ok(Query(v))
+    }
+}
+
+/// Whether every `%XX` escape of a query string, decoded, leaves valid
+/// UTF-8. A `%` not followed by two hex digits stays itself, as in
+/// `application/x-www-form-urlencoded` decoding.
+fn decodes_to_utf8(query: &str) -> bool {
+    let raw = query.as_bytes();
+    if !raw.contains(&b'%') {
+        return true;
+    }
+    let hex = |b: u8| char::from(b).to_digit(16);
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let escaped = match raw.get(i..i + 3) {
+            Some([b'%', h, l]) => hex(*h).zip(hex(*l)),
+            _ => None,
+        };
+        match escaped {
+            Some((h, l)) => {
+                out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
+                i += 3;
+            }
+            None => {
+                out.push(raw[i]);
+                i += 1;
+            }
+        }
+    }
+    std::str::from_utf8(&out).is_ok()
+}
 
 /// A JSON request body that must be present.
 pub struct Json<T>(pub T);
 
-/// A JSON request body that may be left out entirely (no body, no
-/// Content-Type), as in a plain `curl -X POST`; then `T::default()`.
+/// A JSON request body that may be left out entirely, as in a plain
+/// `curl -X POST`, `hey -m POST` or an HTML form posted empty: no body at
+/// all counts as left out whatever its `Content-Type` says; then
+/// `T::default()`.
 pub struct OptionalJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Json<T> {
@@ -50,7 +103,9 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJ
 }
 
 /// Reads the body (within the router's size limit) and parses it as JSON.
-/// An empty body is `None`; a non-empty one must say it is JSON.
+/// No body at all is `None` whatever the `Content-Type` (there is nothing
+/// to be of the wrong type); so is blank space sent as JSON or without a
+/// type. Any other body must say it is JSON.
 async fn read_json<S: Send + Sync, T: DeserializeOwned>(
     req: Request,
     state: &S,
@@ -85,7 +140,9 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
             .detail(r.body_text())
         }
     })?;
-    if body.iter().all(u8::is_ascii_whitespace) && (is_json || !has_content_type) {
+    if body.is_empty()
+        || (body.iter().all(u8::is_ascii_whitespace) && (is_json || !has_content_type))
+    {
         return Ok(None);
     }
     // JSON `null` says "no body" as plainly as an empty one.

@@ -13,7 +13,11 @@ mod problem;
 use std::{sync::Arc, time::Duration};
 
 use axum::middleware;
-use axum::{Router, error_handling::HandleErrorLayer, extract::DefaultBodyLimit};
+use axum::{
+    Router,
+    error_handling::HandleErrorLayer,
+    extract::{DefaultBodyLimit, MatchedPath},
+};
 use tower::ServiceBuilder;
 use tower_http::{
     request_id::{PropagateRequestIdLayer, SetRequestIdLayer},
@@ -84,9 +88,7 @@ pub fn router(
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(
             ServiceBuilder::new()
-                .layer(HandleErrorLayer::new(|_: tower::BoxError| async {
-                    Problem::timeout()
-                }))
+                .layer(HandleErrorLayer::new(timed_out))
                 .timeout(request_timeout),
         )
         .layer(middleware::from_fn(observe::with_request_id))
@@ -106,6 +108,11 @@ pub fn router(
             observe::REQUEST_ID,
             observe::MakeRequestId,
         ))
+        // Before an id is set: a client's id that could forge log text is
+        // dropped, so that a fresh one is made in its place.
+        .layer(tower::util::MapRequestLayer::new(
+            observe::drop_unsafe_request_id,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 axum::response::IntoResponse::into_response(Problem::internal(
@@ -113,6 +120,16 @@ pub fn router(
                 ))
             },
         ))
+}
+
+/// The answer to a request that ran out of time (the only error the
+/// timeout layer produces). A budget check's answer still says the call is
+/// denied: every check answer other than a 200 carries `"allowed": false`.
+async fn timed_out(route: Option<MatchedPath>, _: tower::BoxError) -> Problem {
+    match route {
+        Some(r) if r.as_str() == budgets::CHECK_ROUTE => Problem::timeout().with("allowed", false),
+        _ => Problem::timeout(),
+    }
 }
 
 async fn not_found() -> Problem {

@@ -36,6 +36,38 @@ impl tower_http::request_id::MakeRequestId for MakeRequestId {
     }
 }
 
+/// The longest client `x-request-id` kept.
+pub const MAX_REQUEST_ID_LEN: usize = 64;
+
+/// Whether a client's `x-request-id` is kept as it is: 1 to
+/// [`MAX_REQUEST_ID_LEN`] characters, each an ASCII letter or digit or one
+/// of `-._:+/=`. That covers UUIDs, ULIDs, W3C trace ids and `traceparent`
+/// values, and base64; it leaves out spaces, quotes, braces, backslashes,
+/// control and non-ASCII bytes, so an id cannot forge or break a log line
+/// in any log format.
+pub fn is_safe_request_id(id: &[u8]) -> bool {
+    (1..=MAX_REQUEST_ID_LEN).contains(&id.len())
+        && id
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._:+/=".contains(b))
+}
+
+/// Removes a client's `x-request-id` unless it is a single safe one (see
+/// [`is_safe_request_id`]), so that the id layer makes a fresh one, which
+/// is what the logs, the problem bodies and the echoed header then carry.
+pub fn drop_unsafe_request_id(mut req: Request) -> Request {
+    let mut ids = req.headers().get_all(&REQUEST_ID).iter();
+    let keep = match (ids.next(), ids.next()) {
+        (None, _) => return req,
+        (Some(id), None) => is_safe_request_id(id.as_bytes()),
+        (Some(_), Some(_)) => false,
+    };
+    if !keep {
+        req.headers_mut().remove(&REQUEST_ID);
+    }
+    req
+}
+
 /// Counts and times every request by method, route template and status.
 /// Requests that matched no route share the label `unmatched`, so no raw
 /// path ever becomes a label.
@@ -116,4 +148,40 @@ async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
         )],
         m.handle.render(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_safe_request_id;
+
+    #[test]
+    fn request_ids() {
+        for ok in [
+            "a",
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+            "01ARZ3NDEKTSV4RRFFQ69G5FAV",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "dGFsbHk+/w==",
+            "req:1.2_3",
+            &"x".repeat(64),
+        ] {
+            assert!(is_safe_request_id(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "",
+            "a b",
+            "a\tb",
+            "a\nb",
+            "a\u{1b}[31mred",
+            "\"quoted\"",
+            "a\\b",
+            "a}b",
+            "a;b",
+            "é",
+            &"x".repeat(65),
+        ] {
+            assert!(!is_safe_request_id(bad.as_bytes()), "{bad:?}");
+        }
+        assert!(!is_safe_request_id(b"a\xffb"));
+    }
 }

@@ -27,6 +27,13 @@ pub struct ProblemDoc {
     pub reason: Option<String>,
     /// On unknown budgets: the name asked for.
     pub budget: Option<String>,
+    /// On `/problems/day-outside-window`: the oldest day the budget keeps.
+    #[schema(format = Date)]
+    pub oldest_day: Option<String>,
+    /// On `/problems/day-outside-window`: today in the budget's time zone,
+    /// the newest day it keeps.
+    #[schema(format = Date)]
+    pub today: Option<String>,
 }
 
 #[derive(OpenApi)]
@@ -90,7 +97,9 @@ pub enum Problems {
     UnsupportedMediaType(ProblemDoc),
     #[response(
         status = 422,
-        description = "Body does not fit the endpoint",
+        description = "Body does not fit the endpoint, or a `day` is not one the budget keeps \
+                       (`/problems/day-outside-window`: today in its time zone and the \
+                       `retention_days` days before it)",
         content_type = "application/problem+json"
     )]
     Unprocessable(ProblemDoc),
@@ -102,7 +111,8 @@ pub enum Problems {
     Internal(ProblemDoc),
     #[response(
         status = 503,
-        description = "Shutting down, timed out, or (checks) the meter failed",
+        description = "Shutting down, timed out, the database file was lost \
+                       (`/problems/storage-lost`), or (checks) the meter failed",
         content_type = "application/problem+json"
     )]
     Unavailable(ProblemDoc),
@@ -119,6 +129,13 @@ pub enum WriteProblems {
         headers(("Retry-After" = u64, description = "Seconds to wait"))
     )]
     QueueFull(ProblemDoc),
+    #[response(
+        status = 507,
+        description = "Disk full; nothing was written. Retry after `Retry-After` seconds.",
+        content_type = "application/problem+json",
+        headers(("Retry-After" = u64, description = "Seconds to wait"))
+    )]
+    StorageFull(ProblemDoc),
 }
 
 /// What only admin endpoints can answer.

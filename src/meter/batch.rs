@@ -12,9 +12,13 @@
 
 use std::collections::HashMap;
 
+use jiff::Timestamp;
 use sqlx::SqliteConnection;
 
-use super::{Day, Decision, MeterError, Name, Reason, VisitorId, to_json, types::parse_timezone};
+use super::{
+    Day, Decision, MeterError, Name, Reason, VisitorId, to_json,
+    types::{KeptDays, load_timezone},
+};
 
 /// Adds each `(name, by)` in order. Increments of one name are summed into
 /// one upsert; caller `i` gets the value its increment would have produced
@@ -129,16 +133,28 @@ pub struct CheckItem<'a> {
 struct Config {
     visitor_limit: u32,
     global_limit: u32,
-    retention_days: u32,
     timezone: jiff::tz::TimeZone,
+    /// The budget's window at the batch's one instant: every command of the
+    /// batch sees the same today, as it would running a moment apart.
+    kept: KeptDays,
 }
 
 /// Runs the checks in order with the rules of [`super::check`]: visitor
 /// first, then global; denied calls counted; the first call of a day that
-/// reaches the global counter prunes the budget's usage past retention.
+/// reaches the global counter prunes the budget's usage past retention,
+/// counted back from the budget's real today.
 pub async fn check_many(
     conn: &mut SqliteConnection,
     items: &[CheckItem<'_>],
+) -> Result<Option<Vec<Result<Decision, MeterError>>>, MeterError> {
+    check_many_at(conn, items, Timestamp::now()).await
+}
+
+/// [`check_many`] as seen at `now`.
+pub(crate) async fn check_many_at(
+    conn: &mut SqliteConnection,
+    items: &[CheckItem<'_>],
+    now: Timestamp,
 ) -> Result<Option<Vec<Result<Decision, MeterError>>>, MeterError> {
     // 1. The budgets named, with their configuration.
     let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
@@ -153,7 +169,7 @@ pub async fn check_many(
     .await?;
     let mut configs = HashMap::new();
     for (name, visitor_limit, global_limit, retention_days, tz) in rows {
-        let timezone = parse_timezone(&tz).map_err(|e| {
+        let timezone = load_timezone(&tz).map_err(|e| {
             MeterError::from(sqlx::Error::Decode(
                 format!("stored budget `{name}` has a bad time zone: {e}").into(),
             ))
@@ -163,7 +179,7 @@ pub async fn check_many(
             Config {
                 visitor_limit,
                 global_limit,
-                retention_days,
+                kept: KeptDays::at(&timezone, retention_days, now),
                 timezone,
             },
         );
@@ -175,7 +191,7 @@ pub async fn check_many(
         .map(|i| {
             configs
                 .get(i.budget.as_str())
-                .map(|c| i.day.unwrap_or_else(|| Day::today(&c.timezone)))
+                .map(|c| i.day.unwrap_or(c.kept.today))
         })
         .collect();
     let mut visitor_keys = Vec::new();
@@ -255,7 +271,7 @@ pub async fn check_many(
             *g += 1;
             decision.global_calls = *g;
             if *g == 1 {
-                prunes.push((i, item.budget, day.minus_days(cfg.retention_days)));
+                prunes.push((i, item.budget, cfg.kept.oldest));
             }
             if decision.global_calls > i64::from(cfg.global_limit) {
                 decision.reason = Reason::GlobalLimit;
@@ -307,4 +323,232 @@ pub async fn check_many(
     .execute(&mut *conn)
     .await?;
     Ok(Some(results))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use jiff::{SignedDuration, Timestamp};
+    use sqlx::{ConnectOptions, SqliteConnection, sqlite::SqliteConnectOptions};
+
+    use super::{CheckItem, check_many_at, increment_many};
+    use crate::meter::{BudgetSpec, Day, Decision, Name, VisitorId, put_budget, sql::check_at};
+
+    async fn fresh_db() -> SqliteConnection {
+        let mut conn = SqliteConnectOptions::from_str("sqlite::memory:")
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        sqlx::migrate!("./migrations").run(&mut conn).await.unwrap();
+        conn
+    }
+
+    type Row = (String, String, String, i64);
+
+    fn tomorrow(d: Day) -> Day {
+        Day::parse(&d.date().tomorrow().unwrap().to_string()).unwrap()
+    }
+
+    async fn dump(conn: &mut SqliteConnection) -> Vec<Row> {
+        sqlx::query_as(
+            "SELECT budget, day, visitor, calls FROM budget_visitor_usage
+             UNION ALL SELECT budget, day, '*global*', calls FROM budget_global_usage
+             UNION ALL SELECT name, '', '*counter*', value FROM counters
+             ORDER BY 1, 2, 3",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap()
+    }
+
+    /// Random batches of checks and increments at a clock that moves on
+    /// (across midnights of three time zones and a change of clocks),
+    /// applied set-based to one database (falling back to one by one when
+    /// asked, as the writer does) and one at a time to another: every answer
+    /// and the final rows agree. Checks name today, days inside the window,
+    /// days just outside it and far-future days (which the API refuses, but
+    /// the domain must still never let them prune a kept day).
+    #[tokio::test]
+    async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
+        let mut batched = fresh_db().await;
+        let mut single = fresh_db().await;
+        let zones = ["UTC", "Pacific/Kiritimati", "America/New_York"];
+        let budgets: Vec<(Name, BudgetSpec)> = zones
+            .iter()
+            .enumerate()
+            .map(|(i, tz)| {
+                let n = u32::try_from(i).unwrap();
+                let spec = BudgetSpec::new(2 + n, 6 + 3 * n, Some(1 + n), Some(tz)).unwrap();
+                (Name::parse(&format!("b{i}")).unwrap(), spec)
+            })
+            .collect();
+        for (name, spec) in &budgets {
+            for conn in [&mut batched, &mut single] {
+                put_budget(conn, name, spec).await.unwrap();
+            }
+        }
+        let unknown = Name::parse("nope").unwrap();
+        let visitors: Vec<VisitorId> = ["A", "B", "C", "*"]
+            .iter()
+            .map(|v| VisitorId::parse(v).unwrap())
+            .collect();
+        let counters: Vec<Name> = ["c0", "c1"]
+            .iter()
+            .map(|n| Name::parse(n).unwrap())
+            .collect();
+        let far_future = Day::parse("2099-01-01").unwrap();
+
+        let mut rng = fastrand::Rng::with_seed(9);
+        // A week before clocks change in New York (2000-04-02).
+        let mut now: Timestamp = "2000-03-26T20:00:00Z".parse().unwrap();
+        let (rounds, mut replays, mut prunes) = (200, 0, 0);
+        for _ in 0..rounds {
+            now += SignedDuration::from_mins(rng.i64(0..=8 * 60));
+            let mut incs: Vec<(&Name, i64)> = Vec::new();
+            let mut checks: Vec<CheckItem> = Vec::new();
+            for _ in 0..rng.usize(1..30) {
+                if rng.u8(..4) == 0 {
+                    incs.push((&counters[rng.usize(..counters.len())], rng.i64(1..=9)));
+                    continue;
+                }
+                let (budget, spec) = match rng.u8(..20) {
+                    0 => (&unknown, &budgets[0].1),
+                    _ => {
+                        let (n, s) = &budgets[rng.usize(..budgets.len())];
+                        (n, s)
+                    }
+                };
+                let kept = spec.kept_days(now);
+                let day = match rng.u8(..10) {
+                    0..=2 => None,
+                    3 => Some(far_future),
+                    // From two days before the window to a day after it.
+                    _ => {
+                        let back = rng.u32(0..=spec.retention_days + 2);
+                        Some(match back {
+                            0 => tomorrow(kept.today),
+                            b => kept.today.minus_days(b - 1),
+                        })
+                    }
+                };
+                checks.push(CheckItem {
+                    budget,
+                    visitor: &visitors[rng.usize(..visitors.len())],
+                    day,
+                });
+            }
+            let before = dump(&mut single).await;
+
+            // One by one.
+            let mut want_values = Vec::new();
+            for (name, by) in &incs {
+                want_values.push(
+                    super::super::increment(&mut single, name, *by)
+                        .await
+                        .unwrap(),
+                );
+            }
+            let mut want = Vec::new();
+            for c in &checks {
+                want.push(
+                    check_at(&mut single, c.budget, c.visitor, c.day, now)
+                        .await
+                        .map_err(|e| e.to_string()),
+                );
+            }
+            // Set-based, inside a transaction like the writer's.
+            sqlx::raw_sql("BEGIN IMMEDIATE")
+                .execute(&mut batched)
+                .await
+                .unwrap();
+            let values = increment_many(&mut batched, &incs).await.unwrap().unwrap();
+            let got = match check_many_at(&mut batched, &checks, now).await.unwrap() {
+                Some(d) => d
+                    .into_iter()
+                    .map(|r| r.map_err(|e| e.to_string()))
+                    .collect(),
+                None => {
+                    replays += 1;
+                    let mut d = Vec::new();
+                    for c in &checks {
+                        d.push(
+                            check_at(&mut batched, c.budget, c.visitor, c.day, now)
+                                .await
+                                .map_err(|e| e.to_string()),
+                        );
+                    }
+                    d
+                }
+            };
+            sqlx::raw_sql("COMMIT").execute(&mut batched).await.unwrap();
+
+            assert_eq!(values, want_values);
+            prunes += want
+                .iter()
+                .filter(|d| d.as_ref().is_ok_and(|d| d.pruned_rows > 0))
+                .count();
+            // Which command of a batch reports the prune may differ.
+            let strip = |d: Vec<Result<Decision, String>>| {
+                d.into_iter()
+                    .map(|r| {
+                        r.map(|d| Decision {
+                            pruned_rows: 0,
+                            ..d
+                        })
+                    })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(strip(got), strip(want));
+            let after = dump(&mut single).await;
+            assert_eq!(dump(&mut batched).await, after);
+
+            // No day a budget keeps lost a call, whatever days were named.
+            for (name, spec) in &budgets {
+                let kept = spec.kept_days(now);
+                for (b, d, v, calls) in &before {
+                    let in_window = Day::parse(d).is_ok_and(|d| kept.contains(d));
+                    if b != name.as_str() || !in_window {
+                        continue;
+                    }
+                    let now_calls = after
+                        .iter()
+                        .find(|r| (&r.0, &r.1, &r.2) == (b, d, v))
+                        .map(|r| r.3);
+                    assert!(
+                        now_calls.is_some_and(|c| c >= *calls),
+                        "{b} {d} {v} lost calls at {now}"
+                    );
+                }
+            }
+        }
+        // The comparison covered pruning and the replay path, and not only it.
+        assert!(prunes > 0, "no prunes");
+        assert!(replays > 0 && replays < rounds, "replays: {replays}");
+    }
+
+    /// The window follows the budget's own midnight.
+    #[test]
+    fn kept_days_follow_the_budget_time_zone() {
+        let spec = BudgetSpec::new(1, 1, Some(2), Some("Pacific/Kiritimati")).unwrap();
+        let at = |s: &str| spec.kept_days(s.parse().unwrap());
+        // 09:59 UTC is 23:59 in Kiritimati (+14); a minute later it is tomorrow.
+        let k = at("2024-06-20T09:59:00Z");
+        assert_eq!(
+            (k.oldest.to_string(), k.today.to_string()),
+            ("2024-06-18".into(), "2024-06-20".into())
+        );
+        let k = at("2024-06-20T10:00:00Z");
+        assert_eq!(
+            (k.oldest.to_string(), k.today.to_string()),
+            ("2024-06-19".into(), "2024-06-21".into())
+        );
+        assert!(k.contains(Day::parse("2024-06-19").unwrap()));
+        assert!(!k.contains(Day::parse("2024-06-18").unwrap()));
+        assert!(!k.contains(Day::parse("2024-06-22").unwrap()));
+        let utc = BudgetSpec::new(1, 1, Some(2), None).unwrap();
+        let u = utc.kept_days("2024-06-20T10:00:00Z".parse().unwrap());
+        assert_eq!(u.today.to_string(), "2024-06-20");
+    }
 }

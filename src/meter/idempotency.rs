@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sqlx::SqliteConnection;
 
-use super::{Day, Decision, InvalidInput, MeterError, Reason, types::parse_timezone};
+use super::{Day, Decision, InvalidInput, MeterError, Reason, types::load_timezone};
 
 /// How long a key is remembered.
 pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -145,7 +145,7 @@ pub fn decode_decision(s: &str) -> Result<Decision, MeterError> {
         visitor_limit: d.visitor_limit,
         global_limit: d.global_limit,
         pruned_rows: 0,
-        timezone: parse_timezone(&d.timezone).map_err(|e| bad(e.0))?,
+        timezone: load_timezone(&d.timezone).map_err(|e| bad(e.0))?,
     })
 }
 

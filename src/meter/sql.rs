@@ -7,7 +7,7 @@ use sqlx::{Row, SqliteConnection, SqlitePool, sqlite::SqliteRow};
 
 use super::{
     Budget, BudgetSpec, Day, Decision, MeterError, Name, Reason, ResetScope, Usage, VisitorId,
-    types::parse_timezone,
+    types::load_timezone,
 };
 
 /// Adds `by` to the counter `name` (created at 0) and returns the new value,
@@ -81,7 +81,7 @@ const SELECT_BUDGET: &str = "SELECT visitor_limit, global_limit, retention_days,
 
 fn budget_from_row(name: &Name, row: &SqliteRow) -> Result<Budget, MeterError> {
     let tz: String = row.try_get("timezone")?;
-    let timezone = parse_timezone(&tz).map_err(|e| {
+    let timezone = load_timezone(&tz).map_err(|e| {
         MeterError::from(sqlx::Error::Decode(
             format!("stored budget `{name}` has a bad time zone: {e}").into(),
         ))
@@ -127,15 +127,32 @@ async fn load_budget(conn: &mut SqliteConnection, name: &Name) -> Result<Budget,
 /// using its day's quota up, so hammering never buys a later allowance.
 ///
 /// The first call that reaches the global counter on a day prunes the
-/// budget's usage older than its retention, relative to that day.
+/// budget's usage older than its retention. The cutoff counts back from the
+/// budget's real today (in its time zone, from the clock), never from
+/// `day`: a client naming a far-future day must not make today's usage
+/// look old. Whether a client may name `day` at all is the caller's rule
+/// (see [`super::BudgetSpec::kept_days`]); whatever it is, this never
+/// deletes a day the budget keeps.
 pub async fn check(
     conn: &mut SqliteConnection,
     budget: &Name,
     visitor: &VisitorId,
     day: Option<Day>,
 ) -> Result<Decision, MeterError> {
+    check_at(conn, budget, visitor, day, Timestamp::now()).await
+}
+
+/// [`check`] as seen at `now`.
+pub(crate) async fn check_at(
+    conn: &mut SqliteConnection,
+    budget: &Name,
+    visitor: &VisitorId,
+    day: Option<Day>,
+    now: Timestamp,
+) -> Result<Decision, MeterError> {
     let b = load_budget(conn, budget).await?;
-    let day = day.unwrap_or_else(|| Day::today(&b.spec.timezone));
+    let kept = b.spec.kept_days(now);
+    let day = day.unwrap_or(kept.today);
     let day_text = day.to_string();
 
     let visitor_calls: i64 = sqlx::query_scalar(
@@ -177,7 +194,7 @@ pub async fn check(
     .await?;
 
     if decision.global_calls == 1 {
-        decision.pruned_rows = prune(conn, budget, day.minus_days(b.spec.retention_days)).await?;
+        decision.pruned_rows = prune(conn, budget, kept.oldest).await?;
     }
     if decision.global_calls > i64::from(b.spec.global_limit) {
         decision.reason = Reason::GlobalLimit;

@@ -1,6 +1,10 @@
 use std::{fmt, str::FromStr};
 
-use jiff::{Timestamp, civil::Date, tz::TimeZone};
+use jiff::{
+    Timestamp,
+    civil::Date,
+    tz::{TimeZone, TimeZoneDatabase},
+};
 use serde::Serialize;
 
 /// Why an input was refused; the text is shown to the client.
@@ -88,7 +92,12 @@ pub struct Day(Date);
 impl Day {
     /// Today in `tz`.
     pub fn today(tz: &TimeZone) -> Self {
-        Self(Timestamp::now().to_zoned_datetime(tz.clone()).date())
+        Self::today_at(tz, Timestamp::now())
+    }
+
+    /// The day `now` falls on in `tz`.
+    pub fn today_at(tz: &TimeZone, now: Timestamp) -> Self {
+        Self(now.to_zoned_datetime(tz.clone()).date())
     }
 
     pub fn parse(s: &str) -> Result<Self, InvalidInput> {
@@ -169,9 +178,7 @@ impl BudgetSpec {
                 Self::MAX_RETENTION_DAYS
             )));
         }
-        let timezone = parse_timezone(timezone.unwrap_or("UTC"))?;
-        // Store the canonical spelling, so `utc` and `UTC` read back alike.
-        let timezone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
+        let (timezone, timezone_name) = parse_timezone_name(timezone.unwrap_or("UTC"))?;
         Ok(Self {
             visitor_limit,
             global_limit,
@@ -180,13 +187,75 @@ impl BudgetSpec {
             timezone_name,
         })
     }
+
+    /// The days whose usage the budget keeps, seen at `now`: today in its
+    /// time zone and the `retention_days` days before it. Pruning deletes
+    /// every day before [`KeptDays::oldest`].
+    pub fn kept_days(&self, now: Timestamp) -> KeptDays {
+        KeptDays::at(&self.timezone, self.retention_days, now)
+    }
 }
 
-/// An IANA time zone name such as `Europe/Berlin` (or `UTC`).
+/// The window of days a budget keeps at some instant, both ends included.
+/// A client may name only these days: a later one does not exist yet, and
+/// an earlier one is pruned (or about to be).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeptDays {
+    pub oldest: Day,
+    pub today: Day,
+}
+
+impl KeptDays {
+    /// What a budget in `tz` keeping `retention_days` keeps at `now`.
+    pub fn at(tz: &TimeZone, retention_days: u32, now: Timestamp) -> Self {
+        let today = Day::today_at(tz, now);
+        Self {
+            oldest: today.minus_days(retention_days),
+            today,
+        }
+    }
+
+    pub fn contains(&self, day: Day) -> bool {
+        (self.oldest..=self.today).contains(&day)
+    }
+}
+
+/// An IANA time zone name such as `Europe/Berlin` (or `UTC`), as a client
+/// gives it.
 pub fn parse_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
-    // jiff also accepts POSIX TZ strings and fixed offsets in some entry
-    // points; `get` looks the name up in the IANA database only.
-    TimeZone::get(name).map_err(|_| InvalidInput(format!("`{name}` is not a known IANA time zone")))
+    parse_timezone_name(name).map(|(tz, _)| tz)
+}
+
+/// A client's time zone name and its canonical spelling (`utc` is `UTC`).
+///
+/// Only names of the database compiled into tally count: the host's
+/// database also answers to names that depend on the machine (`localtime`,
+/// `posixrules`, `posix/...`), so the same budget would count other days on
+/// another host. `Factory` (a placeholder for "no zone configured") and
+/// `Etc/Unknown` (jiff's "unknown zone", which has no name to store) are in
+/// the bundle or answered by it but are no places.
+fn parse_timezone_name(name: &str) -> Result<(TimeZone, String), InvalidInput> {
+    let refuse = || {
+        InvalidInput(format!(
+            "`{name}` is not an IANA time zone name (such as `Europe/Berlin` or `UTC`)"
+        ))
+    };
+    let tz = TimeZoneDatabase::bundled()
+        .get(name)
+        .map_err(|_| refuse())?;
+    let canonical = tz.iana_name().ok_or_else(refuse)?;
+    if tz.is_unknown() || canonical.eq_ignore_ascii_case("Factory") {
+        return Err(refuse());
+    }
+    let canonical = canonical.to_owned();
+    Ok((tz, canonical))
+}
+
+/// The time zone of a budget as stored. A name stored by an earlier version
+/// that only the host's database knows still loads, so that an existing
+/// budget keeps working; new names must pass [`parse_timezone`].
+pub fn load_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
+    parse_timezone(name).or_else(|e| TimeZone::get(name).map_err(|_| e))
 }
 
 /// A stored budget.
@@ -306,6 +375,37 @@ mod tests {
         assert!(BudgetSpec::new(1, 1, Some(3651), None).is_err());
         assert!(BudgetSpec::new(1, 1, None, Some("Mars/Olympus")).is_err());
         assert!(BudgetSpec::new(1, 1, None, Some("")).is_err());
+    }
+
+    #[test]
+    fn time_zones_are_bundled_iana_names() {
+        for (given, stored) in [
+            ("UTC", "UTC"),
+            ("utc", "UTC"),
+            ("europe/berlin", "Europe/Berlin"),
+            ("Etc/GMT-14", "Etc/GMT-14"),
+        ] {
+            let spec = BudgetSpec::new(1, 1, None, Some(given)).unwrap();
+            assert_eq!(spec.timezone_name, stored);
+            assert_eq!(spec.timezone.iana_name(), Some(stored));
+        }
+        for bad in [
+            "localtime",
+            "posixrules",
+            "Factory",
+            "factory",
+            "Etc/Unknown",
+            "posix/Europe/Berlin",
+            "right/UTC",
+            "+05:00",
+            "EST5EDT,M3.2.0,M11.1.0",
+            "/usr/share/zoneinfo/UTC",
+        ] {
+            assert!(BudgetSpec::new(1, 1, None, Some(bad)).is_err(), "{bad}");
+        }
+        // A name stored before the rule, known to the host only, still loads.
+        assert!(load_timezone("Europe/Berlin").is_ok());
+        assert!(load_timezone("Mars/Olympus").is_err());
     }
 }
 

@@ -1,11 +1,23 @@
-use std::collections::HashSet;
+use std::{collections::HashSet, sync::LazyLock};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::helpers::{ADMIN, TestApp, problem, spawn_app};
 
-const DAY: &str = "2000-01-01";
+/// The day these tests count on: today in UTC (their budgets' zone) when
+/// first asked. A check may name only a day its budget keeps; should a test
+/// run past midnight, this is yesterday, which it still keeps.
+static DAY: LazyLock<String> = LazyLock::new(|| today_in("UTC", 0));
+
+/// Today in `tz`, `plus` days on.
+fn today_in(tz: &str, plus: i64) -> String {
+    let today = jiff::Timestamp::now().in_tz(tz).unwrap().date();
+    today
+        .checked_add(jiff::Span::new().days(plus))
+        .unwrap()
+        .to_string()
+}
 
 /// (visitor limit, global limit, visitors in order, expected outcomes,
 /// global counter afterwards). `.` allowed, `V` visitor_limit, `G` global_limit.
@@ -29,7 +41,7 @@ async fn seed_table() {
         let mut got = String::new();
         let mut per_visitor = std::collections::HashMap::new();
         for visitor in visitors.chars() {
-            let d = app.check(&budget, &visitor.to_string(), DAY).await;
+            let d = app.check(&budget, &visitor.to_string(), &DAY).await;
             *per_visitor.entry(visitor).or_insert(0) += 1;
             got.push(match d["reason"].as_str().unwrap() {
                 "ok" => '.',
@@ -38,14 +50,14 @@ async fn seed_table() {
                 other => panic!("unexpected reason {other}"),
             });
             assert_eq!(d["allowed"], d["reason"] == "ok");
-            assert_eq!(d["day"], DAY);
+            assert_eq!(d["day"], *DAY);
             assert_eq!(d["visitor_limit"], *v);
             assert_eq!(d["global_limit"], *g);
             // Denied calls are counted too.
             assert_eq!(d["visitor_calls"], per_visitor[&visitor]);
         }
         assert_eq!(&got, expected, "case {i}: v={v} g={g} {visitors}");
-        let u = app.usage(&budget, &format!("day={DAY}")).await;
+        let u = app.usage(&budget, &format!("day={}", *DAY)).await;
         assert_eq!(u["global_calls"], *global, "case {i}: global counter");
     }
     app.stop().await.unwrap();
@@ -56,15 +68,15 @@ async fn a_visitor_named_star_is_not_the_global_row() {
     let app = spawn_app().await;
     app.budget("star", 1, 100).await;
     for _ in 0..3 {
-        app.check("star", "*", DAY).await;
+        app.check("star", "*", &DAY).await;
     }
-    let u = app.usage("star", &format!("day={DAY}&visitor=*")).await;
+    let u = app.usage("star", &format!("day={}&visitor=*", *DAY)).await;
     assert_eq!(
         u,
-        json!({"day": DAY, "global_calls": 1, "visitor_calls": 3})
+        json!({"day": *DAY, "global_calls": 1, "visitor_calls": 3})
     );
     // Another visitor is still allowed: the global row holds only 1.
-    assert_eq!(app.check("star", "B", DAY).await["reason"], "ok");
+    assert_eq!(app.check("star", "B", &DAY).await["reason"], "ok");
     app.stop().await.unwrap();
 }
 
@@ -84,41 +96,59 @@ async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
     (global, visitor)
 }
 
+/// Writes usage of budget `p` on `days` behind the API, as earlier days'
+/// calls would have left it (visitors `A` and `B`, so 2 global calls).
+async fn usage_behind(app: &TestApp, days: &[&str]) {
+    use sqlx::ConnectOptions;
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&app.db_path)
+        .connect()
+        .await
+        .unwrap();
+    for day in days {
+        sqlx::query(
+            "INSERT INTO budget_visitor_usage VALUES ('p', ?1, 'A', 1), ('p', ?1, 'B', 1);
+             INSERT INTO budget_global_usage VALUES ('p', ?1, 2);",
+        )
+        .bind(day)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+}
+
 #[tokio::test]
 async fn first_call_of_a_day_prunes_usage_past_retention() {
     let app = spawn_app().await;
     app.budget("p", 100, 100).await;
-    // Newest first, so that setting up does not prune what it sets up.
-    for day in ["2000-03-10", "2000-03-09", "2000-03-02", "2000-03-01"] {
-        app.check("p", "A", day).await;
-        app.check("p", "B", day).await;
-    }
-    let all = ["2000-03-01", "2000-03-02", "2000-03-09", "2000-03-10"].map(String::from);
+    // Kiritimati, UTC+14, would show whether the prune counted in the
+    // budget's zone; UTC keeps the arithmetic plain. Older days from the
+    // real today back, written behind the API: a check may not name them.
+    let d = |plus: i64| today_in("UTC", plus);
+    let (t9, t8, t7, t1, t0) = (d(-9), d(-8), d(-7), d(-1), d(0));
+    usage_behind(&app, &[&t9, &t8, &t7, &t1]).await;
+    let all = [&t9, &t8, &t7, &t1].map(|s| s.to_string());
     assert_eq!(days_in_db(&app).await, (all.to_vec(), all.to_vec()));
 
-    // 2000-03-16 minus 7 days is 2000-03-09: older days go, 03-09 stays.
-    let d = app.check("p", "A", "2000-03-16").await;
-    assert_eq!(d["global_calls"], 1);
-    let kept = ["2000-03-09", "2000-03-10", "2000-03-16"].map(String::from);
+    // Today minus 7 days is kept; older days go. The cutoff counts from
+    // the real today, whatever day the first call names.
+    let d0 = app.check("p", "A", &t0).await;
+    assert_eq!(d0["global_calls"], 1);
+    let kept = [&t7, &t1, &t0].map(|s| s.to_string());
     assert_eq!(days_in_db(&app).await, (kept.to_vec(), kept.to_vec()));
 
-    // Pruned days read as zero usage.
-    let u = app.usage("p", "day=2000-03-01&visitor=A").await;
-    assert_eq!(
-        u,
-        json!({"day": "2000-03-01", "global_calls": 0, "visitor_calls": 0})
-    );
-    let u = app.usage("p", "day=2000-03-10&visitor=A").await;
-    assert_eq!(
-        u,
-        json!({"day": "2000-03-10", "global_calls": 2, "visitor_calls": 1})
-    );
+    // The oldest kept day still reads; a pruned day is outside the window.
+    let u = app.usage("p", &format!("day={t7}&visitor=A")).await;
+    assert_eq!(u, json!({"day": t7, "global_calls": 2, "visitor_calls": 1}));
+    let r = app.get(&format!("/budgets/p/usage?day={t8}")).await;
+    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(p["type"], "/problems/day-outside-window");
 
-    // Only the first call of a day prunes: usage written for an old day
-    // afterwards survives the second call of 03-16.
-    app.check("p", "A", "2000-03-01").await;
-    app.check("p", "B", "2000-03-16").await;
-    let with_old = ["2000-03-01", "2000-03-09", "2000-03-10", "2000-03-16"].map(String::from);
+    // Only the first call of a day prunes: usage left behind on an old day
+    // afterwards survives the second call of today.
+    usage_behind(&app, &[&t9]).await;
+    app.check("p", "B", &t0).await;
+    let with_old = [&t9, &t7, &t1, &t0].map(|s| s.to_string());
     assert_eq!(
         days_in_db(&app).await,
         (with_old.to_vec(), with_old.to_vec())
@@ -136,10 +166,10 @@ async fn retention_is_per_budget() {
         )
         .await;
     assert_eq!(r.status(), StatusCode::OK);
-    app.check("p", "A", "2000-03-08").await;
-    app.check("p", "A", "2000-03-09").await;
-    app.check("p", "A", "2000-03-10").await;
-    let kept = ["2000-03-09", "2000-03-10"].map(String::from);
+    let d = |plus: i64| today_in("UTC", plus);
+    usage_behind(&app, &[&d(-2), &d(-1)]).await;
+    app.check("p", "A", &d(0)).await;
+    let kept = [d(-1), d(0)];
     assert_eq!(days_in_db(&app).await.0, kept.to_vec());
     app.stop().await.unwrap();
 }
@@ -157,7 +187,7 @@ async fn concurrent_checks_lose_no_global_count() {
             for _ in 0..500 {
                 let r = client
                     .post(&url)
-                    .json(&json!({"visitor": format!("v{c}"), "day": DAY}))
+                    .json(&json!({"visitor": format!("v{c}"), "day": *DAY}))
                     .send()
                     .await
                     .unwrap();
@@ -176,7 +206,7 @@ async fn concurrent_checks_lose_no_global_count() {
         }
     }
     assert_eq!(all, (1..=4000).collect::<HashSet<i64>>());
-    let u = app.usage("busy", &format!("day={DAY}&visitor=v3")).await;
+    let u = app.usage("busy", &format!("day={}&visitor=v3", *DAY)).await;
     assert_eq!(u["global_calls"], 4000);
     assert_eq!(u["visitor_calls"], 500);
     app.stop().await.unwrap();
@@ -243,7 +273,7 @@ async fn reset_clears_a_visitor_or_a_whole_day() {
     let app = spawn_app().await;
     app.budget("r", 2, 100).await;
     for v in ["A", "A", "A", "B"] {
-        app.check("r", v, DAY).await;
+        app.check("r", v, &DAY).await;
     }
     let reset = |body: Value| {
         app.client
@@ -252,23 +282,23 @@ async fn reset_clears_a_visitor_or_a_whole_day() {
             .json(&body)
             .send()
     };
-    let r = reset(json!({"day": DAY, "visitor": "A"})).await.unwrap();
+    let r = reset(json!({"day": *DAY, "visitor": "A"})).await.unwrap();
     assert_eq!(
         r.json::<Value>().await.unwrap(),
-        json!({"budget": "r", "day": DAY, "visitor": "A", "deleted_rows": 1})
+        json!({"budget": "r", "day": *DAY, "visitor": "A", "deleted_rows": 1})
     );
     // A is allowed again; the global counter was left alone.
-    let d = app.check("r", "A", DAY).await;
+    let d = app.check("r", "A", &DAY).await;
     assert_eq!(
         (d["reason"].clone(), d["global_calls"].clone()),
         (json!("ok"), json!(4))
     );
-    let r = reset(json!({"day": DAY})).await.unwrap();
+    let r = reset(json!({"day": *DAY})).await.unwrap();
     assert_eq!(r.json::<Value>().await.unwrap()["deleted_rows"], 3);
-    let u = app.usage("r", &format!("day={DAY}&visitor=B")).await;
+    let u = app.usage("r", &format!("day={}&visitor=B", *DAY)).await;
     assert_eq!(
         u,
-        json!({"day": DAY, "global_calls": 0, "visitor_calls": 0})
+        json!({"day": *DAY, "global_calls": 0, "visitor_calls": 0})
     );
     // Unknown budget.
     let r = app
@@ -299,11 +329,11 @@ async fn unknown_budget_check_is_404_and_denied() {
 async fn a_broken_database_denies_checks() {
     let app = spawn_app().await;
     app.budget("fc", 10, 10).await;
-    assert_eq!(app.check("fc", "A", DAY).await["allowed"], true);
+    assert_eq!(app.check("fc", "A", &DAY).await["allowed"], true);
     app.sql_behind("DROP TABLE budget_visitor_usage").await;
     for _ in 0..3 {
         let r = app
-            .post_json("/budgets/fc/check", json!({"visitor": "A", "day": DAY}))
+            .post_json("/budgets/fc/check", json!({"visitor": "A", "day": *DAY}))
             .await;
         let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
         assert_eq!(body["allowed"], false);
@@ -412,11 +442,12 @@ async fn checks_carry_ratelimit_fields_for_the_budget_day() {
     assert_eq!(r.headers()["retry-after"], "0");
     let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
     assert_eq!(state["visitor"]["t"], 0);
-    // Tomorrow resets a whole day later than today.
+    // Tomorrow in Auckland cannot be counted on yet.
     let r = check(Some(today.tomorrow().unwrap().to_string())).await;
-    let state = header_params(r.headers()["ratelimit"].to_str().unwrap());
-    let (s, e) = day_bounds(today.tomorrow().unwrap(), &tz);
-    let tomorrow_len = e.duration_since(s).as_secs();
-    assert!((state["visitor"]["t"] - (left + tomorrow_len)).abs() <= 3);
+    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(
+        (p["type"].as_str(), p["allowed"].as_bool()),
+        (Some("/problems/day-outside-window"), Some(false))
+    );
     app.stop().await.unwrap();
 }

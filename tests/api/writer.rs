@@ -64,14 +64,20 @@ async fn budget_checks_refused_for_a_full_queue_are_denied() {
     })
     .await;
     app.budget("q", 100, 100).await;
+    // A check may name only a day its budget keeps: today in UTC, its zone.
+    let day = jiff::Timestamp::now()
+        .in_tz("UTC")
+        .unwrap()
+        .date()
+        .to_string();
     let mut tasks = Vec::new();
     for _ in 0..20 {
         let client = app.client.clone();
-        let url = app.url("/budgets/q/check");
+        let (url, day) = (app.url("/budgets/q/check"), day.clone());
         tasks.push(tokio::spawn(async move {
             client
                 .post(&url)
-                .json(&serde_json::json!({"visitor": "A", "day": "2000-01-01"}))
+                .json(&serde_json::json!({"visitor": "A", "day": day}))
                 .send()
                 .await
                 .unwrap()
@@ -92,7 +98,7 @@ async fn budget_checks_refused_for_a_full_queue_are_denied() {
         }
     }
     assert!(refused >= 1);
-    let u = app.usage("q", "day=2000-01-01").await;
+    let u = app.usage("q", &format!("day={day}")).await;
     assert_eq!(u["global_calls"], 20 - refused);
     app.stop().await.unwrap();
 }
