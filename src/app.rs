@@ -11,7 +11,11 @@ use crate::{
     db::{Database, DbOptions, Handle, WriterTask},
     http::{self, AppState, observe::MetricsState},
     observe, replica,
+    server::{self, Drained, Limits},
 };
+
+/// How often, under Litestream, tally asks how far the replica is behind.
+const REPLICA_WATCH_EVERY: Duration = Duration::from_secs(2);
 
 /// A built service: database open, writer running, listener bound.
 pub struct Application {
@@ -19,8 +23,11 @@ pub struct Application {
     router: axum::Router,
     /// `/metrics` on a listener of its own, when configured.
     metrics: Option<(TcpListener, axum::Router)>,
-    /// The exporter's periodic upkeep; stopped with the service.
-    upkeep: tokio::task::JoinHandle<()>,
+    /// The cap on open API connections, fitted to the open-files limit.
+    max_connections: usize,
+    /// Background tasks (the exporter's upkeep, the replica watch), stopped
+    /// with the service.
+    background: Vec<tokio::task::JoinHandle<()>>,
     db: Handle,
     writer: WriterTask,
     settings: Settings,
@@ -32,6 +39,7 @@ impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let prometheus = observe::install();
         observe::record_start(settings.queue_capacity as usize);
+        let max_connections = connection_cap(&settings);
         let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
             queue_capacity: settings.queue_capacity as usize,
@@ -49,6 +57,7 @@ impl Application {
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
 
+        let mut background = Vec::new();
         if let Some(socket) = &settings.litestream_socket {
             let db_path = std::path::absolute(&settings.database)
                 .context("cannot resolve the database path")?;
@@ -71,6 +80,11 @@ impl Application {
                 db.close_readers().await;
                 return Err(e.into());
             }
+            background.push(tokio::spawn(replica::watch(
+                socket.clone(),
+                db_path,
+                REPLICA_WATCH_EVERY,
+            )));
         }
 
         let state = AppState {
@@ -82,30 +96,37 @@ impl Application {
             db: db.clone(),
             db_path: settings.database.clone(),
         };
-        let upkeep = tokio::spawn(observe::upkeep(prometheus, Duration::from_secs(5)));
+        background.push(tokio::spawn(observe::upkeep(
+            prometheus,
+            Duration::from_secs(5),
+        )));
         let (router, metrics) = match settings.metrics_listen {
             None => (
                 http::router(state, settings.request_timeout, Some(metrics_state)),
                 None,
             ),
             Some(addr) => {
-                let listener = TcpListener::bind(addr)
-                    .await
+                let listener = server::bind(addr)
                     .with_context(|| format!("cannot listen on {addr} for metrics"))?;
+                let metrics_router = http::observe::metrics_router(metrics_state)
+                    .layer(axum::middleware::from_fn(server::bound_request_head));
                 (
                     http::router(state, settings.request_timeout, None),
-                    Some((listener, http::observe::metrics_router(metrics_state))),
+                    Some((listener, metrics_router)),
                 )
             }
         };
-        let listener = TcpListener::bind(settings.listen)
-            .await
+        // Outermost, so that an oversized head is refused before anything
+        // else looks at it.
+        let router = router.layer(axum::middleware::from_fn(server::bound_request_head));
+        let listener = server::bind(settings.listen)
             .with_context(|| format!("cannot listen on {}", settings.listen))?;
         Ok(Self {
             listener,
             router,
             metrics,
-            upkeep,
+            max_connections,
+            background,
             db,
             writer,
             settings,
@@ -128,8 +149,9 @@ impl Application {
 
     /// Serves until `shutdown` resolves, then stops in this order:
     ///
-    /// 1. stop accepting connections; let in-flight requests finish, for at
-    ///    most the drain timeout;
+    /// 1. stop accepting connections; close those with no request in flight
+    ///    at once; let in-flight requests finish, for at most the drain
+    ///    timeout;
     /// 2. close the write queue; the writer commits and answers every command
     ///    already accepted, then checkpoints and closes the database;
     /// 3. close the readers.
@@ -141,26 +163,40 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let addr = self.local_addr();
+        let settings = &self.settings;
         // Cancelled by the shutdown signal, or by the writer dying.
         let stop = CancellationToken::new();
-        let stopping = CancellationToken::new();
-        let (stop_on_signal, signal) = (stop.clone(), stopping.clone());
-        let serve = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(async move {
-                tokio::select! {
-                    () = shutdown => {}
-                    () = stop_on_signal.cancelled() => {}
-                }
-                signal.cancel();
-            })
-            .into_future();
-        let mut serve = tokio::spawn(serve);
-        // Metrics stay up through the drain; they stop with the process.
+        let limits = Limits {
+            name: "api",
+            header_timeout: settings.header_timeout,
+            max_connections: self.max_connections,
+            drain_timeout: settings.drain_timeout,
+        };
+        let mut serve = tokio::spawn(server::serve(
+            self.listener,
+            self.router,
+            limits,
+            stop.clone(),
+        ));
+        // Metrics stay up through the drain, so that it can be watched; they
+        // stop last.
+        let stop_metrics = CancellationToken::new();
         let metrics = self.metrics.map(|(listener, router)| {
             if let Ok(a) = listener.local_addr() {
                 tracing::info!(addr = %a, "serving metrics");
             }
-            tokio::spawn(async move { axum::serve(listener, router).await })
+            let limits = Limits {
+                name: "metrics",
+                header_timeout: settings.header_timeout,
+                max_connections: server::METRICS_MAX_CONNECTIONS,
+                drain_timeout: Duration::from_secs(1),
+            };
+            tokio::spawn(server::serve(
+                listener,
+                router,
+                limits,
+                stop_metrics.clone(),
+            ))
         });
         tracing::info!(%addr, "serving");
 
@@ -168,15 +204,12 @@ impl Application {
         // that the pod is restarted, rather than answer errors forever.
         let mut writer = self.writer;
         let mut writer_died = None;
-        let drain_timeout = self.settings.drain_timeout;
+        // Polled until it fires (which cancels `stop`), never after.
+        let mut shutdown = std::pin::pin!(shutdown);
         let served = loop {
             tokio::select! {
-                r = &mut serve => break r,
-                () = async { stopping.cancelled().await; tokio::time::sleep(drain_timeout).await } => {
-                    tracing::warn!(?drain_timeout, "in-flight requests did not finish in time; dropping them");
-                    serve.abort();
-                    break Ok(Ok(()));
-                }
+                served = &mut serve => break served,
+                () = &mut shutdown, if !stop.is_cancelled() => stop.cancel(),
                 e = writer.died(), if writer_died.is_none() => {
                     tracing::error!(error = %e, "the writer stopped; shutting down");
                     writer_died = Some(e);
@@ -184,6 +217,13 @@ impl Application {
                 }
             }
         };
+        if let Ok(Drained::TimedOut { dropped }) = &served {
+            tracing::warn!(
+                drain_timeout = ?settings.drain_timeout,
+                dropped,
+                "in-flight requests did not finish in time; dropping them"
+            );
+        }
         tracing::info!("HTTP stopped; draining the write queue");
 
         self.db.close();
@@ -193,16 +233,123 @@ impl Application {
         };
         self.db.close_readers().await;
         if let Some(m) = metrics {
-            m.abort();
+            stop_metrics.cancel();
+            let _ = m.await;
         }
-        self.upkeep.abort();
+        for task in &self.background {
+            task.abort();
+        }
 
-        served
-            .context("HTTP server task failed")?
-            .context("HTTP server failed")?;
+        served.context("HTTP server task failed")?;
         written?;
         tracing::info!("stopped cleanly");
         Ok(())
+    }
+}
+
+/// Raises the open-files limit and fits the connection cap under it, so
+/// that connections can never take the descriptors the database, the
+/// readers and the metrics listener need; logs the numbers.
+fn connection_cap(settings: &Settings) -> usize {
+    let reserved = server::reserved_fds(settings.readers, settings.metrics_listen.is_some());
+    let files = match server::raise_open_files_limit() {
+        Ok(files) => files,
+        Err(e) => {
+            // Without the limit, trust the operator's cap, or a modest one.
+            tracing::warn!(error = %e, "cannot read the open-files limit");
+            let cap = settings.max_connections.map_or(1024, |n| n as usize);
+            return cap;
+        }
+    };
+    let (cap, lowered) = server::connection_cap(settings.max_connections, files.soft, reserved);
+    if lowered {
+        tracing::warn!(
+            configured = settings.max_connections,
+            max_connections = cap,
+            open_files_limit = files.soft,
+            reserved,
+            "TALLY_MAX_CONNECTIONS does not fit under the open-files limit; lowered"
+        );
+    }
+    tracing::info!(
+        open_files_limit = files.soft,
+        open_files_limit_was = files.was,
+        open_files_hard_limit = files.hard,
+        reserved,
+        max_connections = cap,
+        configured = settings.max_connections.is_some(),
+        "connection limit"
+    );
+    cap
+}
+
+/// Why tally stopped serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// SIGTERM or ctrl-c: a clean, requested stop.
+    Signal,
+    /// The parent process (Litestream) is gone.
+    ParentExited { pid: u32 },
+}
+
+/// Resolves on SIGTERM or ctrl-c, or, when `parent` is given, once that
+/// process is no longer tally's parent.
+///
+/// Under Litestream (`replicate -exec tally`) tally must not outlive its
+/// parent: with Litestream gone nothing replicates, and every write
+/// acknowledged from then on is lost with the node. `parent` is the parent
+/// pid read first thing in `main`; when it dies the kernel hands tally to a
+/// reaper and `getppid()` changes, which is polled twice a second (a
+/// syscall; no signal to race with). `PR_SET_PDEATHSIG` is not used: it
+/// fires when the parent *thread* that forked tally exits, and the Go
+/// runtime under Litestream can retire that thread while Litestream lives
+/// on; and its signal would look like an orchestrator's SIGTERM.
+///
+/// A parent that died before `main` read its pid leaves nothing to see
+/// here, but then the startup gate ([`replica::wait_for_replica`]) cannot
+/// reach Litestream's socket and tally exits non-zero before serving; and a
+/// gate that succeeds proves Litestream outlived that read, so the pid read
+/// was Litestream's. This holds only when tally is Litestream's direct child
+/// (a wrapper script must `exec` tally), which is logged at start.
+pub async fn stop_requested(parent: Option<u32>) -> StopReason {
+    let orphaned = async {
+        let Some(pid) = parent else {
+            return std::future::pending().await;
+        };
+        let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map(|n| n.trim_end().to_owned())
+            .unwrap_or_default();
+        if name == "litestream" {
+            tracing::info!(
+                parent_pid = pid,
+                parent = name,
+                "stopping if the parent process exits"
+            );
+        } else {
+            tracing::warn!(
+                parent_pid = pid,
+                parent = name,
+                "the parent process is not Litestream: tally stops when it exits, but notices \
+                 Litestream's death only as its direct child"
+            );
+        }
+        let mut every = tokio::time::interval(Duration::from_millis(500));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            if std::os::unix::process::parent_id() != pid {
+                tracing::error!(
+                    parent_pid = pid,
+                    "the parent process (Litestream) exited: nothing replicates new writes; \
+                     stopping so that tally is restarted together with its backup"
+                );
+                return StopReason::ParentExited { pid };
+            }
+        }
+    };
+    tokio::select! {
+        () = shutdown_signal() => StopReason::Signal,
+        why = orphaned => why,
     }
 }
 

@@ -90,6 +90,19 @@ pub struct Settings {
     #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
     pub request_timeout: Duration,
 
+    /// Longest a connection may take to send a complete request header, in
+    /// seconds, counted from when it opens or its previous answer was sent:
+    /// it bounds slow headers and idle keep-alive connections alike.
+    #[arg(long, env = "TALLY_HEADER_TIMEOUT", default_value = "10", value_parser = parse_positive_seconds)]
+    pub header_timeout: Duration,
+
+    /// Most HTTP connections open at once on the API listener; past it a new
+    /// connection is answered 503 and closed. Derived from the open-files
+    /// limit when unset.
+    #[arg(long, env = "TALLY_MAX_CONNECTIONS",
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections: Option<u32>,
+
     /// Unix socket of Litestream's control server. When set, tally runs as
     /// Litestream's child: it leaves WAL checkpoints to Litestream and binds
     /// its listener only once Litestream confirms the replica is in sync.
@@ -123,6 +136,14 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
+    let d = parse_seconds(s)?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("`{s}` must be more than 0 seconds"));
+    }
+    Ok(d)
+}
+
 impl Settings {
     /// Settings for a database at `path`, everything else at its default.
     pub fn for_database(path: impl Into<PathBuf>) -> Self {
@@ -149,6 +170,8 @@ impl fmt::Debug for Settings {
             )
             .field("drain_timeout", &self.drain_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("header_timeout", &self.header_timeout)
+            .field("max_connections", &self.max_connections)
             .field("litestream_socket", &self.litestream_socket)
             .field("replica_wait_timeout", &self.replica_wait_timeout)
             .field("test_writer_delay_ms", &self.test_writer_delay_ms)
@@ -165,6 +188,26 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn connection_limits_parse_and_refuse_nonsense() {
+        let s = Settings::for_database("x.db");
+        assert_eq!(s.header_timeout, Duration::from_secs(10));
+        assert_eq!(s.max_connections, None);
+        let cli = Cli::try_parse_from([
+            "tally",
+            "--header-timeout",
+            "2.5",
+            "--max-connections",
+            "100",
+        ])
+        .unwrap();
+        assert_eq!(cli.settings.header_timeout, Duration::from_millis(2500));
+        assert_eq!(cli.settings.max_connections, Some(100));
+        // A zero header timeout would close every connection at once.
+        assert!(Cli::try_parse_from(["tally", "--header-timeout", "0"]).is_err());
+        assert!(Cli::try_parse_from(["tally", "--max-connections", "0"]).is_err());
     }
 
     #[test]

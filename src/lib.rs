@@ -14,8 +14,12 @@
 //!   that carries them out.
 //! - [`http`]: the router, one module per resource, and the problem+json
 //!   error type.
-//! - [`replica`]: the startup gate that waits, over Litestream's control
-//!   socket, until the replica holds what the database holds.
+//! - [`server`]: the HTTP/1.1 serve loop with its limits: header timeout,
+//!   bounded request heads, a cap on open connections, and a shutdown that
+//!   closes idle connections at once.
+//! - [`replica`]: Litestream's control socket: the startup gate that waits
+//!   until the replica holds what the database holds, and the watch that
+//!   exports how far the replica is behind.
 //! - [`observe`]: Prometheus metrics: the recorder, every metric's
 //!   meaning, and what is sampled at scrape time.
 //! - [`telemetry`]: structured logs.
@@ -35,6 +39,7 @@ pub mod http;
 pub mod meter;
 pub mod observe;
 pub mod replica;
+pub mod server;
 pub mod telemetry;
 
 pub use app::Application;

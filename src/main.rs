@@ -1,9 +1,10 @@
 use std::{process::ExitCode, time::Duration};
 
+use anyhow::bail;
 use clap::Parser;
 use tally::{
     Application,
-    app::shutdown_signal,
+    app::{StopReason, stop_requested},
     config::{Cli, Command},
 };
 
@@ -14,10 +15,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Read before anything else: the later the read, the longer a parent
+    // could die unnoticed (see `stop_requested`).
+    let parent = std::os::unix::process::parent_id();
     let cli = Cli::parse();
     tally::telemetry::init();
     let result = match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => serve(cli.settings).await,
+        Command::Serve => serve(cli.settings, parent).await,
         Command::Contention { writers, hold_ms } => {
             contention(writers as usize, Duration::from_millis(hold_ms)).await
         }
@@ -32,10 +36,22 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn serve(settings: tally::Settings) -> anyhow::Result<()> {
+async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
+    // Under Litestream, tally stops with its parent.
+    let parent = settings.litestream_socket.is_some().then_some(parent);
     let app = Application::build(settings).await?;
-    app.run_until_stopped(shutdown_signal()).await
+    let (why_tx, why) = tokio::sync::oneshot::channel();
+    app.run_until_stopped(async move {
+        let _ = why_tx.send(stop_requested(parent).await);
+    })
+    .await?;
+    // Drained cleanly, but without Litestream nothing replicates: exit
+    // non-zero so that the whole unit is restarted.
+    if let Ok(StopReason::ParentExited { pid }) = why.await {
+        bail!("the parent process (Litestream, pid {pid}) exited; stopped");
+    }
+    Ok(())
 }
 
 async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {

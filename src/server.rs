@@ -1,0 +1,556 @@
+//! The HTTP/1.1 serve loop, bounded against slow, idle and greedy clients.
+//!
+//! `axum::serve` takes every connection the kernel hands it and keeps it
+//! for as long as the client likes: silent connections pile up until the
+//! open-files limit turns every `accept` into `EMFILE`, headers of ~400 KiB
+//! each are buffered for ever, and one half-sent header holds SIGTERM for
+//! the whole drain timeout. This loop serves the same router through
+//! hyper's HTTP/1 connection builder, with:
+//!
+//! - a **header timeout**: a connection must deliver a complete request
+//!   header within [`Limits::header_timeout`] of opening, and again of each
+//!   answer (hyper restarts the timer when a keep-alive connection goes idle,
+//!   so this one timer bounds idle keep-alive connections too); past it the
+//!   connection is closed without an answer;
+//! - a **bounded head**: hyper buffers at most [`HARD_HEAD_BYTES`] of
+//!   request head per connection; [`bound_request_head`] answers smaller,
+//!   still too large heads (and long URIs) with problem+json itself;
+//! - a **cap on open connections** ([`Limits::max_connections`]): past it a
+//!   new connection gets a small static `503` problem and is closed at once,
+//!   so its descriptor is released and the process never reaches `EMFILE`;
+//! - a **shutdown** that stops accepting, closes every connection that has
+//!   no request in flight at once, and gives requests in flight the drain
+//!   timeout.
+//!
+//! HTTP/1 only, as before: the router never enabled HTTP/2 (axum's `http2`
+//! feature is off), and an h2c connection would need its own limits
+//! (streams, frame sizes, header lists) to be as bounded as this one.
+
+use std::{
+    io::{self, Read, Write},
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::Request,
+    http::StatusCode,
+    middleware::Next,
+    response::{IntoResponse, Response},
+};
+use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpSocket, TcpStream},
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
+
+use crate::http::Problem;
+
+/// Longest request target (path and query) tally answers; longer ones get a
+/// `414` problem. Ample for every route (names are short).
+pub const MAX_URI_BYTES: usize = 8 * 1024;
+/// Largest request head (request line and header fields) tally answers;
+/// larger ones get a `431` problem. As much as common proxies accept.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// Most header fields in one request; more get a `431` problem.
+pub const MAX_HEADER_FIELDS: usize = 64;
+/// What hyper buffers of a request head before it gives up with a bare
+/// `431` (no body: it answers before tally sees the request). Well above
+/// [`MAX_HEAD_BYTES`], so that a too large head a client actually finishes
+/// sending gets tally's problem instead, and small enough that a
+/// connection's buffer stays bounded: this times the connection cap is the
+/// most memory partial heads can hold.
+pub const HARD_HEAD_BYTES: usize = 64 * 1024;
+/// hyper's own limit on header fields (its default), past which it answers
+/// a bare `431`.
+pub const HARD_HEADER_FIELDS: usize = 100;
+
+/// Connections on the separate metrics listener: scrapers, a handful.
+pub const METRICS_MAX_CONNECTIONS: usize = 16;
+
+/// Connections past the cap answered at a client's pace, each for at most
+/// [`REFUSAL_WAIT`] twice; past this many at once, the refusal is written
+/// and the connection closed without waiting for anything.
+pub const LINGERING_REFUSALS: usize = 32;
+/// How long a refusal waits for the client's request before answering, and
+/// then for the client to close after the answer.
+const REFUSAL_WAIT: Duration = Duration::from_millis(250);
+
+/// Descriptors kept free besides HTTP connections and SQLite's: stdio, the
+/// runtime's epoll and wake-up descriptors, both listeners, Litestream's
+/// control socket, and slack for what the process opens now and then.
+const RESERVED_FDS: u64 = 64;
+/// Descriptors per SQLite connection (the database file and its WAL; the
+/// shared-memory file is opened once per process), rounded up for temp files.
+const FDS_PER_SQLITE_CONNECTION: u64 = 3;
+/// Default cap when the open-files limit allows more: a partial head can
+/// hold [`HARD_HEAD_BYTES`] per connection, so this bounds that memory to
+/// 256 MiB. More than a single-writer service behind a proxy needs; set
+/// `TALLY_MAX_CONNECTIONS` for more.
+pub const DEFAULT_MAX_CONNECTIONS_CEILING: usize = 4096;
+/// The smallest cap tally starts with, whatever the limit says.
+const MIN_MAX_CONNECTIONS: usize = 16;
+/// What a soft limit is raised to when the hard limit is "unlimited"
+/// (Linux's default `fs.nr_open`; a soft limit cannot be infinite).
+const NOFILE_WHEN_UNLIMITED: u64 = 1 << 20;
+
+/// How one listener is served.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// The `listener` label of this listener's metrics (`api`, `metrics`).
+    pub name: &'static str,
+    pub header_timeout: Duration,
+    pub max_connections: usize,
+    /// How long requests in flight may take to finish once stopping.
+    pub drain_timeout: Duration,
+}
+
+/// How serving ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Drained {
+    /// Every connection closed within the drain timeout.
+    Clean,
+    /// These connections still had a request in flight at the drain timeout
+    /// and were dropped.
+    TimedOut { dropped: usize },
+}
+
+/// Connections the kernel completes and queues before tally accepts them
+/// (capped by `net.core.somaxconn`). The usual 128 overflows in a burst,
+/// and the kernel then silently drops handshakes: clients that think they
+/// are connected and wait, and real clients that retry after a second.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener at `addr` with a backlog sized for bursts.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted tally can listen again at
+    // once, without waiting for the old connections' TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Serves `router` on `listener` until `stop` is cancelled, then drains:
+/// stops accepting, closes at once every connection without a request in
+/// flight, lets the others finish within the drain timeout and drops what
+/// is left.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    stop: CancellationToken,
+) -> Drained {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(HARD_HEAD_BYTES)
+        .max_header_size(HARD_HEAD_BYTES)
+        .max_headers(HARD_HEADER_FIELDS);
+    let http = Arc::new(http);
+    let listener_label = limits.name;
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusal: Arc<[u8]> = refusal(limits.max_connections).into();
+    let lingering = Arc::new(Semaphore::new(LINGERING_REFUSALS));
+    // Cancelled when the drain timeout passes: drops what is left.
+    let force = CancellationToken::new();
+    metrics::gauge!("tally_http_connections_max", "listener" => listener_label)
+        .set(limits.max_connections as f64);
+    // From the start, so that the first refusal is an increase alerts see.
+    metrics::gauge!("tally_http_connections_open", "listener" => listener_label).increment(0.0);
+    metrics::counter!("tally_http_connections_refused_total", "listener" => listener_label)
+        .increment(0);
+    metrics::counter!("tally_http_header_timeouts_total", "listener" => listener_label)
+        .increment(0);
+    let mut last_accept_error = None;
+
+    loop {
+        let stream = tokio::select! {
+            biased;
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    accept_failed(&e, &mut last_accept_error).await;
+                    continue;
+                }
+            },
+        };
+        match Arc::clone(&slots).try_acquire_owned() {
+            Ok(permit) => {
+                let slot = Slot::new(permit, listener_label);
+                tokio::spawn(connection(
+                    stream,
+                    router.clone(),
+                    Arc::clone(&http),
+                    slot,
+                    stop.clone(),
+                    force.clone(),
+                ));
+            }
+            Err(_) => {
+                metrics::counter!("tally_http_connections_refused_total", "listener" => listener_label)
+                    .increment(1);
+                match Arc::clone(&lingering).try_acquire_owned() {
+                    Ok(permit) => {
+                        tokio::spawn(refuse(stream, Arc::clone(&refusal), permit));
+                    }
+                    Err(_) => refuse_at_once(stream, &refusal),
+                }
+            }
+        }
+    }
+    // New connections are refused by the kernel from here on.
+    drop(listener);
+
+    // Every connection holds a slot until its task ends: all slots free
+    // means all connections closed.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    if tokio::time::timeout(limits.drain_timeout, slots.acquire_many(all))
+        .await
+        .is_ok()
+    {
+        return Drained::Clean;
+    }
+    let dropped = limits
+        .max_connections
+        .saturating_sub(slots.available_permits());
+    force.cancel();
+    // Tasks drop their connection as soon as they see `force`; this wait
+    // only lets them run that far.
+    let _ = tokio::time::timeout(Duration::from_secs(1), slots.acquire_many(all)).await;
+    Drained::TimedOut { dropped }
+}
+
+/// One accepted connection, served until it closes or the drain ends it.
+async fn connection(
+    stream: TcpStream,
+    router: Router,
+    http: Arc<http1::Builder>,
+    slot: Slot,
+    stop: CancellationToken,
+    force: CancellationToken,
+) {
+    // Set when hyper hands a complete request head to the router. Until
+    // then the connection has nothing in flight and shutdown may close it:
+    // hyper's own graceful shutdown closes idle keep-alive connections but
+    // waits for a first header that is still arriving.
+    let asked = Arc::new(AtomicBool::new(false));
+    let service = {
+        let asked = Arc::clone(&asked);
+        service_fn(move |req: hyper::Request<Incoming>| {
+            asked.store(true, Ordering::Relaxed);
+            router.clone().oneshot(req.map(Body::new))
+        })
+    };
+    let conn = http.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        () = stop.cancelled() => {
+            if !asked.load(Ordering::Relaxed) {
+                return;
+            }
+            // Idle between requests: closes now. A request in flight: hyper
+            // answers it with `Connection: close`, then closes.
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                ended = conn.as_mut() => ended,
+                () = force.cancelled() => return,
+            }
+        }
+    };
+    if let Err(e) = ended {
+        if e.is_timeout() {
+            metrics::counter!("tally_http_header_timeouts_total", "listener" => slot.listener)
+                .increment(1);
+        } else {
+            tracing::debug!(error = %e, "connection ended with an error");
+        }
+    }
+}
+
+/// A connection's place under the cap, with the open-connections gauge.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    listener: &'static str,
+}
+
+impl Slot {
+    fn new(permit: OwnedSemaphorePermit, listener: &'static str) -> Self {
+        metrics::gauge!("tally_http_connections_open", "listener" => listener).increment(1.0);
+        Self {
+            _permit: permit,
+            listener,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        metrics::gauge!("tally_http_connections_open", "listener" => self.listener).decrement(1.0);
+    }
+}
+
+/// The whole answer to a connection past the cap, built once.
+fn refusal(max_connections: usize) -> Vec<u8> {
+    let body = serde_json::json!({
+        "type": "/problems/too-many-connections",
+        "title": "Too many connections",
+        "status": 503,
+        "detail": format!(
+            "tally already has its maximum of {max_connections} connections open; \
+             nothing was done, retry shortly"
+        ),
+    })
+    .to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\n\
+         content-type: application/problem+json\r\n\
+         retry-after: 1\r\n\
+         connection: close\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Answers `refusal` once the client has sent its request, and closes once
+/// the client has read it; each wait bounded by [`REFUSAL_WAIT`].
+///
+/// An answer that arrives before the request makes clients (hyper's, so
+/// reqwest's, among them) report an unexpected message instead of a `503`,
+/// and closing on unread input makes the kernel send RST, which can destroy
+/// the answer before the client reads it.
+async fn refuse(mut stream: TcpStream, refusal: Arc<[u8]>, _lingering: OwnedSemaphorePermit) {
+    let mut sink = [0u8; 4096];
+    // The request, or whatever part of it comes in time; a client that sends
+    // nothing gets the answer all the same.
+    let _ = tokio::time::timeout(REFUSAL_WAIT, async {
+        loop {
+            // `readable` may wake without data: only bytes count.
+            let _ = stream.readable().await;
+            match stream.try_read(&mut sink) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                _ => break,
+            }
+        }
+    })
+    .await;
+    for _ in 0..16 {
+        if !matches!(stream.try_read(&mut sink), Ok(n) if n > 0) {
+            break;
+        }
+    }
+    let _ = tokio::time::timeout(REFUSAL_WAIT, async {
+        stream.write_all(&refusal).await?;
+        stream.shutdown().await?;
+        while stream.read(&mut sink).await? > 0 {}
+        io::Result::Ok(())
+    })
+    .await;
+}
+
+/// Answers `refusal` and closes, without waiting for anything: when many
+/// refusals are already lingering, giving the descriptor back comes first.
+fn refuse_at_once(stream: TcpStream, refusal: &[u8]) {
+    // Deregistered from the runtime, still non-blocking: every call below
+    // returns at once.
+    let Ok(stream) = stream.into_std() else {
+        return;
+    };
+    // A new socket's send buffer is empty, so the few hundred bytes go out
+    // whole; should they not, the client sees a plain close.
+    let _ = (&stream).write(refusal);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    // Closing with unread input makes the kernel send RST, which can destroy
+    // the answer before the client reads it: read what has already arrived.
+    let mut sink = [0u8; 4096];
+    for _ in 0..16 {
+        match (&stream).read(&mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+}
+
+/// What to do when `accept` fails.
+async fn accept_failed(e: &io::Error, last_logged: &mut Option<Instant>) {
+    // The client gave up while queued: nothing to do.
+    if matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+    ) {
+        return;
+    }
+    // Out of descriptors (something besides connections is holding them,
+    // since the cap stays below the limit) or memory: the connection waits
+    // in the kernel's queue, so retry soon, logging once a second at most.
+    if last_logged.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1)) {
+        tracing::error!(error = %e, "cannot accept connections");
+        *last_logged = Some(Instant::now());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Answers a request whose target or head is larger than tally accepts
+/// with a `414` or `431` problem; hyper answers only the much larger ones
+/// (see [`HARD_HEAD_BYTES`]), and without a body.
+pub async fn bound_request_head(req: Request, next: Next) -> Response {
+    let uri = req.uri();
+    let target = uri.path_and_query().map_or(0, |p| p.as_str().len())
+        + uri
+            .authority()
+            .map_or(0, |a| a.as_str().len() + "http://".len());
+    if target > MAX_URI_BYTES {
+        return Problem::new(StatusCode::URI_TOO_LONG, "uri-too-long", "URI too long")
+            .detail(format!(
+                "the request target is {target} bytes; tally accepts at most {MAX_URI_BYTES}"
+            ))
+            .into_response();
+    }
+    // As on the wire: "METHOD target HTTP/1.1\r\n", "name: value\r\n"
+    // per field, "\r\n".
+    let fields = req.headers().len();
+    let head = req.method().as_str().len()
+        + target
+        + 12
+        + req
+            .headers()
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
+            .sum::<usize>()
+        + 2;
+    if head > MAX_HEAD_BYTES || fields > MAX_HEADER_FIELDS {
+        return Problem::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "header-too-large",
+            "Request header too large",
+        )
+        .detail(format!(
+            "the request head is {head} bytes in {fields} fields; tally accepts at most \
+             {MAX_HEAD_BYTES} bytes and {MAX_HEADER_FIELDS} fields"
+        ))
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// The open-files limit, after trying to raise it.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenFiles {
+    /// The soft limit tally found.
+    pub was: u64,
+    /// The soft limit now in force.
+    pub soft: u64,
+    pub hard: u64,
+}
+
+/// Raises the soft open-files limit to the hard one, where allowed.
+/// Runtimes and service managers often start processes at a soft 1024 with
+/// a far higher hard limit, expecting servers to raise it themselves.
+pub fn raise_open_files_limit() -> io::Result<OpenFiles> {
+    use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, setrlimit};
+    let (was, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
+    let target = if hard == RLIM_INFINITY {
+        NOFILE_WHEN_UNLIMITED.max(was)
+    } else {
+        hard
+    };
+    let mut soft = was;
+    if target > was {
+        match setrlimit(Resource::RLIMIT_NOFILE, target, hard) {
+            Ok(()) => soft = target,
+            Err(e) => {
+                tracing::warn!(error = %e, soft = was, hard, "cannot raise the open-files limit")
+            }
+        }
+    }
+    Ok(OpenFiles { was, soft, hard })
+}
+
+/// Descriptors to keep free of API connections, for the database (writer
+/// and `readers`), lingering refusals, the metrics listener's connections
+/// and the rest.
+pub fn reserved_fds(readers: u32, metrics_listener: bool) -> u64 {
+    RESERVED_FDS
+        + LINGERING_REFUSALS as u64
+        + FDS_PER_SQLITE_CONNECTION * (u64::from(readers) + 1)
+        + if metrics_listener {
+            METRICS_MAX_CONNECTIONS as u64
+        } else {
+            0
+        }
+}
+
+/// The connection cap: `configured` when it fits under the open-files
+/// limit `soft` with `reserved` descriptors to spare, else what fits
+/// (at most [`DEFAULT_MAX_CONNECTIONS_CEILING`] when not configured).
+/// Returns the cap and whether `configured` had to be lowered.
+pub fn connection_cap(configured: Option<u32>, soft: u64, reserved: u64) -> (usize, bool) {
+    let fits = usize::try_from(soft.saturating_sub(reserved))
+        .unwrap_or(usize::MAX)
+        .max(MIN_MAX_CONNECTIONS);
+    match configured {
+        Some(n) if n as usize > fits => (fits, true),
+        Some(n) => (n as usize, false),
+        None => (fits.min(DEFAULT_MAX_CONNECTIONS_CEILING), false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_leaves_room_for_the_database_and_the_rest() {
+        let reserved = reserved_fds(4, true);
+        assert_eq!(reserved, 64 + 32 + 15 + 16);
+        // A soft limit of 1024, as many runtimes start processes.
+        assert_eq!(connection_cap(None, 1024, reserved), (897, false));
+        // A generous limit: the memory ceiling applies.
+        assert_eq!(
+            connection_cap(None, 1 << 20, reserved),
+            (DEFAULT_MAX_CONNECTIONS_CEILING, false)
+        );
+        // What the operator asks for, when it fits; more is lowered.
+        assert_eq!(connection_cap(Some(500), 1024, reserved), (500, false));
+        assert_eq!(connection_cap(Some(5000), 1024, reserved), (897, true));
+        assert_eq!(connection_cap(Some(5000), 1 << 20, reserved), (5000, false));
+        // A tiny limit still serves a few.
+        assert_eq!(
+            connection_cap(None, 50, reserved),
+            (MIN_MAX_CONNECTIONS, false)
+        );
+    }
+
+    #[test]
+    fn the_refusal_is_a_complete_problem_answer() {
+        let r = String::from_utf8(refusal(7)).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        assert!(head.contains("content-type: application/problem+json"));
+        assert!(head.contains("retry-after: 1"));
+        assert!(head.contains("connection: close"));
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["status"], 503);
+        assert_eq!(v["type"], "/problems/too-many-connections");
+    }
+}
