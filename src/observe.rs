@@ -134,6 +134,47 @@ fn describe() {
         "Replicated transaction id Litestream confirmed at startup."
     );
     describe_gauge!(
+        "tally_http_connections_open",
+        "HTTP connections being served, by listener."
+    );
+    describe_gauge!(
+        "tally_http_connections_max",
+        "Most HTTP connections served at once, by listener (TALLY_MAX_CONNECTIONS for the API)."
+    );
+    describe_counter!(
+        "tally_http_connections_refused_total",
+        "Connections answered 503 too-many-connections and closed, by listener."
+    );
+    describe_counter!(
+        "tally_http_header_timeouts_total",
+        "Connections closed for sending no complete request header in time (idle keep-alive included), by listener."
+    );
+    describe_gauge!(
+        "tally_database_new",
+        "1 if this start created a new, empty database (nothing was there to open), else 0."
+    );
+    describe_gauge!(
+        "tally_replica_up",
+        "1 when the last question to Litestream's control socket was answered, else 0."
+    );
+    describe_gauge!(
+        "tally_replica_local_txid",
+        "Last transaction id Litestream has taken from the database."
+    );
+    describe_gauge!(
+        "tally_replica_replicated_txid",
+        "Last transaction id Litestream reports as held by the replica."
+    );
+    describe_gauge!(
+        "tally_replica_lag_seconds",
+        Unit::Seconds,
+        "How long the replica has been behind: age of the oldest local transaction it lacks (from Litestream's last answer while it does not answer); 0 when caught up."
+    );
+    describe_counter!(
+        "tally_replica_poll_errors_total",
+        "Questions to Litestream's control socket that failed or timed out."
+    );
+    describe_gauge!(
         "tally_build_info",
         "Always 1; the labels say which build runs."
     );
@@ -153,6 +194,32 @@ pub fn record_start(queue_capacity: usize) {
     gauge!("tally_start_time_seconds").set(now.as_secs_f64());
     gauge!("tally_write_queue_capacity").set(queue_capacity as f64);
     gauge!("tally_write_queue_closed").set(0.0);
+    zero_known_series();
+}
+
+/// Exports every counter whose label sets are known in advance at 0, so
+/// that its first event is an increase a rate or an alert can see, and a
+/// dashboard shows 0 rather than "no data".
+fn zero_known_series() {
+    use metrics::counter;
+    for name in [
+        "tally_write_rejected_total",
+        "tally_write_outcome_unknown_total",
+        "tally_budget_prunes_total",
+        "tally_budget_pruned_rows_total",
+        "tally_replica_poll_errors_total",
+    ] {
+        counter!(name).increment(0);
+    }
+    for &(command, results) in crate::db::WRITE_RESULTS {
+        for &result in results {
+            counter!("tally_write_commands_total", "command" => command, "result" => result)
+                .increment(0);
+        }
+        counter!("tally_write_committed_caller_gone_total", "command" => command).increment(0);
+    }
+    counter!("tally_budget_decisions_total", "budget" => "", "reason" => "meter_error")
+        .increment(0);
 }
 
 /// Samples what is cheaper to read when asked than to keep current: queue

@@ -5,8 +5,14 @@
 //! no working backup, so before binding its listener tally asks Litestream
 //! to sync and wait (`POST /sync` with `"wait": true`) until the answer
 //! shows that the replica holds everything the database holds.
+//!
+//! Once serving, [`watch`] keeps asking (a sync without waiting answers the
+//! local and the replicated transaction ids) and exports how far, and for
+//! how long, the replica is behind. Litestream 0.5 exports no such number,
+//! and a hanging object store shows in none of its error counters.
 
 use std::{
+    collections::VecDeque,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -50,10 +56,12 @@ pub enum ReplicaError {
 }
 
 /// One `POST /sync` over the unix socket at `socket`, bounded by `limit`.
+/// With `wait`, Litestream answers once the replica has the sync (or its
+/// `wait` has passed); without, once the local sync is done.
 pub async fn sync_once(
     socket: &Path,
     db: &Path,
-    wait: Duration,
+    wait: Option<Duration>,
     limit: Duration,
 ) -> Result<SyncStatus, String> {
     let call = async {
@@ -66,8 +74,8 @@ pub async fn sync_once(
         tokio::spawn(conn);
         let body = serde_json::json!({
             "path": db,
-            "wait": true,
-            "timeout": wait.as_secs().max(1),
+            "wait": wait.is_some(),
+            "timeout": wait.unwrap_or(limit).as_secs().max(1),
         });
         let req = Request::post("/sync")
             .header("host", "litestream")
@@ -119,7 +127,7 @@ pub async fn wait_for_replica(
         attempt += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         let wait = per_call.min(left).max(Duration::from_secs(1));
-        match sync_once(socket, db, wait, wait + Duration::from_secs(2)).await {
+        match sync_once(socket, db, Some(wait), wait + Duration::from_secs(2)).await {
             Ok(s) if s.is_replicated() => {
                 tracing::info!(
                     txid = s.txid,
@@ -151,4 +159,120 @@ pub async fn wait_for_replica(
         waited: started.elapsed(),
         last,
     })
+}
+
+/// How far the replica is behind, from successive answers of Litestream.
+#[derive(Debug, Default)]
+pub struct Lag {
+    /// Transaction ids seen locally and not yet replicated, oldest first,
+    /// with when each was first seen.
+    pending: VecDeque<(u64, Instant)>,
+    /// When Litestream last answered.
+    answered: Option<Instant>,
+}
+
+impl Lag {
+    /// Takes one answer seen at `now` and returns how long the replica has
+    /// been behind: the age of the oldest local transaction it does not
+    /// hold yet, 0 when it holds them all.
+    pub fn observe(&mut self, status: &SyncStatus, now: Instant) -> Duration {
+        self.answered = Some(now);
+        if self.pending.back().is_none_or(|&(t, _)| status.txid > t) {
+            self.pending.push_back((status.txid, now));
+        }
+        while self
+            .pending
+            .front()
+            .is_some_and(|&(t, _)| t <= status.replicated_txid)
+        {
+            self.pending.pop_front();
+        }
+        self.pending.front().map_or(Duration::ZERO, |&(_, seen)| {
+            now.saturating_duration_since(seen)
+        })
+    }
+
+    /// The lag when Litestream does not answer: it cannot be confirmed to
+    /// ship anything, so the replica is taken to be behind since its last
+    /// answer (a hanging object store hangs the control socket too).
+    pub fn unanswered(&self, now: Instant) -> Duration {
+        let oldest = self.pending.front().map(|&(_, seen)| seen);
+        oldest
+            .into_iter()
+            .chain(self.answered)
+            .min()
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
+}
+
+/// Asks Litestream every `every` for the local and replicated transaction
+/// ids, and exports them with the replica's lag (see [`Lag`]). A call that
+/// fails or hangs is counted, and the lag grows from Litestream's last
+/// answer ([`Lag::unanswered`]).
+pub async fn watch(socket: PathBuf, db: PathBuf, every: Duration) {
+    let mut lag = Lag::default();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        match sync_once(&socket, &db, None, every.max(Duration::from_secs(1))).await {
+            Ok(s) => {
+                metrics::gauge!("tally_replica_up").set(1.0);
+                metrics::gauge!("tally_replica_local_txid").set(s.txid as f64);
+                metrics::gauge!("tally_replica_replicated_txid").set(s.replicated_txid as f64);
+                let behind = lag.observe(&s, now);
+                metrics::gauge!("tally_replica_lag_seconds").set(behind.as_secs_f64());
+            }
+            Err(e) => {
+                metrics::gauge!("tally_replica_up").set(0.0);
+                metrics::counter!("tally_replica_poll_errors_total").increment(1);
+                metrics::gauge!("tally_replica_lag_seconds").set(lag.unanswered(now).as_secs_f64());
+                tracing::warn!(error = %e, "cannot ask litestream how far the replica is");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(txid: u64, replicated_txid: u64) -> SyncStatus {
+        SyncStatus {
+            status: String::new(),
+            txid,
+            replicated_txid,
+        }
+    }
+
+    #[test]
+    fn lag_is_the_age_of_the_oldest_unreplicated_transaction() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let mut lag = Lag::default();
+        assert_eq!(lag.observe(&at(5, 5), s(0)), Duration::ZERO);
+        // 6 appears at 1 s and is not shipped until 4 s; 7 appears at 2 s.
+        assert_eq!(lag.observe(&at(6, 5), s(1)), Duration::ZERO);
+        assert_eq!(lag.observe(&at(7, 5), s(2)), Duration::from_secs(1));
+        assert_eq!(lag.observe(&at(7, 5), s(3)), Duration::from_secs(2));
+        // 6 is shipped: what is left is 7, first seen at 2 s.
+        assert_eq!(lag.observe(&at(7, 6), s(4)), Duration::from_secs(2));
+        assert_eq!(lag.observe(&at(7, 7), s(5)), Duration::ZERO);
+        assert!(lag.pending.is_empty());
+        // Litestream stops answering: behind since its last answer.
+        assert_eq!(lag.unanswered(s(9)), Duration::from_secs(4));
+        assert_eq!(lag.observe(&at(8, 8), s(10)), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_restarted_litestream_with_lower_ids_does_not_wedge_the_lag() {
+        let t0 = Instant::now();
+        let mut lag = Lag::default();
+        lag.observe(&at(9, 3), t0);
+        assert_eq!(
+            lag.observe(&at(4, 9), t0 + Duration::from_secs(1)),
+            Duration::ZERO
+        );
+    }
 }

@@ -54,7 +54,7 @@ async fn write(run: &crate::replica_env::Running, counter: &str, n: usize) {
         assert_eq!(r.status(), StatusCode::OK);
         let r = client
             .post(run.url("/budgets/rb/check"))
-            .json(&json!({"visitor": "v", "day": "2000-01-01"}))
+            .json(&json!({"visitor": "v"}))
             .send()
             .await
             .unwrap();
@@ -226,4 +226,96 @@ async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
     );
     // Litestream ships WAL frames every second (sync-interval: 1s).
     assert!(window < Duration::from_secs(5), "lost a {window:?} window");
+}
+
+/// The value of an unlabelled series in a Prometheus text exposition.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Polls tally's /metrics until `until` holds for the replica's series, or
+/// `limit` passes; returns the last exposition.
+async fn wait_metrics(
+    run: &crate::replica_env::Running,
+    limit: Duration,
+    what: &str,
+    until: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let text = reqwest::get(run.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if until(&text) {
+            return text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} within {limit:?}; last: {:?}",
+            text.lines()
+                .filter(|l| l.starts_with("tally_replica"))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
+    let s3 = S3::start().await;
+    s3.create_bucket("lag").await;
+    let d = Deployment::new(&s3.endpoint, "lag");
+    assert_restored(&d);
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let start = wait_metrics(&run, Duration::from_secs(15), "caught up at start", |t| {
+        sample(t, "tally_replica_up") == Some(1.0)
+            && sample(t, "tally_replica_lag_seconds") == Some(0.0)
+            && sample(t, "tally_replica_local_txid") > Some(0.0)
+    })
+    .await;
+    let start_txid = sample(&start, "tally_replica_local_txid").unwrap();
+
+    // A frozen object store: uploads hang, writes still commit locally.
+    s3.pause();
+    let client = Client::new();
+    for _ in 0..20 {
+        let r = client.post(run.url("/counters/lag")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    let behind = wait_metrics(&run, Duration::from_secs(30), "lag past 3 s", |t| {
+        sample(t, "tally_replica_lag_seconds").is_some_and(|l| l >= 3.0)
+    })
+    .await;
+    // Litestream either still answers and shows the replica behind, or
+    // hangs on the frozen store and says nothing at all.
+    let (local, replicated) = (
+        sample(&behind, "tally_replica_local_txid").unwrap(),
+        sample(&behind, "tally_replica_replicated_txid").unwrap(),
+    );
+    assert!(
+        local > replicated || sample(&behind, "tally_replica_up") == Some(0.0),
+        "{behind}"
+    );
+
+    s3.resume();
+    let caught_up = wait_metrics(&run, Duration::from_secs(60), "lag back to 0", |t| {
+        sample(t, "tally_replica_lag_seconds") == Some(0.0)
+    })
+    .await;
+    assert_eq!(
+        sample(&caught_up, "tally_replica_local_txid"),
+        sample(&caught_up, "tally_replica_replicated_txid")
+    );
+    assert!(
+        sample(&caught_up, "tally_replica_local_txid").unwrap() > start_txid,
+        "the writes made while frozen reached the replica"
+    );
+    assert_eq!(sample(&caught_up, "tally_replica_up"), Some(1.0));
+    stop_cleanly(run).await;
 }
