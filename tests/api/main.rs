@@ -4,11 +4,14 @@
 
 mod bad_input;
 mod budgets;
+mod clients;
 mod contention;
 mod counters;
 mod group_commit;
 mod helpers;
+mod hostile_connections;
 mod idempotency;
+mod input_contract;
 mod lifecycle;
 #[path = "../common/loopback.rs"]
 mod loopback;
@@ -16,4 +19,5 @@ mod observability;
 mod openapi;
 mod replica_env;
 mod replication;
+mod storage_faults;
 mod writer;
