@@ -162,16 +162,28 @@ pub struct Binary {
 
 impl Binary {
     pub fn start(env: &[(&str, &str)]) -> Self {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        Self::start_through(&[], env)
+    }
+
+    /// The binary started through `prefix` (e.g. `prlimit`, which execs it:
+    /// the pid stays tally's).
+    pub fn start_through(prefix: &[&str], env: &[(&str, &str)]) -> Self {
+        let tally = env!("CARGO_BIN_EXE_tally");
+        let mut cmd = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(tally);
+                c
+            }
+            None => Command::new(tally),
+        };
         cmd.env_clear()
             .env("TALLY_LISTEN", "127.0.0.1:0")
             .env("TALLY_LOG_FORMAT", "json")
             .env("TALLY_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
         let mut child = cmd.spawn().expect("tally binary starts");
         let stderr = child.stderr.take().unwrap();
         let logs = Arc::new(Mutex::new(Vec::new()));

@@ -4,10 +4,8 @@
 //! time and count; the real binary where limits of the process matter.
 
 use std::{
-    io::{BufRead, BufReader},
     net::SocketAddr,
-    process::{Command, Stdio},
-    sync::{Arc, Mutex, mpsc},
+    sync::{Arc, mpsc},
     time::{Duration, Instant},
 };
 
@@ -245,50 +243,6 @@ async fn past_the_connection_cap_new_connections_get_a_503_and_are_closed() {
     app.stop().await.unwrap();
 }
 
-/// The real binary, started through `prefix` (e.g. `prlimit`, which execs
-/// it: the pid stays tally's), its JSON logs collected as
-/// [`Binary::start`] does.
-fn start_binary(prefix: &[&str], env: &[(&str, &str)]) -> Binary {
-    let tally = env!("CARGO_BIN_EXE_tally");
-    let mut cmd = match prefix.split_first() {
-        Some((program, args)) => {
-            let mut c = Command::new(program);
-            c.args(args).arg(tally);
-            c
-        }
-        None => Command::new(tally),
-    };
-    cmd.env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .env("TALLY_LOG_FORMAT", "json")
-        .env("TALLY_LOG", "info")
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("tally starts");
-    let stderr = child.stderr.take().unwrap();
-    let logs = Arc::new(Mutex::new(Vec::new()));
-    let (tx, rx) = mpsc::channel();
-    let sink = Arc::clone(&logs);
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if let Ok(v) = serde_json::from_str::<Value>(&line)
-                && v["fields"]["message"] == "serving"
-            {
-                let _ = tx.send(v["fields"]["addr"].as_str().unwrap().to_owned());
-            }
-            sink.lock().unwrap().push(line);
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(20))
-        .unwrap_or_else(|_| panic!("tally did not start: {:?}", logs.lock().unwrap()))
-        .parse()
-        .unwrap();
-    Binary { child, addr, logs }
-}
-
 /// Open descriptors of process `pid`.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
@@ -417,7 +371,7 @@ async fn thousands_of_silent_and_slow_connections_leave_writes_working_and_resou
     let db = dir.path().join("tally.db");
     // The fd limit many runtimes give a process; before the cap, 1,100
     // silent connections were a complete outage at this limit.
-    let mut bin = start_binary(
+    let mut bin = Binary::start_through(
         &["/usr/bin/prlimit", "--nofile=1024:1024", "--"],
         &[
             ("TALLY_DATABASE", db.to_str().unwrap()),
@@ -663,7 +617,7 @@ async fn thousands_of_silent_and_slow_connections_leave_writes_working_and_resou
 async fn sigterm_closes_silent_slow_and_idle_connections_at_once_and_answers_requests_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
-    let mut bin = start_binary(
+    let mut bin = Binary::start_through(
         &[],
         &[
             ("TALLY_DATABASE", db.to_str().unwrap()),
