@@ -27,12 +27,15 @@
 //! (streams, frame sizes, header lists) to be as bounded as this one.
 
 use std::{
+    future::Future,
     io::{self, Read, Write},
     net::SocketAddr,
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
+    task::{Context, Poll},
     time::{Duration, Instant},
 };
 
@@ -44,7 +47,12 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use bytes::Bytes;
+use hyper::{
+    body::{Body as _, Frame, Incoming, SizeHint},
+    server::conn::http1,
+    service::service_fn,
+};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -197,6 +205,7 @@ pub async fn serve(
                     stream,
                     router.clone(),
                     Arc::clone(&http),
+                    limits.header_timeout,
                     slot,
                     stop.clone(),
                     force.clone(),
@@ -241,6 +250,7 @@ async fn connection(
     stream: TcpStream,
     router: Router,
     http: Arc<http1::Builder>,
+    body_timeout: Duration,
     slot: Slot,
     stop: CancellationToken,
     force: CancellationToken,
@@ -254,7 +264,14 @@ async fn connection(
         let asked = Arc::clone(&asked);
         service_fn(move |req: hyper::Request<Incoming>| {
             asked.store(true, Ordering::Relaxed);
-            router.clone().oneshot(req.map(Body::new))
+            // A body must arrive in full within the header timeout of its
+            // head, or a client could hold its connection slot with a body
+            // it never finishes. No body, no timer.
+            let req = match req.body().is_end_stream() {
+                true => req.map(Body::new),
+                false => req.map(|b| Body::new(DeadlineBody::new(b, body_timeout))),
+            };
+            router.clone().oneshot(req)
         })
     };
     let conn = http.serve_connection(TokioIo::new(stream), service);
@@ -552,5 +569,54 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["status"], 503);
         assert_eq!(v["type"], "/problems/too-many-connections");
+    }
+}
+
+/// Why a request body was cut off: it did not arrive in full within the
+/// header timeout of its head. `crate::http` answers it `408`.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive in time")]
+pub struct BodyTimedOut;
+
+/// A request body that fails with [`BodyTimedOut`] once its deadline has
+/// passed and it is still waiting for data.
+struct DeadlineBody {
+    inner: Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl DeadlineBody {
+    fn new(inner: Incoming, within: Duration) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(within)),
+        }
+    }
+}
+
+impl hyper::body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|f| f.map_err(Into::into))),
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(BodyTimedOut.into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }

@@ -102,6 +102,18 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJ
     }
 }
 
+/// Whether reading the body failed because it did not arrive in time.
+fn timed_out(r: &axum::extract::rejection::BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(err) = e {
+        if err.is::<crate::server::BodyTimedOut>() {
+            return true;
+        }
+        e = err.source();
+    }
+    false
+}
+
 /// Reads the body (within the router's size limit) and parses it as JSON.
 /// No body at all is `None` whatever the `Content-Type` (there is nothing
 /// to be of the wrong type); so is blank space sent as JSON or without a
@@ -131,6 +143,13 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
                 "request bodies are limited to {} bytes",
                 super::BODY_LIMIT
             ))
+        } else if timed_out(&r) {
+            Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "Request body not received in time",
+            )
+            .detail("the body must arrive in full within TALLY_HEADER_TIMEOUT of the request head")
         } else {
             Problem::new(
                 StatusCode::BAD_REQUEST,
