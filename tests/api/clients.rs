@@ -11,7 +11,10 @@ use std::{path::Path, time::Duration};
 
 use serde_json::Value;
 
-use crate::{helpers::spawn_with, loopback::tool};
+use crate::{
+    helpers::{sample, spawn_with},
+    loopback::tool,
+};
 
 /// An app that answers many writes `429` and some too slowly for a
 /// client's read timeout.
@@ -98,11 +101,7 @@ async fn the_python_recipe_lands_every_write_exactly_once_under_overload() {
     // 1 + 2 + ... + 40: each intended write once, never twice.
     assert_eq!(counter(&app, "py").await, 820, "{said}");
     let metrics = app.get("/metrics").await.text().await.unwrap();
-    let rejected: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("tally_write_rejected_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let rejected = sample(&metrics, "tally_write_rejected_total").unwrap_or(0.0);
     assert!(rejected > 0.0, "the run must have met a full queue");
 }
 

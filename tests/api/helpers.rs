@@ -314,3 +314,11 @@ pub async fn wait_for_queue_depth(client: &Client, base: &str, depth: u64) {
     }
     panic!("queue never reached depth {depth}");
 }
+
+/// The value of one series, written as the exposition prints it (`name` or
+/// `name{labels}`), in a Prometheus text exposition.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}

@@ -17,7 +17,7 @@ use tokio::{
 };
 
 use crate::{
-    helpers::{Binary, problem, spawn_with, wait_for_queue_depth},
+    helpers::{Binary, problem, sample, spawn_with, wait_for_queue_depth},
     replica_env::{Deployment, S3},
 };
 
@@ -599,12 +599,8 @@ async fn thousands_of_silent_and_slow_connections_leave_writes_working_and_resou
         .text()
         .await
         .unwrap();
-    let value = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+    let value = |series: &str| -> f64 {
+        sample(&metrics, series).unwrap_or_else(|| panic!("no {series} in {metrics}"))
     };
     assert!(
         value("tally_http_connections_refused_total{listener=\"api\"}") >= refused.len() as f64

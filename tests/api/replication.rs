@@ -9,7 +9,10 @@ use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
-use crate::replica_env::{Deployment, S3, free_port};
+use crate::{
+    helpers::sample,
+    replica_env::{Deployment, S3, free_port},
+};
 
 async fn read_db(path: &std::path::Path) -> (String, HashMap<String, i64>, i64) {
     let mut conn = SqliteConnectOptions::new()
@@ -226,13 +229,6 @@ async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
     );
     // Litestream ships WAL frames every second (sync-interval: 1s).
     assert!(window < Duration::from_secs(5), "lost a {window:?} window");
-}
-
-/// The value of an unlabelled series in a Prometheus text exposition.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Polls tally's /metrics until `until` holds for the replica's series, or
