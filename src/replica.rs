@@ -169,6 +169,9 @@ pub struct Lag {
     pending: VecDeque<(u64, Instant)>,
     /// When Litestream last answered.
     answered: Option<Instant>,
+    /// Whether a question went unanswered since that answer: transactions
+    /// first seen after such a gap may be as old as the gap.
+    silent: bool,
 }
 
 impl Lag {
@@ -176,9 +179,14 @@ impl Lag {
     /// been behind: the age of the oldest local transaction it does not
     /// hold yet, 0 when it holds them all.
     pub fn observe(&mut self, status: &SyncStatus, now: Instant) -> Duration {
+        let seen = match self.silent {
+            true => self.answered.unwrap_or(now),
+            false => now,
+        };
         self.answered = Some(now);
+        self.silent = false;
         if self.pending.back().is_none_or(|&(t, _)| status.txid > t) {
-            self.pending.push_back((status.txid, now));
+            self.pending.push_back((status.txid, seen));
         }
         while self
             .pending
@@ -195,7 +203,8 @@ impl Lag {
     /// The lag when Litestream does not answer: it cannot be confirmed to
     /// ship anything, so the replica is taken to be behind since its last
     /// answer (a hanging object store hangs the control socket too).
-    pub fn unanswered(&self, now: Instant) -> Duration {
+    pub fn unanswered(&mut self, now: Instant) -> Duration {
+        self.silent = true;
         let oldest = self.pending.front().map(|&(_, seen)| seen);
         oldest
             .into_iter()
@@ -262,7 +271,10 @@ mod tests {
         assert!(lag.pending.is_empty());
         // Litestream stops answering: behind since its last answer.
         assert_eq!(lag.unanswered(s(9)), Duration::from_secs(4));
-        assert_eq!(lag.observe(&at(8, 8), s(10)), Duration::ZERO);
+        // It answers again, not caught up: what it shows first may date
+        // from the silence, so its age counts from the last answer.
+        assert_eq!(lag.observe(&at(8, 7), s(10)), Duration::from_secs(5));
+        assert_eq!(lag.observe(&at(8, 8), s(11)), Duration::ZERO);
     }
 
     #[test]

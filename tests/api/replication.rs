@@ -300,8 +300,12 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     );
 
     s3.resume();
+    // The watch sets its gauges one by one: wait for a scrape that shows
+    // all of them from one answer.
     let caught_up = wait_metrics(&run, Duration::from_secs(60), "lag back to 0", |t| {
         sample(t, "tally_replica_lag_seconds") == Some(0.0)
+            && sample(t, "tally_replica_up") == Some(1.0)
+            && sample(t, "tally_replica_local_txid") == sample(t, "tally_replica_replicated_txid")
     })
     .await;
     assert_eq!(
