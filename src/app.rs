@@ -59,32 +59,15 @@ impl Application {
 
         let mut background = Vec::new();
         if let Some(socket) = &settings.litestream_socket {
-            let db_path = std::path::absolute(&settings.database)
-                .context("cannot resolve the database path")?;
-            tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
-            let started = std::time::Instant::now();
-            let gate = replica::wait_for_replica(
-                socket,
-                &db_path,
-                settings.replica_wait_timeout,
-                Duration::from_secs(10),
-            )
-            .await;
-            metrics::gauge!("tally_replica_wait_seconds").set(started.elapsed().as_secs_f64());
-            if let Ok(status) = &gate {
-                metrics::gauge!("tally_replica_txid").set(status.replicated_txid as f64);
+            match replica_gate(socket, &settings).await {
+                Ok(watch) => background.push(watch),
+                Err(e) => {
+                    db.close();
+                    let _ = writer.join().await;
+                    db.close_readers().await;
+                    return Err(e);
+                }
             }
-            if let Err(e) = gate {
-                db.close();
-                let _ = writer.join().await;
-                db.close_readers().await;
-                return Err(e.into());
-            }
-            background.push(tokio::spawn(replica::watch(
-                socket.clone(),
-                db_path,
-                REPLICA_WATCH_EVERY,
-            )));
         }
 
         let state = AppState {
@@ -181,23 +164,9 @@ impl Application {
         // Metrics stay up through the drain, so that it can be watched; they
         // stop last.
         let stop_metrics = CancellationToken::new();
-        let metrics = self.metrics.map(|(listener, router)| {
-            if let Ok(a) = listener.local_addr() {
-                tracing::info!(addr = %a, "serving metrics");
-            }
-            let limits = Limits {
-                name: "metrics",
-                header_timeout: settings.header_timeout,
-                max_connections: server::METRICS_MAX_CONNECTIONS,
-                drain_timeout: Duration::from_secs(1),
-            };
-            tokio::spawn(server::serve(
-                listener,
-                router,
-                limits,
-                stop_metrics.clone(),
-            ))
-        });
+        let metrics = self
+            .metrics
+            .map(|(listener, router)| serve_metrics(listener, router, settings, &stop_metrics));
         tracing::info!(%addr, "serving");
 
         // Without its writer tally can accept no write: stop serving, so
@@ -245,6 +214,53 @@ impl Application {
         tracing::info!("stopped cleanly");
         Ok(())
     }
+}
+
+/// Waits until the replica holds what the database holds (Litestream's
+/// first sync has really reached it), then starts the watch that exports
+/// how far the replica is behind.
+async fn replica_gate(
+    socket: &std::path::Path,
+    settings: &Settings,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let db_path =
+        std::path::absolute(&settings.database).context("cannot resolve the database path")?;
+    tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
+    let started = std::time::Instant::now();
+    let gate = replica::wait_for_replica(
+        socket,
+        &db_path,
+        settings.replica_wait_timeout,
+        Duration::from_secs(10),
+    )
+    .await;
+    metrics::gauge!("tally_replica_wait_seconds").set(started.elapsed().as_secs_f64());
+    let status = gate?;
+    metrics::gauge!("tally_replica_txid").set(status.replicated_txid as f64);
+    Ok(tokio::spawn(replica::watch(
+        socket.to_owned(),
+        db_path,
+        REPLICA_WATCH_EVERY,
+    )))
+}
+
+/// Serves `/metrics` on its own listener until `stop` is cancelled.
+fn serve_metrics(
+    listener: TcpListener,
+    router: axum::Router,
+    settings: &Settings,
+    stop: &CancellationToken,
+) -> tokio::task::JoinHandle<Drained> {
+    if let Ok(a) = listener.local_addr() {
+        tracing::info!(addr = %a, "serving metrics");
+    }
+    let limits = Limits {
+        name: "metrics",
+        header_timeout: settings.header_timeout,
+        max_connections: server::METRICS_MAX_CONNECTIONS,
+        drain_timeout: Duration::from_secs(1),
+    };
+    tokio::spawn(server::serve(listener, router, limits, stop.clone()))
 }
 
 /// Raises the open-files limit and fits the connection cap under it, so

@@ -176,14 +176,7 @@ pub async fn serve(
     let lingering = Arc::new(Semaphore::new(LINGERING_REFUSALS));
     // Cancelled when the drain timeout passes: drops what is left.
     let force = CancellationToken::new();
-    metrics::gauge!("tally_http_connections_max", "listener" => listener_label)
-        .set(limits.max_connections as f64);
-    // From the start, so that the first refusal is an increase alerts see.
-    metrics::gauge!("tally_http_connections_open", "listener" => listener_label).increment(0.0);
-    metrics::counter!("tally_http_connections_refused_total", "listener" => listener_label)
-        .increment(0);
-    metrics::counter!("tally_http_header_timeouts_total", "listener" => listener_label)
-        .increment(0);
+    export_listener(&limits);
     let mut last_accept_error = None;
 
     loop {
@@ -225,7 +218,23 @@ pub async fn serve(
     }
     // New connections are refused by the kernel from here on.
     drop(listener);
+    drain(&slots, &limits, &force).await
+}
 
+/// The listener's series, from the start, so that the first refusal is an
+/// increase alerts see.
+fn export_listener(limits: &Limits) {
+    let listener = limits.name;
+    metrics::gauge!("tally_http_connections_max", "listener" => listener)
+        .set(limits.max_connections as f64);
+    metrics::gauge!("tally_http_connections_open", "listener" => listener).increment(0.0);
+    metrics::counter!("tally_http_connections_refused_total", "listener" => listener).increment(0);
+    metrics::counter!("tally_http_header_timeouts_total", "listener" => listener).increment(0);
+}
+
+/// Waits for every connection to close, for at most the drain timeout;
+/// then has the rest dropped.
+async fn drain(slots: &Semaphore, limits: &Limits, force: &CancellationToken) -> Drained {
     // Every connection holds a slot until its task ends: all slots free
     // means all connections closed.
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
