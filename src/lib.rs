@@ -6,12 +6,15 @@
 //! - [`config`]: the one settings struct (flags with environment fallbacks).
 //! - [`app`]: builds the service (database, writer, listener) and owns the
 //!   shutdown order: HTTP first, then the write queue, then the database.
-//! - [`db`]: the storage boundary. A cloneable [`db::Handle`] (read-only
-//!   pool + sending end of a bounded queue) and the [`db::Writer`], the only
-//!   holder of a writable connection, which commits queued commands in
-//!   batches and replies only after the commit.
-//! - [`meter`]: the domain: names, visitors, days, budget rules, and the SQL
-//!   that carries them out.
+//! - [`db`]: the storage boundary, and the only module with SQL. A
+//!   cloneable [`db::Handle`] whose methods are the whole storage API (reads
+//!   on a read-only pool, writes as plain commands on a bounded queue), and
+//!   the [`db::Writer`], the only holder of a writable connection, which
+//!   commits queued commands in batches and replies only after the commit.
+//!   `db::contention` is the lab behind `tally contention`, showing why
+//!   writes go through one queue.
+//! - [`meter`]: the domain, pure: names, visitors, days, idempotency keys,
+//!   budgets, and the one rule that decides a budget check.
 //! - [`http`]: the router, one module per resource, and the problem+json
 //!   error type.
 //! - [`server`]: the HTTP/1.1 serve loop with its limits: header timeout,
@@ -23,8 +26,6 @@
 //! - [`observe`]: Prometheus metrics: the recorder, every metric's
 //!   meaning, and what is sampled at scrape time.
 //! - [`telemetry`]: structured logs.
-//! - [`contention`]: the lab behind `tally contention`, showing why writes
-//!   go through one queue.
 //!
 //! Data flows one way: handler -> command -> writer -> reply. A handler never
 //! sees SQL; the writer never sees HTTP.
@@ -33,12 +34,11 @@
 
 pub mod app;
 pub mod config;
-pub mod contention;
 pub mod db;
-pub mod http;
-pub mod meter;
-pub mod observe;
-pub mod replica;
+mod http;
+mod meter;
+mod observe;
+mod replica;
 pub mod server;
 pub mod telemetry;
 

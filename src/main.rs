@@ -58,7 +58,7 @@ async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {
     println!(
         "{writers} concurrent writes, each holding its transaction {hold:?}, busy_timeout=0\n"
     );
-    let outcomes = tally::contention::run(writers, hold).await?;
-    print!("{}", tally::contention::render(&outcomes));
+    let outcomes = tally::db::contention::run(writers, hold).await?;
+    print!("{}", tally::db::contention::render(&outcomes));
     Ok(())
 }

@@ -227,10 +227,9 @@ fn zero_known_series() {
 pub fn sample(db: &Handle, path: &Path) {
     gauge!("tally_write_queue_depth").set(db.queue_depth() as f64);
     gauge!("tally_write_queue_closed").set(if db.accepts_writes() { 0.0 } else { 1.0 });
-    let pool = db.readers();
-    let open = pool.size() as f64;
-    gauge!("tally_db_readers_open").set(open);
-    gauge!("tally_db_readers_in_use").set(open - pool.num_idle() as f64);
+    let (open, busy) = db.readers_open_and_busy();
+    gauge!("tally_db_readers_open").set(f64::from(open));
+    gauge!("tally_db_readers_in_use").set(f64::from(busy));
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len() as f64).unwrap_or(0.0);
     gauge!("tally_db_size_bytes").set(size(path));
     let mut wal = path.as_os_str().to_owned();

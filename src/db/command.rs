@@ -1,22 +1,86 @@
-//! The commands a handler can ask the writer to run, each with its own typed
-//! reply channel.
+//! What the writer runs: commands as plain data, and the one reply type
+//! every command answers with.
 
-use std::{
-    fmt,
-    sync::{Arc, atomic::AtomicBool},
-};
+use std::{fmt, sync::Arc};
 
 use tokio::sync::oneshot;
 
-use crate::meter::{
-    Budget, BudgetSpec, Day, Decision, IdempotencyKey, MeterError, Name, ResetScope, VisitorId,
-};
+use super::Error;
+use crate::meter::{Budget, BudgetSpec, Day, Decision, IdempotencyKey, Name, VisitorId};
+
+/// A write, as the writer receives it.
+#[derive(Debug)]
+pub enum Command {
+    Increment {
+        name: Name,
+        by: i64,
+    },
+    PutBudget {
+        name: Name,
+        spec: BudgetSpec,
+    },
+    /// One call against a budget, on `day` or the budget's today.
+    Check {
+        budget: Name,
+        visitor: VisitorId,
+        day: Option<Day>,
+    },
+    /// Clears one day's usage (the budget's today when `day` is `None`):
+    /// one visitor's calls, or all of the day's.
+    Reset {
+        budget: Name,
+        day: Option<Day>,
+        visitor: Option<VisitorId>,
+    },
+}
+
+/// What a command did.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// A counter's new value.
+    Value(i64),
+    Budget(Budget),
+    Decision(Decision),
+    /// The day a reset cleared and how many usage rows it deleted.
+    Reset {
+        day: Day,
+        deleted_rows: u64,
+    },
+}
+
+/// The answer a caller waits for.
+#[derive(Debug)]
+pub struct Reply {
+    pub outcome: Result<Outcome, Error>,
+    /// The outcome is the one stored for the command's idempotency key:
+    /// nothing new was written.
+    pub replayed: bool,
+}
+
+impl Reply {
+    pub fn new(outcome: Result<Outcome, Error>) -> Self {
+        Reply {
+            outcome,
+            replayed: false,
+        }
+    }
+}
+
+/// A command in the queue, with everything the writer needs to answer it.
+pub struct Queued {
+    pub command: Command,
+    /// The client's idempotency key, when it sent one.
+    pub key: Option<IdempotencyKey>,
+    /// The request that queued it, for the writer's log lines.
+    pub request_id: Option<Arc<str>>,
+    pub reply: oneshot::Sender<Reply>,
+}
 
 /// Every `result` label `tally_write_commands_total` can carry, per command
-/// kind ([`Op::kind`]): `ok`, the refusals a command can meet
-/// ([`MeterError::kind`]), and `not_committed` for a batch whose COMMIT
-/// failed for another reason than the storage's. Exported at 0 from the
-/// start so that a first failure is an increase an alert can see.
+/// kind ([`Command::kind`]): `ok`, the refusals a command can meet
+/// ([`Error::kind`]), and `not_committed` for a batch whose COMMIT failed
+/// for another reason than the storage's. Exported at 0 from the start so
+/// that a first failure is an increase an alert can see.
 pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
     (
         "increment",
@@ -24,32 +88,27 @@ pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
             "ok",
             "overflow",
             "key_reused",
-            "storage_full",
-            "storage_lost",
-            "database_error",
-            "not_committed",
+            STORAGE_FULL,
+            STORAGE_LOST,
+            DATABASE,
+            NOT_COMMITTED,
         ],
     ),
     (
         "put_budget",
-        &[
-            "ok",
-            "storage_full",
-            "storage_lost",
-            "database_error",
-            "not_committed",
-        ],
+        &["ok", STORAGE_FULL, STORAGE_LOST, DATABASE, NOT_COMMITTED],
     ),
     (
         "check",
         &[
             "ok",
             "unknown_budget",
+            "day_outside_window",
             "key_reused",
-            "storage_full",
-            "storage_lost",
-            "database_error",
-            "not_committed",
+            STORAGE_FULL,
+            STORAGE_LOST,
+            DATABASE,
+            NOT_COMMITTED,
         ],
     ),
     (
@@ -57,110 +116,76 @@ pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
         &[
             "ok",
             "unknown_budget",
-            "storage_full",
-            "storage_lost",
-            "database_error",
-            "not_committed",
+            "day_outside_window",
+            STORAGE_FULL,
+            STORAGE_LOST,
+            DATABASE,
+            NOT_COMMITTED,
         ],
     ),
 ];
 
-/// What a command answers: its result, or why it did not apply.
-pub type Reply<T> = oneshot::Sender<Result<T, MeterError>>;
+const STORAGE_FULL: &str = "storage_full";
+const STORAGE_LOST: &str = "storage_lost";
+const DATABASE: &str = "database_error";
+pub const NOT_COMMITTED: &str = "not_committed";
 
-/// One queued write with the channel its caller waits on.
-pub struct Envelope {
-    pub op: Op,
-    /// The HTTP request that queued it, for the writer's log lines.
-    pub request_id: Option<std::sync::Arc<str>>,
-    /// The client's idempotency key, when it sent one.
-    pub key: Option<Keyed>,
-}
-
-/// An idempotency key riding with its command.
-pub struct Keyed {
-    pub key: IdempotencyKey,
-    /// Set by the writer, before it replies, when the answer is the one
-    /// stored for the key rather than a new write.
-    pub replayed: Arc<AtomicBool>,
-}
-
-impl Op {
-    /// What the command does, to tell a retry from another request that
-    /// reuses its key.
-    pub fn fingerprint(&self) -> String {
-        match self {
-            Op::Increment { name, by, .. } => format!("increment {name} {by}"),
-            Op::Check {
-                budget,
-                visitor,
-                day,
-                ..
-            } => match day {
-                Some(d) => format!("check {budget} {d} {visitor}"),
-                None => format!("check {budget} today {visitor}"),
-            },
-            Op::PutBudget { name, .. } => format!("put_budget {name}"),
-            Op::Reset { budget, .. } => format!("reset {budget}"),
-        }
-    }
-}
-
-pub enum Op {
-    Increment {
-        name: Name,
-        by: i64,
-        reply: Reply<i64>,
-    },
-    PutBudget {
-        name: Name,
-        spec: BudgetSpec,
-        reply: Reply<Budget>,
-    },
-    Check {
-        budget: Name,
-        visitor: VisitorId,
-        day: Option<Day>,
-        reply: Reply<Decision>,
-    },
-    Reset {
-        budget: Name,
-        scope: ResetScope,
-        reply: Reply<u64>,
-    },
-}
-
-impl Op {
+impl Command {
     /// A stable name for logs and metric labels.
     pub fn kind(&self) -> &'static str {
         match self {
-            Op::Increment { .. } => "increment",
-            Op::PutBudget { .. } => "put_budget",
-            Op::Check { .. } => "check",
-            Op::Reset { .. } => "reset",
+            Command::Increment { .. } => "increment",
+            Command::PutBudget { .. } => "put_budget",
+            Command::Check { .. } => "check",
+            Command::Reset { .. } => "reset",
+        }
+    }
+
+    /// What the command does, to tell a retry from another request that
+    /// reuses its key. Stored with the key: the text must not change.
+    pub fn fingerprint(&self) -> String {
+        match self {
+            Command::Increment { name, by } => format!("increment {name} {by}"),
+            Command::Check {
+                budget,
+                visitor,
+                day: Some(d),
+            } => format!("check {budget} {d} {visitor}"),
+            Command::Check {
+                budget,
+                visitor,
+                day: None,
+            } => format!("check {budget} today {visitor}"),
+            Command::PutBudget { name, .. } => format!("put_budget {name}"),
+            Command::Reset { budget, .. } => format!("reset {budget}"),
         }
     }
 }
 
-/// What a command was applied to, for the log line written when its caller
-/// has gone: enough to answer "did my write land?".
-pub enum Target {
-    Counter(Name),
-    Budget(Name),
-    Check { budget: Name, visitor: VisitorId },
-    Reset { budget: Name, scope: ResetScope },
-}
-
-impl fmt::Display for Target {
+/// What the command was applied to, for the log line written when its
+/// caller has gone: enough to answer "did my write land?".
+impl fmt::Display for Command {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Target::Counter(n) => write!(f, "counter={n}"),
-            Target::Budget(n) => write!(f, "budget={n}"),
-            Target::Check { budget, visitor } => write!(f, "budget={budget} visitor={visitor:?}"),
-            Target::Reset { budget, scope } => match &scope.visitor {
-                Some(v) => write!(f, "budget={budget} day={} visitor={v:?}", scope.day),
-                None => write!(f, "budget={budget} day={}", scope.day),
-            },
+            Command::Increment { name, .. } => write!(f, "counter={name}"),
+            Command::PutBudget { name, .. } => write!(f, "budget={name}"),
+            Command::Check {
+                budget, visitor, ..
+            } => write!(f, "budget={budget} visitor={visitor:?}"),
+            Command::Reset {
+                budget,
+                day,
+                visitor,
+            } => {
+                write!(f, "budget={budget}")?;
+                if let Some(day) = day {
+                    write!(f, " day={day}")?;
+                }
+                match visitor {
+                    Some(v) => write!(f, " visitor={v:?}"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -170,26 +195,36 @@ mod tests {
     use std::{path::Path, sync::Arc};
 
     use super::*;
+    use crate::meter::{KeptDays, Refusal};
 
     /// The label list names real results only: a typo would export a
     /// series at 0 forever while the real one stays absent.
     #[test]
     fn write_results_are_real_results() {
         let name = Name::parse("n").unwrap();
+        let day = Day::parse("2000-01-01").unwrap();
         let db = || Arc::new(sqlx::Error::PoolClosed);
         let kinds: Vec<&str> = [
-            MeterError::UnknownBudget(name.clone()),
-            MeterError::Overflow(name),
-            MeterError::KeyReused,
-            MeterError::StorageFull(db()),
-            MeterError::StorageLost {
-                path: Arc::from(Path::new("x")),
-            },
-            MeterError::Database(db()),
+            Error::Refused(Refusal::UnknownBudget(name.clone())),
+            Error::Refused(Refusal::Overflow(name.clone())),
+            Error::Refused(Refusal::KeyReused),
+            Error::Refused(Refusal::DayOutsideWindow {
+                budget: name,
+                day,
+                kept: KeptDays {
+                    oldest: day,
+                    today: day,
+                },
+                timezone: "UTC".into(),
+                retention_days: 1,
+            }),
+            Error::StorageFull(db()),
+            Error::StorageLost(Arc::from(Path::new("x"))),
+            Error::Database(db()),
         ]
         .iter()
-        .map(MeterError::kind)
-        .chain(["ok", "not_committed"])
+        .map(Error::kind)
+        .chain(["ok", NOT_COMMITTED])
         .collect();
         let commands: Vec<&str> = WRITE_RESULTS.iter().map(|(c, _)| *c).collect();
         assert_eq!(commands, ["increment", "put_budget", "check", "reset"]);

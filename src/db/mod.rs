@@ -1,55 +1,53 @@
-//! The storage boundary.
+//! The storage boundary: the only module that knows SQL, pools or
+//! connections.
 //!
 //! [`Database::open`] returns two halves:
 //!
-//! - a [`Handle`], cheap to clone, for HTTP handlers: a pool of read-only
-//!   connections (opened read-only *and* with `PRAGMA query_only`) and the
-//!   sending end of a bounded queue of write commands;
+//! - a [`Handle`], cheap to clone, for HTTP handlers: its methods are the
+//!   whole storage API (increment, counter, put budget, budget, check,
+//!   usage, reset). Reads go to a pool of read-only connections (opened
+//!   read-only *and* with `PRAGMA query_only`); writes are queued as plain
+//!   [`Command`]s on a bounded queue.
 //! - a [`Writer`], which owns the one writable connection in the process and
 //!   the receiving end of the queue.
 //!
 //! No function hands out a writable connection: the only one is a private
 //! field of `Writer`, and `Writer::run` consumes it. Every write is a round
-//! trip through the queue (a command in, a oneshot reply back), and a reply
-//! is sent only after the transaction holding the command has committed,
-//! into the file that still has the database's name (`files`).
+//! trip through the queue (a command in, one [`command::Reply`] back), and a
+//! reply is sent only after the transaction holding the command has
+//! committed, into the file that still has the database's name (`files`).
+//!
+//! SQL is kept one file per concern: `counters`, `budgets`, `keys`
+//! (idempotency), `reads` (coalesced counter reads).
 
+mod budgets;
 mod command;
+pub mod contention;
+mod counters;
 mod files;
+mod keys;
+mod open;
 mod reads;
 mod stats;
 mod writer;
 
-use std::{
-    path::{Path, PathBuf},
-    sync::Arc,
-    time::Duration,
-};
+use std::{path::Path, sync::Arc, time::Duration};
 
-use sqlx::{
-    ConnectOptions, SqlitePool,
-    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
-};
+use sqlx::SqlitePool;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use command::Envelope;
-pub use command::{Op, Reply, WRITE_RESULTS};
-pub use stats::{QueueStats, retry_after_secs};
+pub(crate) use command::WRITE_RESULTS;
+use command::Command;
+use command::{Outcome, Queued};
+pub use open::{Database, OpenError};
+use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
 
 use crate::{
     config::Synchronous,
-    meter::{
-        Budget, BudgetSpec, Day, Decision, IdempotencyKey, MeterError, Name, ResetScope, VisitorId,
-    },
+    meter::{Budget, BudgetSpec, Day, Decision, IdempotencyKey, Name, Refusal, Usage, VisitorId},
 };
-
-tokio::task_local! {
-    /// Who queued the commands of this task (the HTTP request id), for the
-    /// writer's log lines about them.
-    pub static CALLER: Arc<str>;
-}
 
 /// How to open the database.
 #[derive(Debug, Clone)]
@@ -67,205 +65,233 @@ pub struct DbOptions {
     pub writer_panic_after: Option<u64>,
 }
 
-/// Why a write got no result.
-#[derive(Debug, thiserror::Error)]
-pub enum WriteError {
+/// Why a storage call gave no result.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The command was refused for what the client asked; nothing changed.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
     /// The queue was full: the command was not accepted and nothing ran, so
     /// retrying is safe.
     #[error("the write queue is full")]
-    Unavailable { retry_after: Duration },
-    /// The queue no longer accepts commands: tally is shutting down.
-    #[error("the write queue is closed")]
+    QueueFull { retry_after: Duration },
+    /// The queue (or the read pool) no longer takes work: tally is shutting
+    /// down.
+    #[error("the database is closing")]
     Closed,
     /// The command was accepted but its reply never came: it may or may not
     /// have committed.
     #[error("the write was accepted but its outcome is unknown")]
     OutcomeUnknown,
-    /// The command ran and was refused, or the database failed.
-    #[error(transparent)]
-    Meter(#[from] MeterError),
+    /// The disk (or the database's size limit) is full: nothing was
+    /// written, and the same write succeeds once space is freed. Not a bug,
+    /// so it is told apart from [`Self::Database`].
+    #[error("the disk is full: {0}")]
+    StorageFull(Arc<sqlx::Error>),
+    /// The database file, or its `-wal` or `-shm`, was deleted or replaced
+    /// while tally had it open: whatever is written now goes to a file that
+    /// no longer has a name and vanishes when tally exits.
+    #[error("the database file {} was deleted or replaced while open", .0.display())]
+    StorageLost(Arc<Path>),
+    /// SQLite failed. Shared, because one failed COMMIT is every caller's
+    /// answer in a batch.
+    #[error("database error: {0}")]
+    Database(Arc<sqlx::Error>),
+    /// tally found its own data or its own bookkeeping inconsistent: a
+    /// stored value it cannot read back, or a batch short of a result.
+    /// Never the client's doing.
+    #[error("internal error: {0}")]
+    Internal(Arc<str>),
 }
 
-/// Why the database could not be opened.
-#[derive(Debug, thiserror::Error)]
-pub enum OpenError {
-    #[error("cannot create directory {path}: {source}")]
-    CreateDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("cannot open database {path}: {source}")]
-    Open { path: PathBuf, source: sqlx::Error },
-    #[error("cannot migrate database {path}: {source}")]
-    Migrate {
-        path: PathBuf,
-        source: sqlx::migrate::MigrateError,
-    },
-}
-
-/// The entry point of the storage layer.
-pub struct Database;
-
-impl Database {
-    /// Opens (creating if needed) the database at `path`, runs migrations on
-    /// the writable connection, and returns the handle and the writer. Spawn
-    /// [`Writer::run`] before using the handle for writes.
-    pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
-                path: dir.to_owned(),
-                source,
-            })?;
-        }
-        let open_err = |source| OpenError::Open {
-            path: path.to_owned(),
-            source,
-        };
-
-        // Whether tally's data was there before this start: a wrong replica
-        // path makes a restore step skip quietly, and a first deploy looks
-        // the same. Say which it was.
-        let file_existed = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
-
-        let synchronous = match opts.synchronous {
-            Synchronous::Full => SqliteSynchronous::Full,
-            Synchronous::Normal => SqliteSynchronous::Normal,
-        };
-        let mut conn = SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(synchronous)
-            .busy_timeout(Duration::from_secs(5))
-            // Litestream's guidance: the app must not checkpoint behind its
-            // back, or WAL frames can be lost to the replica.
-            .pragma(
-                "wal_autocheckpoint",
-                if opts.checkpoints { "1000" } else { "0" },
-            )
-            .connect()
-            .await
-            .map_err(open_err)?;
-
-        // WAL is what lets readers run beside the writer; some file systems
-        // cannot give it, and then serving would be wrong, not just slow.
-        let (journal_mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
-            .fetch_one(&mut conn)
-            .await
-            .map_err(open_err)?;
-        let (sync_level,): (i64,) = sqlx::query_as("PRAGMA synchronous")
-            .fetch_one(&mut conn)
-            .await
-            .map_err(open_err)?;
-        if !journal_mode.eq_ignore_ascii_case("wal") {
-            return Err(OpenError::Open {
-                path: path.to_owned(),
-                source: sqlx::Error::Configuration(
-                    format!("journal_mode is {journal_mode}, not wal").into(),
-                ),
-            });
-        }
-        tracing::info!(
-            path = %path.display(),
-            journal_mode,
-            synchronous = sync_level,
-            checkpoints = opts.checkpoints,
-            "database open"
-        );
-        let had_tables = file_existed && {
-            let (n,): (i64,) = sqlx::query_as(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'counters'",
-            )
-            .fetch_one(&mut conn)
-            .await
-            .map_err(open_err)?;
-            n > 0
-        };
-        if had_tables {
-            tracing::info!(path = %path.display(), "opened an existing database");
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        if is_storage_full(&e) {
+            Error::StorageFull(Arc::new(e))
         } else {
-            tracing::warn!(
-                path = %path.display(),
-                file_existed,
-                "created a new, empty database; if this is not the first start, a restore \
-                 from the replica did not happen"
-            );
+            Error::Database(Arc::new(e))
         }
-        metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
-
-        sqlx::migrate!("./migrations")
-            .run(&mut conn)
-            .await
-            .map_err(|source| OpenError::Migrate {
-                path: path.to_owned(),
-                source,
-            })?;
-
-        let readers = SqlitePoolOptions::new()
-            .max_connections(opts.readers)
-            .min_connections(0)
-            .acquire_timeout(Duration::from_secs(5))
-            // A local file does not drop connections; a ping before every
-            // read would be one more round trip to the connection's thread.
-            .test_before_acquire(false)
-            .connect_with(
-                SqliteConnectOptions::new()
-                    .filename(path)
-                    .read_only(true)
-                    .pragma("query_only", "ON")
-                    .busy_timeout(Duration::from_secs(5)),
-            )
-            .await
-            .map_err(open_err)?;
-
-        let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
-        let stats = Arc::new(QueueStats::default());
-        let close = CancellationToken::new();
-        let counter_reads = reads::start(readers.clone(), opts.readers);
-        let handle = Handle(Arc::new(HandleInner {
-            readers,
-            counter_reads,
-            tx,
-            stats: Arc::clone(&stats),
-            close: close.clone(),
-        }));
-        let writer = Writer {
-            conn,
-            rx,
-            max_batch: opts.max_batch.max(1),
-            close,
-            stats,
-            checkpoint_on_close: opts.checkpoints,
-            delay: opts.writer_delay,
-            keys_forgotten_at: None,
-            panic_after: opts.writer_panic_after,
-            batches: 0,
-            // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path),
-            disk_full_since: None,
-        };
-        Ok((handle, writer))
     }
 }
 
-/// What handlers hold: read-only connections and the way into the queue.
-/// Cloned for every request, so a clone is one reference count.
+/// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
+/// reports every failed `write()` with `ENOSPC` this way.
+const SQLITE_FULL: i32 = 13;
+
+/// Whether `e` says the disk is full. SQLite hands out extended result
+/// codes, whose low byte is the primary code. An fsync or truncate that
+/// fails with `ENOSPC` is an `SQLITE_IOERR_*` carrying no errno through
+/// sqlx, so it stays an [`Error::Database`]: it cannot be told from a
+/// failing disk.
+fn is_storage_full(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == SQLITE_FULL),
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+        ),
+        _ => false,
+    }
+}
+
+impl Error {
+    /// A stable name for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Refused(r) => r.kind(),
+            Error::QueueFull { .. } => "queue_full",
+            Error::Closed => "closed",
+            Error::OutcomeUnknown => "outcome_unknown",
+            Error::StorageFull(_) => "storage_full",
+            Error::StorageLost(_) => "storage_lost",
+            Error::Database(_) | Error::Internal(_) => "database_error",
+        }
+    }
+
+    /// Whether the storage failed, rather than the command being refused
+    /// or not taken: a budget check fails closed on any of these.
+    pub fn is_storage_failure(&self) -> bool {
+        matches!(
+            self,
+            Error::StorageFull(_) | Error::StorageLost(_) | Error::Database(_) | Error::Internal(_)
+        )
+    }
+}
+
+/// JSON text for a `json_each` parameter, written straight from `v` (no
+/// intermediate `serde_json::Value` on the hot path). Maps with string keys
+/// and sequences of strings and numbers cannot fail to serialize.
+fn to_json<T: serde::Serialize + ?Sized>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
+}
+
+/// What handlers hold: the storage API. Cloned for every request, so a
+/// clone is one reference count.
 #[derive(Clone)]
 pub struct Handle(Arc<HandleInner>);
 
 struct HandleInner {
     readers: SqlitePool,
     counter_reads: mpsc::Sender<reads::CounterRead>,
-    tx: mpsc::Sender<Envelope>,
+    tx: mpsc::Sender<Queued>,
     stats: Arc<QueueStats>,
     close: CancellationToken,
 }
 
+/// A write's result, and whether it was replayed for an idempotency key
+/// (nothing new was written).
+pub type Replayable<T> = (T, bool);
+
 impl Handle {
-    /// The read-only pool. Its connections cannot write: they were opened
-    /// read-only and run with `query_only`.
-    pub fn readers(&self) -> &SqlitePool {
-        &self.0.readers
+    /// Adds `by` to a counter (created at 0), under an idempotency key if
+    /// given; answers the new value.
+    pub async fn increment(
+        &self,
+        name: Name,
+        by: i64,
+        key: Option<IdempotencyKey>,
+        request_id: Option<Arc<str>>,
+    ) -> Result<Replayable<i64>, Error> {
+        let command = Command::Increment { name, by };
+        self.submit(command, key, request_id, |o| match o {
+            Outcome::Value(v) => Some(v),
+            _ => None,
+        })
+        .await
+    }
+
+    /// The current value of a counter (0 if never written), read from the
+    /// file by a read-only connection; concurrent reads share one statement.
+    pub async fn counter(&self, name: Name) -> Result<i64, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.0
+            .counter_reads
+            .send(reads::CounterRead { name, reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        answer.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Creates or replaces a budget's configuration; its usage is kept.
+    pub async fn put_budget(
+        &self,
+        name: Name,
+        spec: BudgetSpec,
+        request_id: Option<Arc<str>>,
+    ) -> Result<Budget, Error> {
+        let command = Command::PutBudget { name, spec };
+        let (budget, _) = self
+            .submit(command, None, request_id, |o| match o {
+                Outcome::Budget(b) => Some(b),
+                _ => None,
+            })
+            .await?;
+        Ok(budget)
+    }
+
+    /// A budget's configuration.
+    pub async fn budget(&self, name: &Name) -> Result<Budget, Error> {
+        budgets::get(&self.0.readers, name).await
+    }
+
+    /// One call against a budget, on `day` (the budget's today when
+    /// `None`), under an idempotency key if given.
+    pub async fn check(
+        &self,
+        budget: Name,
+        visitor: VisitorId,
+        day: Option<Day>,
+        key: Option<IdempotencyKey>,
+        request_id: Option<Arc<str>>,
+    ) -> Result<Replayable<Decision>, Error> {
+        let command = Command::Check {
+            budget,
+            visitor,
+            day,
+        };
+        self.submit(command, key, request_id, |o| match o {
+            Outcome::Decision(d) => Some(d),
+            _ => None,
+        })
+        .await
+    }
+
+    /// A budget's usage on `day` (its today when `None`), and `visitor`'s
+    /// calls if asked; nothing is counted.
+    pub async fn usage(
+        &self,
+        budget: &Name,
+        day: Option<Day>,
+        visitor: Option<&VisitorId>,
+    ) -> Result<Usage, Error> {
+        budgets::usage(&self.0.readers, budget, day, visitor).await
+    }
+
+    /// Clears a day's usage of a budget (its today when `None`): every row
+    /// of that day, or one visitor's only. Answers the day and the rows
+    /// deleted.
+    pub async fn reset(
+        &self,
+        budget: Name,
+        day: Option<Day>,
+        visitor: Option<VisitorId>,
+        request_id: Option<Arc<str>>,
+    ) -> Result<(Day, u64), Error> {
+        let command = Command::Reset {
+            budget,
+            day,
+            visitor,
+        };
+        let (reset, _) = self
+            .submit(command, None, request_id, |o| match o {
+                Outcome::Reset { day, deleted_rows } => Some((day, deleted_rows)),
+                _ => None,
+            })
+            .await?;
+        Ok(reset)
     }
 
     /// Whether the queue still accepts commands. A full queue still does.
@@ -276,6 +302,13 @@ impl Handle {
     /// Commands waiting in the queue right now.
     pub fn queue_depth(&self) -> usize {
         self.0.tx.max_capacity() - self.0.tx.capacity()
+    }
+
+    /// Read-only connections open, and how many of them are in use.
+    pub fn readers_open_and_busy(&self) -> (u32, u32) {
+        let open = self.0.readers.size();
+        let idle = u32::try_from(self.0.readers.num_idle()).unwrap_or(open);
+        (open, open.saturating_sub(idle))
     }
 
     /// Stops the queue accepting commands. The writer still runs every
@@ -289,128 +322,58 @@ impl Handle {
         self.0.readers.close().await;
     }
 
-    /// The current value of a counter (0 if never written), read from the
-    /// file by a read-only connection; concurrent reads share one statement.
-    pub async fn read_counter(&self, name: Name) -> Result<i64, MeterError> {
-        let (reply, answer) = oneshot::channel();
-        let gone = || MeterError::from(sqlx::Error::PoolClosed);
-        self.0
-            .counter_reads
-            .send(reads::CounterRead { name, reply })
-            .await
-            .map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
-    }
-
-    /// Adds `by` to a counter, under an idempotency key if given: the second
-    /// value is `true` when the answer is the one stored for the key
-    /// (nothing new was written).
-    pub async fn increment(
-        &self,
-        name: Name,
-        by: i64,
-        key: Option<IdempotencyKey>,
-    ) -> Result<(i64, bool), WriteError> {
-        self.submit(key, |reply| Op::Increment { name, by, reply })
-            .await
-    }
-
-    pub async fn put_budget(&self, name: Name, spec: BudgetSpec) -> Result<Budget, WriteError> {
-        Ok(self
-            .submit(None, |reply| Op::PutBudget { name, spec, reply })
-            .await?
-            .0)
-    }
-
-    /// One budget check, under an idempotency key if given; see
-    /// [`Self::increment`].
-    pub async fn check(
-        &self,
-        budget: Name,
-        visitor: VisitorId,
-        day: Option<Day>,
-        key: Option<IdempotencyKey>,
-    ) -> Result<(Decision, bool), WriteError> {
-        self.submit(key, |reply| Op::Check {
-            budget,
-            visitor,
-            day,
-            reply,
-        })
-        .await
-    }
-
-    pub async fn reset(&self, budget: Name, scope: ResetScope) -> Result<u64, WriteError> {
-        Ok(self
-            .submit(None, |reply| Op::Reset {
-                budget,
-                scope,
-                reply,
-            })
-            .await?
-            .0)
-    }
-
     /// How long a client refused for a full queue should wait: see
     /// [`stats::retry_after_secs`].
-    pub fn retry_after(&self) -> Duration {
+    fn retry_after(&self) -> Duration {
         Duration::from_secs(stats::retry_after_secs(
             self.queue_depth(),
             self.0.stats.commit_rate(),
         ))
     }
 
-    /// Queues a command and waits for its answer; the flag says whether the
-    /// answer was replayed for an idempotency key.
+    /// Queues a command and waits for its reply; `expect` takes the
+    /// command's own kind of outcome out of it.
     async fn submit<T>(
         &self,
+        command: Command,
         key: Option<IdempotencyKey>,
-        op: impl FnOnce(Reply<T>) -> Op,
-    ) -> Result<(T, bool), WriteError> {
+        request_id: Option<Arc<str>>,
+        expect: impl FnOnce(Outcome) -> Option<T>,
+    ) -> Result<Replayable<T>, Error> {
         let (reply, answer) = oneshot::channel();
-        // Only keyed writes can be replays; the rest skip the allocation.
-        let keyed = key.map(|key| command::Keyed {
+        let queued = Queued {
+            command,
             key,
-            replayed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        });
-        let replayed = keyed.as_ref().map(|k| Arc::clone(&k.replayed));
-        let envelope = Envelope {
-            op: op(reply),
-            request_id: CALLER.try_with(Arc::clone).ok(),
-            key: keyed,
+            request_id,
+            reply,
         };
         let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
         // the command was not accepted, a retry cannot double-apply it.
-        self.0.tx.try_send(envelope).map_err(|e| match e {
+        self.0.tx.try_send(queued).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
                 metrics::counter!("tally_write_rejected_total").increment(1);
-                WriteError::Unavailable {
+                Error::QueueFull {
                     retry_after: self.retry_after(),
                 }
             }
             mpsc::error::TrySendError::Closed(_) => match self.0.stats.storage_lost() {
-                Some(path) => WriteError::Meter(MeterError::StorageLost {
-                    path: Arc::clone(path),
-                }),
-                None => WriteError::Closed,
+                Some(path) => Error::StorageLost(Arc::clone(path)),
+                None => Error::Closed,
             },
         })?;
-        match answer.await {
-            Ok(result) => {
-                metrics::histogram!("tally_write_wait_seconds")
-                    .record(queued_at.elapsed().as_secs_f64());
-                // The oneshot orders the writer's store before this load.
-                let replayed =
-                    replayed.is_some_and(|r| r.load(std::sync::atomic::Ordering::Acquire));
-                Ok((result?, replayed))
-            }
+        let Ok(reply) = answer.await else {
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.
-            Err(_) => {
-                metrics::counter!("tally_write_outcome_unknown_total").increment(1);
-                Err(WriteError::OutcomeUnknown)
-            }
-        }
+            metrics::counter!("tally_write_outcome_unknown_total").increment(1);
+            return Err(Error::OutcomeUnknown);
+        };
+        metrics::histogram!("tally_write_wait_seconds").record(queued_at.elapsed().as_secs_f64());
+        let value = expect(reply.outcome?)
+            .ok_or_else(|| Error::Internal("the writer answered another command's kind".into()))?;
+        Ok((value, reply.replayed))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -12,14 +12,15 @@ use std::sync::Arc;
 use sqlx::SqlitePool;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use crate::meter::{MeterError, Name};
+use super::Error;
+use crate::meter::Name;
 
 /// Most reads answered by one statement.
 const MAX_READ_BATCH: usize = 512;
 
 pub(super) struct CounterRead {
     pub name: Name,
-    pub reply: oneshot::Sender<Result<i64, MeterError>>,
+    pub reply: oneshot::Sender<Result<i64, Error>>,
 }
 
 /// Starts `loops` reader loops on the current runtime and returns the way in.
@@ -42,7 +43,7 @@ async fn reader_loop(pool: SqlitePool, rx: Arc<Mutex<mpsc::Receiver<CounterRead>
             return;
         }
         let names: Vec<&str> = batch.iter().map(|r| r.name.as_str()).collect();
-        match crate::meter::read_counters(&pool, &names).await {
+        match super::counters::read(&pool, &names).await {
             Ok(values) => {
                 for read in batch.drain(..) {
                     let v = values.get(read.name.as_str()).copied().unwrap_or(0);
@@ -51,7 +52,7 @@ async fn reader_loop(pool: SqlitePool, rx: Arc<Mutex<mpsc::Receiver<CounterRead>
             }
             Err(e) => {
                 for read in batch.drain(..) {
-                    let _ = read.reply.send(Err(e.clone_shallow()));
+                    let _ = read.reply.send(Err(e.clone()));
                 }
             }
         }

@@ -1,34 +1,42 @@
 //! The writer task: the only code in the process that holds a writable
 //! connection. It takes every command already waiting in the queue (up to
-//! the batch cap), runs each inside its own savepoint of one transaction,
-//! commits once, and only then answers every caller.
+//! the batch cap), applies them in one transaction, commits once, and only
+//! then answers every caller, from one place ([`answer`]).
 //!
-//! Before answering, it makes sure the commit went into the file at the
-//! database's path (see [`super::files`]). If the file was deleted or
+//! A batch of increments and checks without idempotency keys is applied
+//! set-based, a few statements for the whole batch; any other batch (and
+//! one whose set-based result could differ, an overflowing counter) runs
+//! command by command, each in a savepoint of its own, so that one refused
+//! command does not take the rest of its batch down.
+//!
+//! Before answering, the writer makes sure the commit went into the file at
+//! the database's path (see [`super::files`]). If the file was deleted or
 //! replaced, no caller hears a success: the batch and everything queued
 //! behind it is answered `storage_lost`, the queue closes, and the writer
 //! ends with an error so that tally exits non-zero and is restarted.
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
+use jiff::Timestamp;
 use sqlx::{Connection, SqliteConnection};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use std::sync::atomic::Ordering;
-
 use super::{
-    command::{Envelope, Keyed, Op, Reply, Target},
+    Error, budgets,
+    command::{Command, NOT_COMMITTED, Outcome, Queued, Reply},
+    counters,
     files::{DbFiles, Lost},
+    keys,
     stats::QueueStats,
 };
-use crate::meter::{self, MeterError, idempotency};
+use crate::meter::{IdempotencyKey, Name, Refusal};
 
 /// Owns the writable connection and the receiving end of the queue.
 /// Created by [`super::Database::open`]; run it with [`Writer::run`].
 pub struct Writer {
     pub(super) conn: SqliteConnection,
-    pub(super) rx: mpsc::Receiver<Envelope>,
+    pub(super) rx: mpsc::Receiver<Queued>,
     pub(super) max_batch: usize,
     pub(super) close: CancellationToken,
     pub(super) stats: Arc<QueueStats>,
@@ -54,153 +62,11 @@ pub struct Writer {
 /// a batch it always checks.
 const FILES_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
-/// A command that ran, waiting for its transaction's fate before its caller
-/// hears of it.
-enum Finished {
-    Counter(Done<i64>),
-    Budget(Done<meter::Budget>),
-    Check(Done<meter::Decision>),
-    Reset(Done<u64>),
-}
-
-struct Done<T> {
-    reply: Reply<T>,
-    /// The request that queued the command, when it came over HTTP.
-    request_id: Option<Arc<str>>,
-    result: Result<T, MeterError>,
-    target: Target,
-    kind: &'static str,
-}
-
-impl<T> Done<T> {
-    fn new(
-        reply: Reply<T>,
-        kind: &'static str,
-        result: Result<T, MeterError>,
-        target: Target,
-    ) -> Self {
-        Done {
-            reply,
-            request_id: None,
-            result,
-            target,
-            kind,
-        }
-    }
-}
-
-impl<T: std::fmt::Debug> Done<T> {
-    /// Answers the caller with the command's result if the batch committed,
-    /// or with the commit's error if it did not. A caller that has gone away
-    /// after its write committed is logged, so the write can be accounted for.
-    fn deliver(self, commit: &Result<(), MeterError>) {
-        let committed = commit.is_ok() && self.result.is_ok();
-        let result = match (commit, &self.result) {
-            // Why the batch failed, when the reason is the storage's.
-            (Err(e @ (MeterError::StorageFull(_) | MeterError::StorageLost { .. })), _) => e.kind(),
-            (Err(_), _) => "not_committed",
-            (Ok(()), Ok(_)) => "ok",
-            (Ok(()), Err(e)) => e.kind(),
-        };
-        metrics::counter!("tally_write_commands_total", "command" => self.kind, "result" => result)
-            .increment(1);
-        let answer = match commit {
-            Ok(()) => self.result,
-            Err(e) => Err(e.clone_shallow()),
-        };
-        if let Err(unheard) = self.reply.send(answer) {
-            if committed {
-                metrics::counter!("tally_write_committed_caller_gone_total", "command" => self.kind)
-                    .increment(1);
-                tracing::warn!(
-                    command = self.kind,
-                    target = %self.target,
-                    request_id = self.request_id.as_deref(),
-                    result = ?unheard.as_ref().ok(),
-                    "write committed but its caller had gone; it did land"
-                );
-            } else {
-                tracing::info!(
-                    command = self.kind,
-                    target = %self.target,
-                    request_id = self.request_id.as_deref(),
-                    error = ?unheard.err(),
-                    "write failed and its caller had gone; it did not land"
-                );
-            }
-        }
-    }
-}
-
-impl Finished {
-    /// The committed-to-be result, as stored for an idempotency key.
-    fn stored_result(&self) -> Option<String> {
-        match self {
-            Finished::Counter(Done { result: Ok(v), .. }) => Some(v.to_string()),
-            Finished::Check(Done { result: Ok(d), .. }) => Some(idempotency::encode_decision(d)),
-            _ => None,
-        }
-    }
-
-    /// The same command, answered with `e` instead.
-    fn failed(self, e: MeterError) -> Self {
-        match self {
-            Finished::Counter(d) => Finished::Counter(Done {
-                result: Err(e),
-                ..d
-            }),
-            Finished::Budget(d) => Finished::Budget(Done {
-                result: Err(e),
-                ..d
-            }),
-            Finished::Check(d) => Finished::Check(Done {
-                result: Err(e),
-                ..d
-            }),
-            Finished::Reset(d) => Finished::Reset(Done {
-                result: Err(e),
-                ..d
-            }),
-        }
-    }
-
-    /// Names the request that queued the command.
-    fn queued_by(mut self, id: Option<Arc<str>>) -> Self {
-        match &mut self {
-            Finished::Counter(d) => d.request_id = id,
-            Finished::Budget(d) => d.request_id = id,
-            Finished::Check(d) => d.request_id = id,
-            Finished::Reset(d) => d.request_id = id,
-        }
-        self
-    }
-
-    fn deliver(self, commit: &Result<(), MeterError>) {
-        match self {
-            Finished::Counter(d) => d.deliver(commit),
-            Finished::Budget(d) => d.deliver(commit),
-            Finished::Check(d) => {
-                if let (Ok(()), Ok(decision)) = (commit, &d.result)
-                    && decision.pruned_rows > 0
-                {
-                    metrics::counter!("tally_budget_prunes_total").increment(1);
-                    metrics::counter!("tally_budget_pruned_rows_total")
-                        .increment(decision.pruned_rows);
-                }
-                d.deliver(commit)
-            }
-            Finished::Reset(d) => d.deliver(commit),
-        }
-    }
-
-    fn is_ok(&self) -> bool {
-        match self {
-            Finished::Counter(d) => d.result.is_ok(),
-            Finished::Budget(d) => d.result.is_ok(),
-            Finished::Check(d) => d.result.is_ok(),
-            Finished::Reset(d) => d.result.is_ok(),
-        }
-    }
+/// A batch applied: one reply per command, in queue order, and whether the
+/// transaction holding them committed.
+struct Applied {
+    replies: Vec<Reply>,
+    commit: Result<(), Error>,
 }
 
 /// The writer running on its own thread; see [`Writer::spawn`].
@@ -388,20 +254,18 @@ impl Writer {
 
     /// Answers every command still queued `storage_lost` without running
     /// it, and gives the writer's error.
-    async fn lose(mut self, lost: Lost, batch: &mut Vec<Envelope>) -> WriterFailed {
+    async fn lose(mut self, lost: Lost, batch: &mut Vec<Queued>) -> WriterFailed {
         self.stop_taking_writes(&lost);
-        let err = MeterError::StorageLost {
-            path: Arc::clone(&lost.path),
-        };
-        let mut refused = batch.len();
-        for e in batch.drain(..) {
-            fail(e.op, &err).queued_by(e.request_id).deliver(&Ok(()));
-        }
-        // The queue is closed: this ends once it is empty.
-        while self.rx.recv_many(batch, self.max_batch).await > 0 {
+        let err = Error::StorageLost(Arc::clone(&lost.path));
+        let mut refused = 0;
+        loop {
             refused += batch.len();
-            for e in batch.drain(..) {
-                fail(e.op, &err).queued_by(e.request_id).deliver(&Ok(()));
+            for q in batch.drain(..) {
+                answer(q, Reply::new(Err(err.clone())), &Ok(()));
+            }
+            // The queue is closed: this ends once it is empty.
+            if self.rx.recv_many(batch, self.max_batch).await == 0 {
+                break;
             }
         }
         tracing::error!(refused, "queued writes refused: the database file is gone");
@@ -413,36 +277,56 @@ impl Writer {
 
     /// Runs one batch and answers its callers; an error if the database
     /// files turned out to be gone (every caller was answered so).
-    async fn run_batch(&mut self, batch: &mut Vec<Envelope>) -> Result<(), Lost> {
+    async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
-        // Keyed commands look up and store their key one by one.
-        let set_based = batch
-            .iter()
-            .all(|e| e.key.is_none() && matches!(e.op, Op::Increment { .. } | Op::Check { .. }));
-        let keyed = batch.iter().any(|e| e.key.is_some());
-        let (finished, outcome) = match set_based {
-            true => match self.run_set_based(batch).await {
-                Some(done) => done,
-                None => self.run_one_by_one(batch).await,
-            },
-            false => self.run_one_by_one(batch).await,
+        let keyed = batch.iter().any(|q| q.key.is_some());
+        let set_based = !keyed
+            && batch
+                .iter()
+                .all(|q| matches!(q.command, Command::Increment { .. } | Command::Check { .. }));
+        let applied = match set_based {
+            true => self.apply_set_based(batch).await,
+            false => None,
+        };
+        let Applied { replies, commit } = match applied {
+            Some(applied) => applied,
+            None => self.apply_one_by_one(batch).await,
         };
         // Before anyone hears of the batch: a commit into a deleted file
         // succeeded for SQLite and is lost all the same.
         let lost = self.files.check().err();
-        let outcome = match &lost {
+        let commit = match &lost {
             Some(lost) => {
                 self.stop_taking_writes(lost);
-                Err(MeterError::StorageLost {
-                    path: Arc::clone(&lost.path),
-                })
+                Err(Error::StorageLost(Arc::clone(&lost.path)))
             }
-            None => outcome,
+            None => commit,
         };
-        match &outcome {
-            Err(MeterError::StorageLost { .. }) => {}
-            Err(e @ MeterError::StorageFull(_)) => {
+        self.log_commit(&commit, size);
+        if keyed && lost.is_none() {
+            self.forget_expired_keys().await;
+        }
+        let took = started.elapsed();
+        self.stats.record_batch(size, took);
+        metrics::histogram!("tally_commit_batch_size").record(size as f64);
+        metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
+        tracing::debug!(batch = size, elapsed = ?took, "batch done");
+        for (q, reply) in batch.drain(..).zip(replies) {
+            answer(q, reply, &commit);
+        }
+        match lost {
+            Some(lost) => Err(lost),
+            None => Ok(()),
+        }
+    }
+
+    /// Logs a failed commit once per cause: a full disk when it starts and
+    /// when it ends, any other failure every time.
+    fn log_commit(&mut self, commit: &Result<(), Error>, size: usize) {
+        match commit {
+            Err(Error::StorageLost(_)) => {}
+            Err(e @ Error::StorageFull(_)) => {
                 if self.disk_full_since.is_none() {
                     self.disk_full_since = Some(std::time::Instant::now());
                     tracing::error!(error = %e, batch = size, "the disk is full: writes fail (507) until space is freed");
@@ -459,177 +343,132 @@ impl Writer {
                 }
             }
         }
-        if keyed && lost.is_none() {
-            self.forget_expired_keys().await;
-        }
-        let took = started.elapsed();
-        self.stats.record_batch(size, took);
-        metrics::histogram!("tally_commit_batch_size").record(size as f64);
-        metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
-        let ok = finished.iter().filter(|f| f.is_ok()).count();
-        tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
-        for f in finished {
-            f.deliver(&outcome);
-        }
-        match lost {
-            Some(lost) => Err(lost),
-            None => Ok(()),
-        }
     }
 
-    /// The fast path: all increments of the batch in one statement, all
-    /// checks in a handful (see [`meter::increment_many`] and
-    /// [`meter::check_many`]). Increments and checks touch disjoint tables,
-    /// so running each kind as a group keeps every caller's answer what it
-    /// would be in queue order. `None` (with the transaction rolled back and
-    /// `batch` untouched) when the batch must be replayed one by one: a
-    /// statement failed, or the set-based result could differ.
-    async fn run_set_based(
-        &mut self,
-        batch: &mut Vec<Envelope>,
-    ) -> Option<(Vec<Finished>, Result<(), MeterError>)> {
-        if batch.iter().all(|e| matches!(e.op, Op::Increment { .. })) {
-            return self.run_increments(batch).await;
-        }
-        exec(&mut self.conn, "BEGIN IMMEDIATE").await.ok()?;
+    /// All increments of the batch in one statement, all checks in a
+    /// handful. Increments and checks touch disjoint tables, so running each
+    /// kind as a group keeps every caller's answer what it would be in queue
+    /// order. `None` (with the transaction rolled back) when the batch must
+    /// be applied one by one instead: a statement failed, or a counter would
+    /// overflow.
+    async fn apply_set_based(&mut self, batch: &[Queued]) -> Option<Applied> {
         let mut increments = Vec::new();
         let mut checks = Vec::new();
-        for e in batch.iter() {
-            match &e.op {
-                Op::Increment { name, by, .. } => increments.push((name, *by)),
-                Op::Check {
+        for q in batch {
+            match &q.command {
+                Command::Increment { name, by } => increments.push((name, *by)),
+                Command::Check {
                     budget,
                     visitor,
                     day,
-                    ..
-                } => checks.push(meter::CheckItem {
+                } => checks.push(budgets::CheckItem {
                     budget,
                     visitor,
                     day: *day,
                 }),
-                _ => {}
+                _ => return None,
             }
         }
-        let counted = match increments.is_empty() {
+        if checks.is_empty() {
+            return self.apply_increments(batch, &increments).await;
+        }
+        exec(&mut self.conn, "BEGIN IMMEDIATE").await.ok()?;
+        let values = match increments.is_empty() {
             true => Ok(Some(Vec::new())),
-            false => meter::increment_many(&mut self.conn, &increments).await,
+            false => counters::increment_many(&mut self.conn, &increments).await,
         };
-        let checked = match (&counted, checks.is_empty()) {
-            (Ok(Some(_)), false) => meter::check_many(&mut self.conn, &checks).await,
-            _ => Ok(Some(Vec::new())),
+        let decisions = match values {
+            Ok(Some(_)) => budgets::check_many(&mut self.conn, &checks, Timestamp::now())
+                .await
+                .ok(),
+            _ => None,
         };
-        let (Ok(Some(values)), Ok(Some(decisions))) = (counted, checked) else {
+        let (Ok(Some(values)), Some(decisions)) = (values, decisions) else {
             let _ = exec(&mut self.conn, "ROLLBACK").await;
             return None;
         };
-        let outcome = commit(&mut self.conn).await;
-        Some((answer_in_order(batch, values, decisions), outcome))
+        let commit = commit(&mut self.conn).await;
+        Some(Applied {
+            replies: in_queue_order(batch, values, decisions),
+            commit,
+        })
     }
 
     /// The hottest batch, increments only: the whole transaction in one
-    /// round trip ([`meter::increment_many_committed`]).
-    async fn run_increments(
+    /// round trip ([`counters::increment_many_committed`]).
+    async fn apply_increments(
         &mut self,
-        batch: &mut Vec<Envelope>,
-    ) -> Option<(Vec<Finished>, Result<(), MeterError>)> {
-        let items: Vec<(&meter::Name, i64)> = batch
-            .iter()
-            .filter_map(|e| match &e.op {
-                Op::Increment { name, by, .. } => Some((name, *by)),
-                _ => None,
-            })
-            .collect();
+        batch: &[Queued],
+        increments: &[(&Name, i64)],
+    ) -> Option<Applied> {
         let started = std::time::Instant::now();
-        let (values, outcome) = match meter::increment_many_committed(&mut self.conn, &items).await
-        {
-            Ok(Some(values)) => (values, Ok(())),
-            // A counter would overflow; nothing was written.
-            Ok(None) => return None,
-            Err(e) => {
-                let _ = exec(&mut self.conn, "ROLLBACK").await;
-                (Vec::new(), Err(e))
-            }
-        };
+        let (values, commit) =
+            match counters::increment_many_committed(&mut self.conn, increments).await {
+                Ok(Some(values)) => (values, Ok(())),
+                Ok(None) => return None,
+                Err(e) => {
+                    let _ = exec(&mut self.conn, "ROLLBACK").await;
+                    (Vec::new(), Err(e))
+                }
+            };
         metrics::histogram!("tally_commit_duration_seconds")
             .record(started.elapsed().as_secs_f64());
-        Some((answer_in_order(batch, values, Vec::new()), outcome))
+        Some(Applied {
+            replies: in_queue_order(batch, values, Vec::new()),
+            commit,
+        })
     }
 
-    /// The general path: one transaction, each command in its own savepoint.
-    async fn run_one_by_one(
-        &mut self,
-        batch: &mut Vec<Envelope>,
-    ) -> (Vec<Finished>, Result<(), MeterError>) {
-        let mut finished = Vec::with_capacity(batch.len());
-        let outcome = match exec(&mut self.conn, "BEGIN IMMEDIATE").await {
-            Err(e) => Err(e),
-            Ok(()) => {
-                let mut broken = None;
-                for envelope in batch.drain(..) {
-                    if broken.is_some() {
-                        // The transaction is gone; nothing more may run in it.
-                        let done = apply(&mut self.conn, envelope.op, broken.as_ref()).await;
-                        finished.push(done.queued_by(envelope.request_id));
-                        continue;
-                    }
-                    let id = envelope.request_id;
-                    match self
-                        .apply_in_savepoint(envelope.op, envelope.key.as_ref())
-                        .await
-                    {
-                        (done, None) => finished.push(done.queued_by(id)),
-                        (done, Some(e)) => {
-                            finished.push(done.queued_by(id));
-                            broken = Some(e);
-                        }
-                    }
-                }
-                match broken {
-                    Some(e) => {
-                        let _ = exec(&mut self.conn, "ROLLBACK").await;
-                        Err(e)
-                    }
-                    None => commit(&mut self.conn).await,
-                }
+    /// The general path: one transaction, each command in its own
+    /// savepoint. If the transaction breaks (BEGIN fails, or a savepoint
+    /// cannot be rolled back because SQLite already rolled everything back,
+    /// as it does on some I/O errors), the commands after it do not run and
+    /// every caller gets the error.
+    async fn apply_one_by_one(&mut self, batch: &[Queued]) -> Applied {
+        let mut replies = Vec::with_capacity(batch.len());
+        let mut broken = exec(&mut self.conn, "BEGIN IMMEDIATE").await.err();
+        let began = broken.is_none();
+        for q in batch {
+            if let Some(e) = &broken {
+                replies.push(Reply::new(Err(e.clone())));
+                continue;
             }
-        };
-        if let Err(e) = &outcome {
-            // If BEGIN itself failed, the commands are still in `batch`.
-            for envelope in batch.drain(..) {
-                let done = apply(&mut self.conn, envelope.op, Some(e)).await;
-                finished.push(done.queued_by(envelope.request_id));
-            }
+            let (reply, end) = self.apply_in_savepoint(q).await;
+            replies.push(reply);
+            broken = end.err();
         }
-        (finished, outcome)
+        let commit = match broken {
+            Some(e) => {
+                if began {
+                    let _ = exec(&mut self.conn, "ROLLBACK").await;
+                }
+                Err(e)
+            }
+            None => commit(&mut self.conn).await,
+        };
+        Applied { replies, commit }
     }
 
-    /// Runs one command inside a savepoint. A command that fails is rolled
-    /// back to its savepoint and answers its own error; the others in the
-    /// batch are untouched. If the savepoint itself cannot be rolled back
-    /// (SQLite already rolled the whole transaction back, as it does on some
-    /// I/O errors), the second value says the batch is broken.
-    async fn apply_in_savepoint(
-        &mut self,
-        op: Op,
-        key: Option<&Keyed>,
-    ) -> (Finished, Option<MeterError>) {
+    /// Applies one command inside a savepoint. A command that fails is
+    /// rolled back to its savepoint and answers its own error; the others in
+    /// the batch are untouched. The second value is an error if the
+    /// savepoint could not be taken or ended: then the batch is broken.
+    async fn apply_in_savepoint(&mut self, q: &Queued) -> (Reply, Result<(), Error>) {
         if let Err(e) = exec(&mut self.conn, "SAVEPOINT cmd").await {
-            let done = apply(&mut self.conn, op, Some(&e)).await;
-            return (done, Some(e));
+            return (Reply::new(Err(e.clone())), Err(e));
         }
-        let done = match key {
-            None => apply(&mut self.conn, op, None).await,
-            Some(key) => apply_once(&mut self.conn, op, key).await,
+        let reply = match &q.key {
+            None => Reply::new(apply(&mut self.conn, &q.command).await),
+            Some(key) => apply_once(&mut self.conn, &q.command, key).await,
         };
-        let end = if done.is_ok() {
-            exec(&mut self.conn, "RELEASE cmd").await
-        } else {
-            match exec(&mut self.conn, "ROLLBACK TO cmd").await {
+        let end = match reply.outcome.is_ok() {
+            true => exec(&mut self.conn, "RELEASE cmd").await,
+            false => match exec(&mut self.conn, "ROLLBACK TO cmd").await {
                 Ok(()) => exec(&mut self.conn, "RELEASE cmd").await,
                 Err(e) => Err(e),
-            }
+            },
         };
-        (done, end.err())
+        (reply, end)
     }
 }
 
@@ -644,7 +483,7 @@ impl Writer {
             return;
         }
         self.keys_forgotten_at = Some(std::time::Instant::now());
-        match idempotency::forget_expired(&mut self.conn).await {
+        match keys::forget_expired(&mut self.conn).await {
             Ok(n) if n > 0 => tracing::info!(keys = n, "forgot expired idempotency keys"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),
@@ -652,46 +491,116 @@ impl Writer {
     }
 }
 
-/// Runs a keyed command once: if its key is known, answers what was stored
-/// for it (or refuses a different command reusing the key); otherwise runs
-/// the command and stores its result under the key, in the same savepoint.
-async fn apply_once(conn: &mut SqliteConnection, op: Op, keyed: &Keyed) -> Finished {
-    let fingerprint = op.fingerprint();
-    match idempotency::lookup(conn, &keyed.key).await {
-        Err(e) => fail(op, &e),
-        Ok(Some(stored)) if stored.fingerprint != fingerprint => fail(op, &MeterError::KeyReused),
-        Ok(Some(stored)) => {
-            let answer = match &op {
-                Op::Increment { .. } => {
-                    Answer::Counter(Some(idempotency::decode_value(&stored.result)))
-                }
-                Op::Check { .. } => {
-                    Answer::Check(Some(idempotency::decode_decision(&stored.result)))
-                }
-                // Only increments and checks take keys.
-                _ => Answer::Counter(None),
-            };
-            keyed.replayed.store(true, Ordering::Release);
-            finish(op, answer)
+/// Applies one command.
+async fn apply(conn: &mut SqliteConnection, command: &Command) -> Result<Outcome, Error> {
+    match command {
+        Command::Increment { name, by } => counters::increment(conn, name, *by)
+            .await
+            .map(Outcome::Value),
+        Command::PutBudget { name, spec } => {
+            budgets::put(conn, name, spec).await.map(Outcome::Budget)
         }
-        Ok(None) => {
-            let done = apply(conn, op, None).await;
-            let Some(result) = done.stored_result() else {
-                return done;
+        Command::Check {
+            budget,
+            visitor,
+            day,
+        } => {
+            let item = budgets::CheckItem {
+                budget,
+                visitor,
+                day: *day,
             };
-            match idempotency::remember(conn, &keyed.key, &fingerprint, &result).await {
-                Ok(()) => done,
-                // The savepoint is rolled back: the write and its key go
-                // together or not at all.
-                Err(e) => done.failed(e),
-            }
+            budgets::check(conn, item, Timestamp::now())
+                .await
+                .map(Outcome::Decision)
+        }
+        Command::Reset {
+            budget,
+            day,
+            visitor,
+        } => budgets::reset(conn, budget, *day, visitor.as_ref(), Timestamp::now())
+            .await
+            .map(|(day, deleted_rows)| Outcome::Reset { day, deleted_rows }),
+    }
+}
+
+/// Applies a keyed command once: if its key is known, answers what was
+/// stored for it (or refuses a different command reusing the key);
+/// otherwise applies the command and stores its outcome under the key, in
+/// the same savepoint.
+async fn apply_once(conn: &mut SqliteConnection, command: &Command, key: &IdempotencyKey) -> Reply {
+    let fingerprint = command.fingerprint();
+    let outcome = match keys::lookup(conn, key).await {
+        Err(e) => Err(e),
+        Ok(Some(stored)) if stored.fingerprint != fingerprint => Err(Refusal::KeyReused.into()),
+        Ok(Some(stored)) => {
+            return Reply {
+                outcome: keys::replay(command, &stored),
+                replayed: true,
+            };
+        }
+        Ok(None) => match apply(conn, command).await {
+            Ok(outcome) => keys::remember(conn, key, &fingerprint, &outcome)
+                .await
+                .map(|()| outcome),
+            Err(e) => Err(e),
+        },
+    };
+    Reply::new(outcome)
+}
+
+/// Answers one caller: with its command's reply if the batch committed, or
+/// with the commit's error if it did not. A caller that has gone away
+/// after its write committed is logged, so the write can be accounted for.
+fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
+    let kind = q.command.kind();
+    let result = match (commit, &reply.outcome) {
+        // Why the batch failed, when the reason is the storage's.
+        (Err(e @ (Error::StorageFull(_) | Error::StorageLost(_))), _) => e.kind(),
+        (Err(_), _) => NOT_COMMITTED,
+        (Ok(()), Ok(_)) => "ok",
+        (Ok(()), Err(e)) => e.kind(),
+    };
+    metrics::counter!("tally_write_commands_total", "command" => kind, "result" => result)
+        .increment(1);
+    let reply = match commit {
+        Ok(()) => reply,
+        Err(e) => Reply::new(Err(e.clone())),
+    };
+    let committed = reply.outcome.is_ok();
+    if let Ok(Outcome::Decision(d)) = &reply.outcome
+        && d.pruned_rows > 0
+    {
+        metrics::counter!("tally_budget_prunes_total").increment(1);
+        metrics::counter!("tally_budget_pruned_rows_total").increment(d.pruned_rows);
+    }
+    if let Err(unheard) = q.reply.send(reply) {
+        let request_id = q.request_id.as_deref();
+        if committed {
+            metrics::counter!("tally_write_committed_caller_gone_total", "command" => kind)
+                .increment(1);
+            tracing::warn!(
+                command = kind,
+                target = %q.command,
+                request_id,
+                result = ?unheard.outcome.ok(),
+                "write committed but its caller had gone; it did land"
+            );
+        } else {
+            tracing::info!(
+                command = kind,
+                target = %q.command,
+                request_id,
+                error = ?unheard.outcome.err(),
+                "write failed and its caller had gone; it did not land"
+            );
         }
     }
 }
 
 /// COMMIT, timed: its fsync is most of what a durable write waits for.
 /// A failed COMMIT may leave the transaction open, so it is rolled back.
-async fn commit(conn: &mut SqliteConnection) -> Result<(), MeterError> {
+async fn commit(conn: &mut SqliteConnection) -> Result<(), Error> {
     let started = std::time::Instant::now();
     let r = exec(conn, "COMMIT").await;
     metrics::histogram!("tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
@@ -703,154 +612,33 @@ async fn commit(conn: &mut SqliteConnection) -> Result<(), MeterError> {
 
 /// Pairs each command of a set-based batch, in queue order, with its
 /// result: the next value for an increment, the next decision for a check.
-fn answer_in_order(
-    batch: &mut Vec<Envelope>,
+fn in_queue_order(
+    batch: &[Queued],
     values: Vec<i64>,
-    decisions: Vec<Result<meter::Decision, MeterError>>,
-) -> Vec<Finished> {
+    decisions: Vec<Result<crate::meter::Decision, Error>>,
+) -> Vec<Reply> {
     let mut values = values.into_iter();
     let mut decisions = decisions.into_iter();
     batch
-        .drain(..)
-        .map(|e| {
-            let answer = match &e.op {
-                Op::Increment { .. } => Answer::Counter(values.next().map(Ok)),
-                Op::Check { .. } => Answer::Check(decisions.next()),
-                // Not in a set-based batch; `finish` answers it an error.
-                _ => Answer::Counter(None),
+        .iter()
+        .map(|q| {
+            let outcome = match q.command {
+                Command::Increment { .. } => values.next().map(|v| Ok(Outcome::Value(v))),
+                Command::Check { .. } => decisions.next().map(|d| d.map(Outcome::Decision)),
+                _ => None,
             };
-            finish(e.op, answer).queued_by(e.request_id)
+            // Results are produced per command, in order; if one were ever
+            // missing, its caller gets an error rather than a wrong answer.
+            Reply::new(outcome.unwrap_or_else(|| {
+                Err(Error::Internal(
+                    "the set-based batch produced no result for this command".into(),
+                ))
+            }))
         })
         .collect()
 }
 
-async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), MeterError> {
+async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Error> {
     sqlx::raw_sql(sql).execute(conn).await?;
     Ok(())
-}
-
-/// A result worked out by the set-based path, for [`finish`].
-enum Answer {
-    Counter(Option<Result<i64, MeterError>>),
-    Check(Option<Result<meter::Decision, MeterError>>),
-}
-
-/// Pairs a command with its set-based result. A result of the wrong kind
-/// or a missing one cannot happen (results are produced per command, in
-/// order); if it ever did, the caller gets an error rather than a wrong
-/// answer.
-fn finish(op: Op, answer: Answer) -> Finished {
-    let missing = || {
-        MeterError::from(sqlx::Error::Protocol(
-            "the set-based batch produced no result for this command".into(),
-        ))
-    };
-    let kind = op.kind();
-    match (op, answer) {
-        (Op::Increment { name, reply, .. }, Answer::Counter(r)) => Finished::Counter(Done::new(
-            reply,
-            kind,
-            r.unwrap_or_else(|| Err(missing())),
-            Target::Counter(name),
-        )),
-        (
-            Op::Check {
-                budget,
-                visitor,
-                reply,
-                ..
-            },
-            Answer::Check(r),
-        ) => Finished::Check(Done::new(
-            reply,
-            kind,
-            r.unwrap_or_else(|| Err(missing())),
-            Target::Check { budget, visitor },
-        )),
-        (op, _) => fail(op, &missing()),
-    }
-}
-
-/// The command, answered with `err` without running.
-fn fail(op: Op, err: &MeterError) -> Finished {
-    let kind = op.kind();
-    match op {
-        Op::Increment { name, reply, .. } => Finished::Counter(Done::new(
-            reply,
-            kind,
-            Err(err.clone_shallow()),
-            Target::Counter(name),
-        )),
-        Op::PutBudget { name, reply, .. } => Finished::Budget(Done::new(
-            reply,
-            kind,
-            Err(err.clone_shallow()),
-            Target::Budget(name),
-        )),
-        Op::Check {
-            budget,
-            visitor,
-            reply,
-            ..
-        } => Finished::Check(Done::new(
-            reply,
-            kind,
-            Err(err.clone_shallow()),
-            Target::Check { budget, visitor },
-        )),
-        Op::Reset {
-            budget,
-            scope,
-            reply,
-        } => Finished::Reset(Done::new(
-            reply,
-            kind,
-            Err(err.clone_shallow()),
-            Target::Reset { budget, scope },
-        )),
-    }
-}
-
-/// Applies `op`, or, when `skip` holds the error that broke its batch, only
-/// answers it with that error.
-async fn apply(conn: &mut SqliteConnection, op: Op, skip: Option<&MeterError>) -> Finished {
-    if let Some(e) = skip {
-        return fail(op, e);
-    }
-    let kind = op.kind();
-    match op {
-        Op::Increment { name, by, reply } => Finished::Counter(Done::new(
-            reply,
-            kind,
-            meter::increment(conn, &name, by).await,
-            Target::Counter(name),
-        )),
-        Op::PutBudget { name, spec, reply } => Finished::Budget(Done::new(
-            reply,
-            kind,
-            meter::put_budget(conn, &name, &spec).await,
-            Target::Budget(name),
-        )),
-        Op::Check {
-            budget,
-            visitor,
-            day,
-            reply,
-        } => Finished::Check(Done::new(
-            reply,
-            kind,
-            meter::check(conn, &budget, &visitor, day).await,
-            Target::Check { budget, visitor },
-        )),
-        Op::Reset {
-            budget,
-            scope,
-            reply,
-        } => Finished::Reset(Done::new(
-            reply,
-            kind,
-            meter::reset(conn, &budget, &scope).await,
-            Target::Reset { budget, scope },
-        )),
-    }
 }

@@ -12,13 +12,12 @@ use super::{
     extract::{
         Admin, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query, replayed_header,
     },
+    observe::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
 };
 use crate::{
-    db::WriteError,
-    meter::{
-        self, Budget, BudgetSpec, Day, Decision, MeterError, Name, Reason, ResetScope, VisitorId,
-    },
+    db,
+    meter::{Budget, BudgetSpec, Day, Decision, Name, Reason, VisitorId},
 };
 
 /// A budget's configuration.
@@ -41,7 +40,7 @@ pub struct BudgetBody {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct BudgetView {
-    #[schema(value_type = String)]
+    #[schema(inline)]
     name: Name,
     visitor_limit: u32,
     global_limit: u32,
@@ -61,38 +60,9 @@ impl From<Budget> for BudgetView {
     }
 }
 
-fn parse_day(day: Option<&str>) -> Result<Option<Day>, Problem> {
-    Ok(day.map(Day::parse).transpose()?)
-}
-
-/// `day`, if the budget keeps it now: today in its time zone or one of the
-/// `retention_days` days before it, exactly what pruning keeps. A later day
-/// does not exist yet and an earlier one is pruned (or about to be), so
-/// naming one is refused with a 422 that changed nothing.
-fn kept_day(budget: &Budget, day: Day) -> Result<Day, Problem> {
-    let kept = budget.spec.kept_days(Timestamp::now());
-    if kept.contains(day) {
-        return Ok(day);
-    }
-    Err(Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "day-outside-window",
-        "Day outside the budget's window",
-    )
-    .detail(format!(
-        "budget `{}` keeps the days {} to {} (today in {} and the {} days before it); {day} is not one of them",
-        budget.name,
-        kept.oldest,
-        kept.today,
-        budget.spec.timezone_name,
-        budget.spec.retention_days,
-    ))
-    .with("oldest_day", kept.oldest.to_string())
-    .with("today", kept.today.to_string()))
-}
-
 /// Creates or replaces a budget (admin).
-#[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+#[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets",
+    params(("name" = inline(Name), Path)),
     request_body(content = BudgetBody, content_type = "application/json"),
     security(("admin" = [])),
     responses((status = 200, description = "Stored", body = BudgetView),
@@ -100,10 +70,9 @@ fn kept_day(budget: &Budget, day: Day) -> Result<Day, Problem> {
 pub async fn put(
     _: Admin,
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
     JsonBody(body): JsonBody<BudgetBody>,
 ) -> Result<Json<BudgetView>, Problem> {
-    let name = Name::parse(&name)?;
     let spec = BudgetSpec::new(
         body.visitor_limit,
         body.global_limit,
@@ -111,39 +80,34 @@ pub async fn put(
         body.timezone.as_deref(),
     )
     .map_err(|e| Problem::invalid_body(e.0))?;
-    Ok(Json(state.db.put_budget(name, spec).await?.into()))
+    Ok(Json(
+        state.db.put_budget(name, spec, request_id()).await?.into(),
+    ))
 }
 
 /// A budget's configuration.
-#[utoipa::path(get, path = "/budgets/{name}", operation_id = "getBudget", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+#[utoipa::path(get, path = "/budgets/{name}", operation_id = "getBudget", tag = "budgets",
+    params(("name" = inline(Name), Path)),
     responses((status = 200, description = "The budget", body = BudgetView), Problems))]
 pub async fn get(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
 ) -> Result<Json<BudgetView>, Problem> {
-    let name = Name::parse(&name)?;
-    Ok(Json(
-        meter::get_budget(state.db.readers(), &name).await?.into(),
-    ))
+    Ok(Json(state.db.budget(&name).await?.into()))
 }
 
 /// One call against a budget.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckBody {
-    /// Who is calling: 1 to 256 characters, no control characters.
-    #[schema(
-        min_length = 1,
-        max_length = 256,
-        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
-    )]
-    visitor: String,
+    #[schema(inline)]
+    visitor: VisitorId,
     /// The day to count the call on; today in the budget's time zone when
     /// left out. Only a day the budget keeps: today or one of the
     /// `retention_days` days before it; any other day (a future one
     /// included) is refused with 422 `/problems/day-outside-window`.
-    #[schema(format = Date)]
-    day: Option<String>,
+    #[schema(value_type = Option<String>, format = Date)]
+    day: Option<Day>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -182,7 +146,7 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
 /// its time zone and the `retention_days` days before it) is 422
 /// `/problems/day-outside-window`, and nothing is counted.
 #[utoipa::path(post, path = "/budgets/{name}/check", operation_id = "checkBudget", tag = "budgets",
-    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
     request_body(content = CheckBody, content_type = "application/json"),
     responses((status = 200, description = "Decided and committed", body = DecisionView,
         headers(("RateLimit-Policy" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
@@ -193,35 +157,19 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
 /// `"allowed": false`, and a database failure denies with `meter_error`.
 pub async fn check(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    name: Result<Path<Name>, Problem>,
     key: Result<IdempotencyKeyHeader, Problem>,
     body: Result<JsonBody<CheckBody>, Problem>,
 ) -> Result<(HeaderMap, Json<DecisionView>), Problem> {
     let deny = |p: Problem| p.with("allowed", false);
+    let Path(name) = name.map_err(deny)?;
     let key = key.map_err(deny)?;
     let JsonBody(body) = body.map_err(deny)?;
-    let name = Name::parse(&name).map_err(|e| deny(e.into()))?;
-    let visitor = VisitorId::parse(&body.visitor)
-        .map_err(|e| deny(Problem::invalid_body(format!("visitor: {}", e.0))))?;
-    let day = body
-        .day
-        .as_deref()
-        .map(Day::parse)
-        .transpose()
-        .map_err(|e| deny(Problem::invalid_body(format!("day: {}", e.0))))?;
-    // A day the client names must be one the budget keeps, which only the
-    // budget's configuration tells. The writer prunes from the real today
-    // whatever day it is given, so even a budget changed between this read
-    // and the check cannot make it delete a day it keeps.
-    let day = match day {
-        None => None,
-        Some(day) => match meter::get_budget(state.db.readers(), &name).await {
-            Ok(budget) => Some(kept_day(&budget, day).map_err(deny)?),
-            Err(e) if e.is_storage_failure() => return Err(meter_failed(&e)),
-            Err(e) => return Err(deny(e.into())),
-        },
-    };
-    match state.db.check(name.clone(), visitor, day, key.0).await {
+    let checked = state
+        .db
+        .check(name.clone(), body.visitor, body.day, key.0, request_id())
+        .await;
+    match checked {
         Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
             metrics::counter!("tally_budget_decisions_total",
@@ -231,14 +179,14 @@ pub async fn check(
             headers.extend(replayed_header(replayed));
             Ok((headers, Json(decision.into())))
         }
-        Err(WriteError::Meter(e)) if e.is_storage_failure() => Err(meter_failed(&e)),
+        Err(e) if e.is_storage_failure() => Err(meter_failed(&e)),
         Err(e) => Err(deny(e.into())),
     }
 }
 
 /// The answer to a check the database failed (an error, a full disk, a
 /// lost file): denied, since a check fails closed.
-fn meter_failed(err: &MeterError) -> Problem {
+fn meter_failed(err: &db::Error) -> Problem {
     // Whether the budget exists is unknown here: keep its name out of the
     // labels, so bad input cannot grow them.
     metrics::counter!("tally_budget_decisions_total",
@@ -254,10 +202,7 @@ fn meter_failed(err: &MeterError) -> Problem {
     .with("allowed", false)
     .with("reason", "meter_error");
     // A full or lost disk is not over at once: say when to try again.
-    match err.is_storage_failure() {
-        true => denied.retry_after(super::problem::STORAGE_RETRY_AFTER),
-        false => denied,
-    }
+    denied.retry_after(super::problem::STORAGE_RETRY_AFTER)
 }
 
 /// The quota fields of draft-ietf-httpapi-ratelimit-headers-10: one policy
@@ -309,15 +254,11 @@ pub struct UsageQuery {
     /// The day; today in the budget's time zone when left out. Only a day
     /// the budget keeps (today or one of the `retention_days` days before
     /// it): any other is 422 `/problems/day-outside-window`.
-    #[param(format = Date)]
-    day: Option<String>,
+    #[param(value_type = Option<String>, format = Date)]
+    day: Option<Day>,
     /// Also report this visitor's calls.
-    #[param(
-        min_length = 1,
-        max_length = 256,
-        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
-    )]
-    visitor: Option<String>,
+    #[param(inline)]
+    visitor: Option<VisitorId>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -329,28 +270,19 @@ pub struct UsageView {
     visitor_calls: Option<i64>,
 }
 
-/// A budget's usage on one day, read without consuming anything.
-#[utoipa::path(get, path = "/budgets/{name}/usage", operation_id = "getUsage", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), UsageQuery),
+/// A budget's usage on one day, read without consuming anything. Outside
+/// its window a budget has no usage to tell: future days have none yet,
+/// and past ones read one thing or 0 depending on whether a prune has run;
+/// they are refused as a check would refuse them.
+#[utoipa::path(get, path = "/budgets/{name}/usage", operation_id = "getUsage", tag = "budgets",
+    params(("name" = inline(Name), Path), UsageQuery),
     responses((status = 200, description = "Usage", body = UsageView), Problems))]
 pub async fn usage(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
     Query(q): Query<UsageQuery>,
 ) -> Result<Json<UsageView>, Problem> {
-    let name = Name::parse(&name)?;
-    let day = parse_day(q.day.as_deref())?;
-    let visitor = q.visitor.as_deref().map(VisitorId::parse).transpose()?;
-    // Outside its window a budget has no usage to tell: future days have
-    // none yet, and past ones read one thing or 0 depending on whether a
-    // prune has run. Refuse them as a check would.
-    let day = match day {
-        None => None,
-        Some(day) => Some(kept_day(
-            &meter::get_budget(state.db.readers(), &name).await?,
-            day,
-        )?),
-    };
-    let u = meter::read_usage(state.db.readers(), &name, day, visitor.as_ref()).await?;
+    let u = state.db.usage(&name, q.day, q.visitor.as_ref()).await?;
     Ok(Json(UsageView {
         day: u.day,
         global_calls: u.global_calls,
@@ -365,19 +297,15 @@ pub struct ResetBody {
     /// Today in the budget's time zone when left out. Only a day the budget
     /// keeps (today or one of the `retention_days` days before it): any
     /// other is 422 `/problems/day-outside-window`.
-    #[schema(format = Date)]
-    day: Option<String>,
-    #[schema(
-        min_length = 1,
-        max_length = 256,
-        pattern = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"
-    )]
-    visitor: Option<String>,
+    #[schema(value_type = Option<String>, format = Date)]
+    day: Option<Day>,
+    #[schema(inline)]
+    visitor: Option<VisitorId>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResetView {
-    #[schema(value_type = String)]
+    #[schema(inline)]
     budget: Name,
     #[schema(value_type = String, format = Date)]
     day: Day,
@@ -387,7 +315,8 @@ pub struct ResetView {
 }
 
 /// Clears a day's usage of a budget (admin).
-#[utoipa::path(post, path = "/budgets/{name}/reset", operation_id = "resetUsage", tag = "budgets", params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+#[utoipa::path(post, path = "/budgets/{name}/reset", operation_id = "resetUsage", tag = "budgets",
+    params(("name" = inline(Name), Path)),
     request_body(content = Option<ResetBody>, content_type = "application/json"),
     security(("admin" = [])),
     responses((status = 200, description = "Cleared", body = ResetView),
@@ -397,35 +326,17 @@ pub struct ResetView {
 pub async fn reset(
     _: Admin,
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
     OptionalJson(body): OptionalJson<ResetBody>,
 ) -> Result<Json<ResetView>, Problem> {
-    let name = Name::parse(&name)?;
-    let day = body
-        .day
-        .as_deref()
-        .map(Day::parse)
-        .transpose()
-        .map_err(|e| Problem::invalid_body(format!("day: {}", e.0)))?;
-    let visitor = body
-        .visitor
-        .as_deref()
-        .map(VisitorId::parse)
-        .transpose()
-        .map_err(|e| Problem::invalid_body(format!("visitor: {}", e.0)))?;
-    // The default day is the budget's own today, and a day given must be
-    // one it keeps, so the budget is read first.
-    let budget = meter::get_budget(state.db.readers(), &name).await?;
-    let day = match day {
-        Some(d) => kept_day(&budget, d)?,
-        None => Day::today(&budget.spec.timezone),
-    };
-    let scope = ResetScope { day, visitor };
-    let deleted_rows = state.db.reset(name.clone(), scope.clone()).await?;
+    let (day, deleted_rows) = state
+        .db
+        .reset(name.clone(), body.day, body.visitor.clone(), request_id())
+        .await?;
     Ok(Json(ResetView {
         budget: name,
-        day: scope.day,
-        visitor: scope.visitor,
+        day,
+        visitor: body.visitor,
         deleted_rows,
     }))
 }

@@ -5,6 +5,7 @@ use utoipa::ToSchema;
 use super::{
     AppState, Problem,
     extract::{IdempotencyKeyHeader, OptionalJson, Path, replayed_header},
+    observe::request_id,
     openapi::{CounterProblems, Problems, WriteProblems},
 };
 use crate::meter::Name;
@@ -41,7 +42,7 @@ pub struct Value {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct NamedValue {
-    #[schema(value_type = String)]
+    #[schema(inline)]
     name: Name,
     value: i64,
 }
@@ -62,13 +63,16 @@ async fn add(
             body.by
         )));
     }
-    let (value, replayed) = state.db.increment(name, i64::from(body.by), key.0).await?;
+    let (value, replayed) = state
+        .db
+        .increment(name, i64::from(body.by), key.0, request_id())
+        .await?;
     Ok((replayed_header(replayed), value))
 }
 
 /// Adds to the counter `default`. A 200 means the write committed.
 #[utoipa::path(post, path = "/counter", operation_id = "incrementDefault", tag = "counters",
-    params(("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
+    params(IdempotencyKeyHeader),
     request_body(content = Option<IncrementBody>, content_type = "application/json"),
     responses((status = 200, description = "Committed", body = Value),
         CounterProblems, WriteProblems, Problems))]
@@ -85,36 +89,34 @@ pub async fn increment_default(
 #[utoipa::path(get, path = "/counter", operation_id = "getDefault", tag = "counters",
     responses((status = 200, description = "Current value", body = Value), Problems))]
 pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, Problem> {
-    let value = state.db.read_counter(default_name()).await?;
+    let value = state.db.counter(default_name()).await?;
     Ok(Json(Value { value }))
 }
 
 /// Adds to a named counter (created at 0). A 200 means the write committed.
 #[utoipa::path(post, path = "/counters/{name}", operation_id = "incrementCounter", tag = "counters",
-    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$"), ("Idempotency-Key" = Option<String>, Header, pattern = r"^[!#-\[\]-~]{1,255}$", description = "Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h")),
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
     request_body(content = Option<IncrementBody>, content_type = "application/json"),
     responses((status = 200, description = "Committed", body = NamedValue),
         CounterProblems, WriteProblems, Problems))]
 pub async fn increment(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
     key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
 ) -> Result<(HeaderMap, Json<NamedValue>), Problem> {
-    let name = Name::parse(&name)?;
     let (headers, value) = add(&state, name.clone(), body, key).await?;
     Ok((headers, Json(NamedValue { name, value })))
 }
 
 /// Reads a named counter; 0 if it was never written.
 #[utoipa::path(get, path = "/counters/{name}", operation_id = "getCounter", tag = "counters",
-    params(("name" = String, Path, pattern = r"^[A-Za-z0-9._:-]{1,128}$")),
+    params(("name" = inline(Name), Path)),
     responses((status = 200, description = "Current value", body = NamedValue), Problems))]
 pub async fn get(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    Path(name): Path<Name>,
 ) -> Result<Json<NamedValue>, Problem> {
-    let name = Name::parse(&name)?;
-    let value = state.db.read_counter(name.clone()).await?;
+    let value = state.db.counter(name.clone()).await?;
     Ok(Json(NamedValue { name, value }))
 }

@@ -11,7 +11,8 @@ use subtle::ConstantTimeEq;
 
 use super::{AppState, Problem};
 
-/// `axum::extract::Path` answering bad input with a problem.
+/// `axum::extract::Path` answering bad input with a problem. Path
+/// parameters are domain types ([`crate::meter::Name`]), parsed here once.
 #[derive(FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(Problem))]
 pub struct Path<T>(pub T);
@@ -114,10 +115,12 @@ fn timed_out(r: &axum::extract::rejection::BytesRejection) -> bool {
     false
 }
 
-/// Reads the body (within the router's size limit) and parses it as JSON.
-/// No body at all is `None` whatever the `Content-Type` (there is nothing
-/// to be of the wrong type); so is blank space sent as JSON or without a
-/// type. Any other body must say it is JSON.
+/// Reads the body (within the router's size limit) and parses it with
+/// axum's `Json`. tally's one extra rule: no body at all is `None` whatever
+/// the `Content-Type` (there is nothing to be of the wrong type); so is
+/// blank space sent as JSON or without a type, and JSON `null`. Any other
+/// body must say it is JSON, and be an object (serde would take `[1]` for
+/// a struct).
 async fn read_json<S: Send + Sync, T: DeserializeOwned>(
     req: Request,
     state: &S,
@@ -159,13 +162,11 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
             .detail(r.body_text())
         }
     })?;
-    if body.is_empty()
-        || (body.iter().all(u8::is_ascii_whitespace) && (is_json || !has_content_type))
-    {
+    let text = body.trim_ascii();
+    if body.is_empty() || (text.is_empty() && (is_json || !has_content_type)) {
         return Ok(None);
     }
-    // JSON `null` says "no body" as plainly as an empty one.
-    if is_json && body.trim_ascii() == b"null" {
+    if is_json && text == b"null" {
         return Ok(None);
     }
     if !is_json {
@@ -176,35 +177,13 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         )
         .detail("request bodies must be JSON, sent with `Content-Type: application/json`"));
     }
-    // Every body of this API is an object; serde would otherwise take a
-    // sequence such as `[1]` for a struct.
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(match serde_json::from_slice::<serde_json::Value>(&body) {
+    if !text.starts_with(b"{") {
+        return Err(match axum::Json::<serde_json::Value>::from_bytes(&body) {
             Ok(_) => Problem::invalid_body("the body must be a JSON object"),
-            Err(e) => malformed(e.to_string()),
+            Err(r) => r.into(),
         });
     }
-    let de = &mut serde_json::Deserializer::from_slice(&body);
-    match serde_path_to_error::deserialize(de) {
-        Ok(v) => Ok(Some(v)),
-        Err(e) => {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let detail = if path == "." {
-                inner.to_string()
-            } else {
-                format!("{path}: {inner}")
-            };
-            Err(match inner.classify() {
-                serde_json::error::Category::Data => Problem::invalid_body(detail),
-                _ => malformed(detail),
-            })
-        }
-    }
-}
-
-fn malformed(detail: String) -> Problem {
-    Problem::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON").detail(detail)
+    Ok(Some(axum::Json::<T>::from_bytes(&body)?.0))
 }
 
 /// Proof that the request carried the admin token.
@@ -235,7 +214,15 @@ impl FromRequestParts<AppState> for Admin {
 }
 
 /// The optional `Idempotency-Key` field (draft-ietf-httpapi-idempotency-key-header).
-pub struct IdempotencyKeyHeader(pub Option<crate::meter::IdempotencyKey>);
+#[derive(utoipa::IntoParams)]
+#[into_params(names("Idempotency-Key"), parameter_in = Header)]
+pub struct IdempotencyKeyHeader(
+    /// Makes a retry safe: a repeat with the same key answers the first
+    /// result (with Idempotent-Replayed: true) instead of writing again;
+    /// reusing it for a different request is 422; kept for 24 h.
+    #[param(value_type = Option<String>, pattern = r"^[!#-\[\]-~]{1,255}$")]
+    pub Option<crate::meter::IdempotencyKey>,
+);
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKeyHeader {
     type Rejection = Problem;

@@ -102,8 +102,19 @@ fn method_label(m: &Method) -> &'static str {
     }
 }
 
-/// Runs the request with its id in scope: problem bodies quote it as
-/// `request_id`, and the writer's log lines about its commands name it.
+tokio::task_local! {
+    /// The id of the request this task serves.
+    static REQUEST: Arc<str>;
+}
+
+/// The id of the request being served: problem bodies quote it as
+/// `request_id`, and handlers hand it to the writer with their commands, so
+/// its log lines about them name it.
+pub fn request_id() -> Option<Arc<str>> {
+    REQUEST.try_with(Arc::clone).ok()
+}
+
+/// Runs the request with its id in scope (see [`request_id`]).
 pub async fn with_request_id(req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -111,7 +122,7 @@ pub async fn with_request_id(req: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .map(Arc::<str>::from);
     match id {
-        Some(id) => crate::db::CALLER.scope(id, next.run(req)).await,
+        Some(id) => REQUEST.scope(id, next.run(req)).await,
         None => next.run(req).await,
     }
 }

@@ -5,8 +5,14 @@
 use serde::Serialize;
 use utoipa::{
     Modify, OpenApi, ToSchema,
-    openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme},
+    openapi::{
+        RefOr,
+        schema::{ObjectBuilder, Schema, Type},
+        security::{HttpAuthScheme, HttpBuilder, SecurityScheme},
+    },
 };
+
+use crate::meter::{Name, VisitorId};
 
 /// An RFC 9457 problem document. Budget checks add `allowed: false` (and
 /// `reason` when the database failed).
@@ -35,6 +41,35 @@ pub struct ProblemDoc {
     #[schema(format = Date)]
     pub today: Option<String>,
 }
+
+/// The schemas of the domain's types, each stating its rule once: path
+/// parameters and body fields of these types share them.
+impl utoipa::PartialSchema for Name {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .min_length(Some(1))
+            .max_length(Some(Name::MAX_LEN))
+            .pattern(Some(r"^[A-Za-z0-9._:-]{1,128}$"))
+            .into()
+    }
+}
+impl ToSchema for Name {}
+
+impl utoipa::PartialSchema for VisitorId {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .description(Some(
+                "Who is calling: 1 to 256 characters, no control characters.",
+            ))
+            .min_length(Some(1))
+            .max_length(Some(VisitorId::MAX_LEN))
+            .pattern(Some(r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"))
+            .into()
+    }
+}
+impl ToSchema for VisitorId {}
 
 #[derive(OpenApi)]
 #[openapi(

@@ -4,15 +4,15 @@
 use std::time::Duration;
 
 use axum::{
-    extract::rejection::{PathRejection, QueryRejection},
+    extract::rejection::{JsonRejection, PathRejection, QueryRejection},
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
 use serde_json::{Map, Value, json};
 
 use crate::{
-    db::WriteError,
-    meter::{InvalidInput, MeterError},
+    db,
+    meter::{InvalidInput, Refusal},
 };
 
 /// `Retry-After` for writes refused because the disk is full or the
@@ -66,10 +66,6 @@ impl Problem {
     pub fn retry_after(mut self, after: Duration) -> Self {
         self.0.retry_after = Some(after);
         self
-    }
-
-    pub fn status(&self) -> StatusCode {
-        self.0.status
     }
 
     pub fn invalid(err: InvalidInput) -> Self {
@@ -142,14 +138,12 @@ impl From<InvalidInput> for Problem {
     }
 }
 
-impl From<MeterError> for Problem {
-    fn from(e: MeterError) -> Self {
-        match e {
-            MeterError::UnknownBudget(name) => {
-                Self::not_found(format!("budget `{name}` does not exist"))
-                    .with("budget", name.as_str())
-            }
-            MeterError::Overflow(name) => Self::new(
+impl From<Refusal> for Problem {
+    fn from(r: Refusal) -> Self {
+        let detail = r.to_string();
+        match r {
+            Refusal::UnknownBudget(name) => Self::not_found(detail).with("budget", name.as_str()),
+            Refusal::Overflow(name) => Self::new(
                 StatusCode::CONFLICT,
                 "counter-overflow",
                 "Counter would overflow",
@@ -157,7 +151,7 @@ impl From<MeterError> for Problem {
             .detail(format!(
                 "counter `{name}` would exceed the largest 64-bit integer; it was not changed"
             )),
-            MeterError::KeyReused => Self::new(
+            Refusal::KeyReused => Self::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "Idempotency-Key reused",
@@ -166,9 +160,49 @@ impl From<MeterError> for Problem {
                 "this Idempotency-Key was first used for a different request; \
                  use a new key for a new request",
             ),
+            Refusal::DayOutsideWindow { kept, .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "day-outside-window",
+                "Day outside the budget's window",
+            )
+            .detail(detail)
+            .with("oldest_day", kept.oldest.to_string())
+            .with("today", kept.today.to_string()),
+        }
+    }
+}
+
+impl From<db::Error> for Problem {
+    fn from(e: db::Error) -> Self {
+        match e {
+            db::Error::Refused(r) => r.into(),
+            db::Error::QueueFull { retry_after } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "queue-full",
+                "Write queue full",
+            )
+            .detail("too many writes are waiting; nothing was done, so retrying later is safe")
+            .retry_after(retry_after),
+            db::Error::Closed => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting-down",
+                "Shutting down",
+            )
+            .detail("tally is shutting down and accepts no more writes; nothing was done")
+            .retry_after(Duration::from_secs(1)),
+            db::Error::OutcomeUnknown => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "outcome-unknown",
+                "Outcome unknown",
+            )
+            .detail(
+                "the write was accepted but its reply was lost; it may or may not have committed. \
+                 Do not retry blindly: retry with the same Idempotency-Key, or read the current \
+                 value first",
+            ),
             // The writer has logged the failed batch; one line per refused
             // request would only add to a full disk's troubles.
-            MeterError::StorageFull(_) => Self::new(
+            db::Error::StorageFull(_) => Self::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "storage-full",
                 "Storage full",
@@ -179,7 +213,7 @@ impl From<MeterError> for Problem {
             )
             .with("reason", "storage_full")
             .retry_after(STORAGE_RETRY_AFTER),
-            MeterError::StorageLost { .. } => Self::new(
+            db::Error::StorageLost(_) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "storage-lost",
                 "Database file lost",
@@ -190,8 +224,8 @@ impl From<MeterError> for Problem {
             )
             .with("reason", "storage_lost")
             .retry_after(STORAGE_RETRY_AFTER),
-            MeterError::Database(err) => {
-                tracing::error!(error = %err, "database error");
+            e @ (db::Error::Database(_) | db::Error::Internal(_)) => {
+                tracing::error!(error = %e, "database error");
                 Self::internal("the database failed; nothing was written")
                     .with("reason", "database_error")
             }
@@ -199,52 +233,41 @@ impl From<MeterError> for Problem {
     }
 }
 
-impl From<WriteError> for Problem {
-    fn from(e: WriteError) -> Self {
-        match e {
-            WriteError::Unavailable { retry_after } => {
-                let mut p = Self::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "queue-full",
-                    "Write queue full",
-                )
-                .detail("too many writes are waiting; nothing was done, so retrying later is safe");
-                p.0.retry_after = Some(retry_after);
-                p
-            }
-            WriteError::Closed => {
-                let mut p = Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "shutting-down",
-                    "Shutting down",
-                )
-                .detail("tally is shutting down and accepts no more writes; nothing was done");
-                p.0.retry_after = Some(Duration::from_secs(1));
-                p
-            }
-            WriteError::OutcomeUnknown => Self::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "outcome-unknown",
-                "Outcome unknown",
-            )
-            .detail(
-                "the write was accepted but its reply was lost; it may or may not have committed. \
-                 Do not retry blindly: retry with the same Idempotency-Key, or read the current \
-                 value first",
-            ),
-            WriteError::Meter(e) => e.into(),
-        }
-    }
-}
-
 impl From<PathRejection> for Problem {
     fn from(r: PathRejection) -> Self {
+        use axum::extract::path::ErrorKind;
+        // A name that arrived whole but breaks the rule of its type: the
+        // rule's own words.
+        if let PathRejection::FailedToDeserializePathParams(e) = &r
+            && let ErrorKind::Message(rule) | ErrorKind::DeserializeError { message: rule, .. } =
+                e.kind()
+        {
+            return Self::invalid(InvalidInput(rule.clone()));
+        }
         Self::new(
             StatusCode::BAD_REQUEST,
             "invalid-path",
             "Invalid path parameter",
         )
         .detail(r.body_text())
+    }
+}
+
+impl From<JsonRejection> for Problem {
+    fn from(r: JsonRejection) -> Self {
+        match r {
+            JsonRejection::JsonDataError(e) => Self::invalid_body(e.body_text()),
+            JsonRejection::JsonSyntaxError(e) => {
+                Self::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON")
+                    .detail(e.body_text())
+            }
+            r => Self::new(
+                StatusCode::BAD_REQUEST,
+                "bad-body",
+                "Cannot read request body",
+            )
+            .detail(r.body_text()),
+        }
     }
 }
 
@@ -270,8 +293,8 @@ impl IntoResponse for Problem {
         body.extend(this.extensions);
         // The request being answered, set for the whole request by
         // `observe::with_request_id`, so a client can quote it.
-        if let Ok(id) = crate::db::CALLER.try_with(|id| json!(&**id)) {
-            body.insert("request_id".into(), id);
+        if let Some(id) = super::observe::request_id() {
+            body.insert("request_id".into(), json!(&*id));
         }
         let mut res = (this.status, axum::Json(Value::Object(body))).into_response();
         let headers = res.headers_mut();

@@ -5,7 +5,9 @@ use jiff::{
     civil::Date,
     tz::{TimeZone, TimeZoneDatabase},
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use super::Refusal;
 
 /// Why an input was refused; the text is shown to the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,17 +86,50 @@ impl fmt::Display for VisitorId {
     }
 }
 
+/// A client's idempotency key: 1 to 255 visible ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    pub const MAX_LEN: usize = 255;
+
+    /// Parses the `Idempotency-Key` field value: a structured-field string
+    /// (`"..."`), or the bare characters.
+    pub fn parse(s: &str) -> Result<Self, InvalidInput> {
+        let s = s.trim();
+        let inner = s
+            .strip_prefix('"')
+            .and_then(|r| r.strip_suffix('"'))
+            .unwrap_or(s);
+        if inner.is_empty() || inner.len() > Self::MAX_LEN {
+            return Err(InvalidInput(format!(
+                "an Idempotency-Key must be 1 to {} characters long",
+                Self::MAX_LEN
+            )));
+        }
+        if !inner
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+        {
+            return Err(InvalidInput(
+                "an Idempotency-Key may hold only visible ASCII characters, no quotes or backslashes"
+                    .into(),
+            ));
+        }
+        Ok(Self(inner.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 /// A calendar day, written `YYYY-MM-DD` everywhere (API and database), so
 /// that days sort as text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Day(Date);
 
 impl Day {
-    /// Today in `tz`.
-    pub fn today(tz: &TimeZone) -> Self {
-        Self::today_at(tz, Timestamp::now())
-    }
-
     /// The day `now` falls on in `tz`.
     pub fn today_at(tz: &TimeZone, now: Timestamp) -> Self {
         Self(now.to_zoned_datetime(tz.clone()).date())
@@ -127,10 +162,6 @@ impl Day {
         let earliest = jiff::civil::date(1, 1, 1);
         Self(self.0.checked_sub(span).unwrap_or(earliest).max(earliest))
     }
-
-    pub fn date(self) -> Date {
-        self.0
-    }
 }
 
 impl fmt::Display for Day {
@@ -150,6 +181,21 @@ impl Serialize for Day {
         s.collect_str(self)
     }
 }
+
+/// Text parsed with the type's own `parse`, so that a name, visitor or day
+/// in a path, a query or a body is checked once, where it arrives, and its
+/// error text is what the client reads.
+macro_rules! deserialize_by_parse {
+    ($($t:ty),*) => {$(
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let text = std::borrow::Cow::<'de, str>::deserialize(d)?;
+                Self::parse(&text).map_err(serde::de::Error::custom)
+            }
+        }
+    )*};
+}
+deserialize_by_parse!(Name, VisitorId, Day, IdempotencyKey);
 
 /// A budget as an operator configures it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,6 +311,29 @@ pub struct Budget {
     pub spec: BudgetSpec,
 }
 
+impl Budget {
+    /// The day a command on this budget means, seen at `now`: its today
+    /// when the command names none, else the day named if the budget keeps
+    /// it (today in its time zone or one of the `retention_days` days
+    /// before it, exactly what pruning keeps). A later day does not exist
+    /// yet and an earlier one is pruned (or about to be), so naming one is
+    /// refused, and nothing is counted, read or deleted for it.
+    pub fn day(&self, day: Option<Day>, now: Timestamp) -> Result<Day, Refusal> {
+        let kept = self.spec.kept_days(now);
+        match day {
+            None => Ok(kept.today),
+            Some(day) if kept.contains(day) => Ok(day),
+            Some(day) => Err(Refusal::DayOutsideWindow {
+                budget: self.name.clone(),
+                day,
+                kept,
+                timezone: self.spec.timezone_name.clone(),
+                retention_days: self.spec.retention_days,
+            }),
+        }
+    }
+}
+
 /// Why a check was allowed or denied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -305,15 +374,6 @@ pub struct Usage {
     pub visitor_calls: Option<i64>,
 }
 
-/// What a reset clears.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResetScope {
-    pub day: Day,
-    /// Only this visitor's row, leaving the global counter alone; all of the
-    /// day's usage when `None`.
-    pub visitor: Option<VisitorId>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,6 +395,30 @@ mod tests {
         }
         for bad in ["", "a\tb", "a\u{7f}", "x\u{0}", &"v".repeat(257)] {
             assert!(VisitorId::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn idempotency_keys() {
+        for ok in [
+            "a",
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+            "\"quoted-key\"",
+            &"k".repeat(255),
+        ] {
+            assert!(IdempotencyKey::parse(ok).is_ok(), "{ok}");
+        }
+        assert_eq!(IdempotencyKey::parse("\"abc\"").unwrap().as_str(), "abc");
+        for bad in [
+            "",
+            "\"\"",
+            "a b",
+            "é",
+            "a\"b",
+            &"k".repeat(256),
+            "tab\there",
+        ] {
+            assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?}");
         }
     }
 
@@ -365,6 +449,30 @@ mod tests {
                 .to_string(),
             "0001-01-01"
         );
+    }
+
+    /// The window follows the budget's own midnight.
+    #[test]
+    fn kept_days_follow_the_budget_time_zone() {
+        let spec = BudgetSpec::new(1, 1, Some(2), Some("Pacific/Kiritimati")).unwrap();
+        let at = |s: &str| spec.kept_days(s.parse().unwrap());
+        // 09:59 UTC is 23:59 in Kiritimati (+14); a minute later it is tomorrow.
+        let k = at("2024-06-20T09:59:00Z");
+        assert_eq!(
+            (k.oldest.to_string(), k.today.to_string()),
+            ("2024-06-18".into(), "2024-06-20".into())
+        );
+        let k = at("2024-06-20T10:00:00Z");
+        assert_eq!(
+            (k.oldest.to_string(), k.today.to_string()),
+            ("2024-06-19".into(), "2024-06-21".into())
+        );
+        assert!(k.contains(Day::parse("2024-06-19").unwrap()));
+        assert!(!k.contains(Day::parse("2024-06-18").unwrap()));
+        assert!(!k.contains(Day::parse("2024-06-22").unwrap()));
+        let utc = BudgetSpec::new(1, 1, Some(2), None).unwrap();
+        let u = utc.kept_days("2024-06-20T10:00:00Z".parse().unwrap());
+        assert_eq!(u.today.to_string(), "2024-06-20");
     }
 
     #[test]

@@ -81,7 +81,7 @@ async fn a_visitor_named_star_is_not_the_global_row() {
 }
 
 async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
-    let pool = app.db.readers();
+    let pool = &app.peek().await;
     let global: Vec<String> =
         sqlx::query_scalar("SELECT day FROM budget_global_usage WHERE budget = 'p' ORDER BY day")
             .fetch_all(pool)

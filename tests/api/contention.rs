@@ -2,7 +2,7 @@ use std::time::Duration;
 
 #[tokio::test]
 async fn queued_writes_all_commit_where_direct_ones_collide() {
-    let [direct, queued] = tally::contention::run(12, Duration::from_millis(75))
+    let [direct, queued] = tally::db::contention::run(12, Duration::from_millis(75))
         .await
         .unwrap();
     assert_eq!(

@@ -123,6 +123,20 @@ impl TestApp {
 
     /// Runs `sql` on the database file from outside tally, on a connection
     /// of its own, as another process would.
+    /// A read-only look at the database file, to check rows the API does
+    /// not show.
+    pub async fn peek(&self) -> sqlx::SqlitePool {
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                sqlx::sqlite::SqliteConnectOptions::new()
+                    .filename(&self.db_path)
+                    .read_only(true),
+            )
+            .await
+            .unwrap()
+    }
+
     pub async fn sql_behind(&self, sql: &'static str) {
         use sqlx::ConnectOptions;
         let mut conn = sqlx::sqlite::SqliteConnectOptions::new()

@@ -171,7 +171,7 @@ async fn keys_are_forgotten_after_a_day() {
     // The first keyed batch of this writer forgets expired keys after it.
     post_keyed(&app, "/counters/other", "fresh", json!({})).await;
     let left: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
-        .fetch_all(app.db.readers())
+        .fetch_all(&app.peek().await)
         .await
         .unwrap();
     assert_eq!(left, ["fresh"]);

@@ -54,7 +54,7 @@ async fn rows(app: &TestApp, budget: &str) -> Vec<(String, String, String, i64)>
          ORDER BY 1, 2, 3",
     )
     .bind(budget)
-    .fetch_all(app.db.readers())
+    .fetch_all(&app.peek().await)
     .await
     .unwrap()
 }

@@ -1,0 +1,399 @@
+//! Model tests of the set-based SQL: a batch applied at once must answer,
+//! and leave the rows, exactly as the same commands applied one at a time.
+
+use std::str::FromStr;
+
+use jiff::{SignedDuration, Timestamp};
+use sqlx::{ConnectOptions, SqliteConnection, sqlite::SqliteConnectOptions};
+
+use super::{
+    Error,
+    budgets::{self, CheckItem},
+    counters,
+};
+use crate::meter::{self, BudgetSpec, Counts, Day, Decision, Name, Refusal, VisitorId};
+
+async fn fresh_db() -> SqliteConnection {
+    let mut conn = SqliteConnectOptions::from_str("sqlite::memory:")
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    sqlx::migrate!("./migrations").run(&mut conn).await.unwrap();
+    conn
+}
+
+/// A database whose counter `big` is 807 below the largest 64-bit integer.
+async fn near_overflow() -> SqliteConnection {
+    let mut conn = fresh_db().await;
+    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
+type Row = (String, String, String, i64);
+
+async fn dump(conn: &mut SqliteConnection) -> Vec<Row> {
+    sqlx::query_as(
+        "SELECT budget, day, visitor, calls FROM budget_visitor_usage
+         UNION ALL SELECT budget, day, '*global*', calls FROM budget_global_usage
+         UNION ALL SELECT name, '', '*counter*', value FROM counters
+         ORDER BY 1, 2, 3",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap()
+}
+
+/// The reference the set-based SQL is held to: one increment, applied
+/// the plainest way.
+async fn reference_increment(conn: &mut SqliteConnection, name: &Name, by: i64) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO counters (name, value) VALUES (?1, ?2)
+         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
+         RETURNING value",
+    )
+    .bind(name.as_str())
+    .bind(by)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+/// The reference for checks: one check, read, decided by the rule
+/// ([`meter::decide`]) and written row by row, pruning on the day's first
+/// global call.
+async fn reference_check(
+    conn: &mut SqliteConnection,
+    item: &CheckItem<'_>,
+    now: Timestamp,
+) -> Result<Decision, String> {
+    let budget = budgets::get(&mut *conn, item.budget)
+        .await
+        .map_err(|e| e.to_string())?;
+    let day = budget
+        .day(item.day, now)
+        .map_err(|e| Error::from(e).to_string())?;
+    let (b, d, v) = (item.budget.as_str(), day.to_string(), item.visitor.as_str());
+    let (visitor, global): (i64, i64) = sqlx::query_as(
+        "SELECT
+           coalesce((SELECT calls FROM budget_visitor_usage
+                     WHERE budget = ?1 AND day = ?2 AND visitor = ?3), 0),
+           coalesce((SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2), 0)",
+    )
+    .bind(b)
+    .bind(&d)
+    .bind(v)
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    let step = meter::decide(
+        budget.spec.visitor_limit,
+        budget.spec.global_limit,
+        Counts { visitor, global },
+    );
+    sqlx::query("INSERT OR REPLACE INTO budget_visitor_usage VALUES (?1, ?2, ?3, ?4)")
+        .bind(b)
+        .bind(&d)
+        .bind(v)
+        .bind(step.after.visitor)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    if step.after.global != global {
+        sqlx::query("INSERT OR REPLACE INTO budget_global_usage VALUES (?1, ?2, ?3)")
+            .bind(b)
+            .bind(&d)
+            .bind(step.after.global)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    }
+    let mut decision = Decision::new(&budget, day, step);
+    if step.first_of_day {
+        let cutoff = budget.spec.kept_days(now).oldest.to_string();
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2",
+            "DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2",
+        ] {
+            let r = sqlx::query(sql).bind(b).bind(&cutoff).execute(&mut *conn);
+            decision.pruned_rows += r.await.unwrap().rows_affected();
+        }
+    }
+    Ok(decision)
+}
+
+fn names(names: &[&str]) -> Vec<Name> {
+    names.iter().map(|n| Name::parse(n).unwrap()).collect()
+}
+
+/// Random batches of checks and increments at a clock that moves on
+/// (across midnights of three time zones and a change of clocks), applied
+/// set-based to one database and one at a time, by the plain reference
+/// above, to another: every answer and the final rows agree. Checks name today, days inside the window,
+/// days just outside it and far-future days: those outside are refused
+/// and never let a prune delete a kept day.
+#[tokio::test]
+async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
+    let mut batched = fresh_db().await;
+    let mut single = fresh_db().await;
+    let zones = ["UTC", "Pacific/Kiritimati", "America/New_York"];
+    let budgets: Vec<(Name, BudgetSpec)> = zones
+        .iter()
+        .enumerate()
+        .map(|(i, tz)| {
+            let n = u32::try_from(i).unwrap();
+            let spec = BudgetSpec::new(2 + n, 6 + 3 * n, Some(1 + n), Some(tz)).unwrap();
+            (Name::parse(&format!("b{i}")).unwrap(), spec)
+        })
+        .collect();
+    for (name, spec) in &budgets {
+        for conn in [&mut batched, &mut single] {
+            budgets::put(conn, name, spec).await.unwrap();
+        }
+    }
+    let visitors: Vec<VisitorId> = ["A", "B", "C", "*"]
+        .iter()
+        .map(|v| VisitorId::parse(v).unwrap())
+        .collect();
+    let counters = names(&["c0", "c1"]);
+
+    let mut rng = fastrand::Rng::with_seed(9);
+    // A week before clocks change in New York (2000-04-02).
+    let mut now: Timestamp = "2000-03-26T20:00:00Z".parse().unwrap();
+    let (rounds, mut refused, mut prunes) = (200, 0, 0);
+    for _ in 0..rounds {
+        now += SignedDuration::from_mins(rng.i64(0..=8 * 60));
+        let (incs, checks) = random_batch(&mut rng, now, &budgets, &visitors, &counters);
+        let before = dump(&mut single).await;
+
+        // One at a time.
+        let mut want_values = Vec::new();
+        for (name, by) in &incs {
+            want_values.push(reference_increment(&mut single, name, *by).await);
+        }
+        let mut want = Vec::new();
+        for c in &checks {
+            want.push(reference_check(&mut single, c, now).await);
+        }
+        // Set-based, inside a transaction like the writer's.
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut batched)
+            .await
+            .unwrap();
+        let values = counters::increment_many(&mut batched, &incs)
+            .await
+            .unwrap()
+            .unwrap();
+        let got: Vec<Result<Decision, String>> = budgets::check_many(&mut batched, &checks, now)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.map_err(|e| e.to_string()))
+            .collect();
+        sqlx::raw_sql("COMMIT").execute(&mut batched).await.unwrap();
+
+        assert_eq!(values, want_values);
+        prunes += want
+            .iter()
+            .filter(|d| d.as_ref().is_ok_and(|d| d.pruned_rows > 0))
+            .count();
+        refused += want.iter().filter(|d| d.is_err()).count();
+        // Which command of a batch reports the prune may differ.
+        let strip = |d: Vec<Result<Decision, String>>| {
+            d.into_iter()
+                .map(|r| {
+                    r.map(|d| Decision {
+                        pruned_rows: 0,
+                        ..d
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(strip(got), strip(want));
+        let after = dump(&mut single).await;
+        assert_eq!(dump(&mut batched).await, after);
+
+        // No day a budget keeps lost a call, whatever days were named.
+        for (name, spec) in &budgets {
+            assert_kept_days_kept(name, spec, now, &before, &after);
+        }
+    }
+    // The comparison covered pruning and refusals, and not only them.
+    assert!(prunes > 0, "no prunes");
+    assert!(refused > 0 && refused < rounds * 10, "refused: {refused}");
+}
+
+/// A batch of up to 30 commands: a quarter increments, the rest checks of
+/// the budgets (and now and then of one that does not exist), on no day,
+/// far in the future, or from two days before the window to a day after.
+fn random_batch<'a>(
+    rng: &mut fastrand::Rng,
+    now: Timestamp,
+    budgets: &'a [(Name, BudgetSpec)],
+    visitors: &'a [VisitorId],
+    counters: &'a [Name],
+) -> (Vec<(&'a Name, i64)>, Vec<CheckItem<'a>>) {
+    static UNKNOWN: std::sync::LazyLock<Name> =
+        std::sync::LazyLock::new(|| Name::parse("nope").unwrap());
+    let mut incs = Vec::new();
+    let mut checks = Vec::new();
+    for _ in 0..rng.usize(1..30) {
+        if rng.u8(..4) == 0 {
+            incs.push((&counters[rng.usize(..counters.len())], rng.i64(1..=9)));
+            continue;
+        }
+        let (budget, spec) = match rng.u8(..20) {
+            0 => (&*UNKNOWN, &budgets[0].1),
+            _ => {
+                let (n, s) = &budgets[rng.usize(..budgets.len())];
+                (n, s)
+            }
+        };
+        let kept = spec.kept_days(now);
+        let day = match rng.u8(..10) {
+            0..=2 => None,
+            3 => Some(Day::parse("2099-01-01").unwrap()),
+            _ => Some(match rng.u32(0..=spec.retention_days + 2) {
+                0 => Day::today_at(&spec.timezone, now + SignedDuration::from_hours(24)),
+                back => kept.today.minus_days(back - 1),
+            }),
+        };
+        checks.push(CheckItem {
+            budget,
+            visitor: &visitors[rng.usize(..visitors.len())],
+            day,
+        });
+    }
+    (incs, checks)
+}
+
+/// Every row of a day `budget` keeps at `now` still has at least its calls.
+fn assert_kept_days_kept(
+    budget: &Name,
+    spec: &BudgetSpec,
+    now: Timestamp,
+    before: &[Row],
+    after: &[Row],
+) {
+    let kept = spec.kept_days(now);
+    for (b, d, v, calls) in before {
+        let in_window = Day::parse(d).is_ok_and(|d| kept.contains(d));
+        if b != budget.as_str() || !in_window {
+            continue;
+        }
+        let now_calls = after
+            .iter()
+            .find(|r| (&r.0, &r.1, &r.2) == (b, d, v))
+            .map(|r| r.3);
+        assert!(
+            now_calls.is_some_and(|c| c >= *calls),
+            "{b} {d} {v} lost calls at {now}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn increment_overflow_in_a_batch_is_applied_one_by_one() {
+    let mut conn = near_overflow().await;
+    let n = names(&["big", "small"]);
+    let (big, small) = (&n[0], &n[1]);
+    // Each alone fits; together they overflow: only one by one tells who.
+    let r = counters::increment_many(&mut conn, &[(small, 1), (big, 500), (big, 500)])
+        .await
+        .unwrap();
+    assert_eq!(r, None);
+    // Inside the same transaction, one by one: the first fits, the second
+    // is refused, and nothing else changed.
+    assert_eq!(
+        counters::increment(&mut conn, big, 500).await.unwrap(),
+        9223372036854775500
+    );
+    let e = counters::increment(&mut conn, big, 500).await.unwrap_err();
+    assert!(matches!(e, Error::Refused(Refusal::Overflow(_))), "{e}");
+}
+
+#[tokio::test]
+async fn one_trip_increment_batches_answer_as_one_at_a_time() {
+    let mut batched = fresh_db().await;
+    let mut single = fresh_db().await;
+    let names = names(&["n0", "n1", "n2", "n3", "n4"]);
+    let mut rng = fastrand::Rng::with_seed(11);
+    for _ in 0..100 {
+        let items: Vec<(&Name, i64)> = (0..rng.usize(1..50))
+            .map(|_| (&names[rng.usize(..names.len())], rng.i64(1..=1_000_000)))
+            .collect();
+        let mut want = Vec::new();
+        for (n, by) in &items {
+            want.push(reference_increment(&mut single, n, *by).await);
+        }
+        let got = counters::increment_many_committed(&mut batched, &items)
+            .await
+            .unwrap();
+        assert_eq!(got, Some(want));
+    }
+    assert_eq!(dump(&mut batched).await, dump(&mut single).await);
+}
+
+#[tokio::test]
+async fn a_one_trip_batch_that_overflows_commits_nothing() {
+    let mut conn = near_overflow().await;
+    let n = names(&["big", "small"]);
+    let (big, small) = (&n[0], &n[1]);
+    let r = counters::increment_many_committed(&mut conn, &[(small, 1), (big, 500), (big, 500)])
+        .await
+        .unwrap();
+    assert_eq!(r, None);
+    assert_eq!(
+        dump(&mut conn).await,
+        vec![(
+            "big".into(),
+            "".into(),
+            "*counter*".into(),
+            9223372036854775000
+        )]
+    );
+    // No transaction was left open: the next one starts and commits.
+    let r = counters::increment_many_committed(&mut conn, &[(small, 1)])
+        .await
+        .unwrap();
+    assert_eq!(r, Some(vec![1]));
+}
+
+/// The handle's read pool cannot write, not even by turning `query_only`
+/// off: its connections are opened read-only too.
+#[tokio::test]
+async fn readers_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = super::DbOptions {
+        queue_capacity: 1,
+        max_batch: 1,
+        synchronous: crate::config::Synchronous::Full,
+        readers: 1,
+        checkpoints: true,
+        writer_delay: None,
+        writer_panic_after: None,
+    };
+    let (handle, _writer) = super::Database::open(&dir.path().join("t.db"), &opts)
+        .await
+        .unwrap();
+    let pool = &handle.0.readers;
+    for sql in [
+        "INSERT INTO counters (name, value) VALUES ('sneaky', 1)",
+        "PRAGMA query_only = OFF; INSERT INTO counters (name, value) VALUES ('sneaky', 1)",
+    ] {
+        let err = sqlx::raw_sql(sql).execute(pool).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("readonly") || msg.contains("read-only") || msg.contains("query_only"),
+            "{msg}"
+        );
+    }
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+}
