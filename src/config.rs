@@ -6,9 +6,10 @@ use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// Durability of a commit on the writable connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum Synchronous {
     /// fsync the WAL on every commit: a 200 survives power loss.
+    #[default]
     Full,
     /// fsync only at checkpoints: a 200 survives a crash of tally, not of the machine.
     Normal,

@@ -280,19 +280,17 @@ impl DayUsage {
     }
 }
 
-/// Deletes the budget's usage on days before `cutoff`.
+/// Deletes the budget's usage on days before `cutoff`, in one round trip.
 async fn prune(conn: &mut SqliteConnection, budget: &Name, cutoff: Day) -> Result<u64, Error> {
-    delete_usage(
-        conn,
-        &[
-            "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2",
-            "DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2",
-        ],
-        budget,
-        cutoff,
-        None,
+    let deleted = sqlx::query(
+        "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2;
+         DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2;",
     )
-    .await
+    .bind(budget.as_str())
+    .bind(cutoff.to_string())
+    .execute(conn)
+    .await?;
+    Ok(deleted.rows_affected())
 }
 
 /// Clears one day's usage ([`Budget::day`]): one visitor's row, or the
@@ -305,90 +303,55 @@ pub async fn reset(
     now: Timestamp,
 ) -> Result<(Day, u64), Error> {
     let day = get(&mut *conn, budget).await?.day(day, now)?;
-    let rows = match visitor {
-        Some(visitor) => delete_usage(
-            conn,
-            &["DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2 AND visitor = ?3"],
-            budget,
-            day,
-            Some(visitor),
-        )
-        .await?,
-        None => {
-            delete_usage(
-                conn,
-                &[
-                    "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2",
-                    "DELETE FROM budget_global_usage WHERE budget = ?1 AND day = ?2",
-                ],
-                budget,
-                day,
-                None,
+    let (b, d) = (budget.as_str(), day.to_string());
+    let deleted =
+        match visitor {
+            Some(v) => sqlx::query(
+                "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2 AND visitor = ?3",
             )
-            .await?
-        }
-    };
-    Ok((day, rows))
-}
-
-/// Runs each `DELETE` with the budget, the day and (if given) the visitor
-/// bound, and adds up the rows deleted.
-async fn delete_usage(
-    conn: &mut SqliteConnection,
-    statements: &[&'static str],
-    budget: &Name,
-    day: Day,
-    visitor: Option<&VisitorId>,
-) -> Result<u64, Error> {
-    let day = day.to_string();
-    let mut rows = 0;
-    for &sql in statements {
-        let mut q = sqlx::query(sql).bind(budget.as_str()).bind(&day);
-        if let Some(v) = visitor {
-            q = q.bind(v.as_str());
-        }
-        rows += q.execute(&mut *conn).await?.rows_affected();
-    }
-    Ok(rows)
+            .bind(b)
+            .bind(d)
+            .bind(v.as_str())
+            .execute(conn)
+            .await?,
+            None => {
+                sqlx::query(
+                    "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2;
+                 DELETE FROM budget_global_usage WHERE budget = ?1 AND day = ?2;",
+                )
+                .bind(b)
+                .bind(d)
+                .execute(conn)
+                .await?
+            }
+        };
+    Ok((day, deleted.rows_affected()))
 }
 
 /// A budget's usage on a day it keeps (its today by default), read in one
-/// read transaction so the two numbers come from the same snapshot. Days
-/// without usage read as 0.
+/// statement, so the two numbers come from the same snapshot. Days without
+/// usage read as 0.
 pub async fn usage(
     pool: &SqlitePool,
     budget: &Name,
     day: Option<Day>,
     visitor: Option<&VisitorId>,
 ) -> Result<Usage, Error> {
-    let mut tx = pool.begin().await?;
-    let day = get(&mut *tx, budget).await?.day(day, Timestamp::now())?;
-    let day_text = day.to_string();
-    let global: Option<i64> =
-        sqlx::query_scalar("SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2")
-            .bind(budget.as_str())
-            .bind(&day_text)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let visitor_calls = match visitor {
-        Some(v) => Some(
-            sqlx::query_scalar(
-                "SELECT calls FROM budget_visitor_usage
-                 WHERE budget = ?1 AND day = ?2 AND visitor = ?3",
-            )
-            .bind(budget.as_str())
-            .bind(&day_text)
-            .bind(v.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .unwrap_or(0),
-        ),
-        None => None,
-    };
-    tx.rollback().await?;
+    let day = get(pool, budget).await?.day(day, Timestamp::now())?;
+    let (global_calls, visitor_calls): (i64, Option<i64>) = sqlx::query_as(
+        "SELECT
+           coalesce((SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2), 0),
+           CASE WHEN ?3 IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
+             WHERE budget = ?1 AND day = ?2 AND visitor = ?3), 0) END",
+    )
+    .bind(budget.as_str())
+    .bind(day.to_string())
+    .bind(visitor.map(VisitorId::as_str))
+    .fetch_one(pool)
+    .await?;
     Ok(Usage {
         day,
-        global_calls: global.unwrap_or(0),
+        global_calls,
         visitor_calls,
     })
 }

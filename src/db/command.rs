@@ -81,52 +81,16 @@ pub struct Queued {
 /// ([`Error::kind`]), and `not_committed` for a batch whose COMMIT failed
 /// for another reason than the storage's. Exported at 0 from the start so
 /// that a first failure is an increase an alert can see.
+#[rustfmt::skip]
 pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
-    (
-        "increment",
-        &[
-            "ok",
-            "overflow",
-            "key_reused",
-            STORAGE_FULL,
-            STORAGE_LOST,
-            DATABASE,
-            NOT_COMMITTED,
-        ],
-    ),
-    (
-        "put_budget",
-        &["ok", STORAGE_FULL, STORAGE_LOST, DATABASE, NOT_COMMITTED],
-    ),
-    (
-        "check",
-        &[
-            "ok",
-            "unknown_budget",
-            "day_outside_window",
-            "key_reused",
-            STORAGE_FULL,
-            STORAGE_LOST,
-            DATABASE,
-            NOT_COMMITTED,
-        ],
-    ),
-    (
-        "reset",
-        &[
-            "ok",
-            "unknown_budget",
-            "day_outside_window",
-            STORAGE_FULL,
-            STORAGE_LOST,
-            DATABASE,
-            NOT_COMMITTED,
-        ],
-    ),
+    ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DATABASE, NOT_COMMITTED]),
+    ("put_budget", &["ok", FULL, LOST, DATABASE, NOT_COMMITTED]),
+    ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DATABASE, NOT_COMMITTED]),
+    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DATABASE, NOT_COMMITTED]),
 ];
 
-const STORAGE_FULL: &str = "storage_full";
-const STORAGE_LOST: &str = "storage_lost";
+const FULL: &str = "storage_full";
+const LOST: &str = "storage_lost";
 const DATABASE: &str = "database_error";
 pub const NOT_COMMITTED: &str = "not_committed";
 
@@ -177,14 +141,11 @@ impl fmt::Display for Command {
                 day,
                 visitor,
             } => {
-                write!(f, "budget={budget}")?;
-                if let Some(day) = day {
-                    write!(f, " day={day}")?;
-                }
-                match visitor {
-                    Some(v) => write!(f, " visitor={v:?}"),
-                    None => Ok(()),
-                }
+                let day = day.map_or("today".to_owned(), |d| d.to_string());
+                write!(f, "budget={budget} day={day}")?;
+                visitor
+                    .as_ref()
+                    .map_or(Ok(()), |v| write!(f, " visitor={v:?}"))
             }
         }
     }
@@ -192,10 +153,8 @@ impl fmt::Display for Command {
 
 #[cfg(test)]
 mod tests {
-    use std::{path::Path, sync::Arc};
-
     use super::*;
-    use crate::meter::{KeptDays, Refusal};
+    use crate::meter::Refusal;
 
     /// The label list names real results only: a typo would export a
     /// series at 0 forever while the real one stays absent.
@@ -204,22 +163,18 @@ mod tests {
         let name = Name::parse("n").unwrap();
         let day = Day::parse("2000-01-01").unwrap();
         let db = || Arc::new(sqlx::Error::PoolClosed);
+        let budget = crate::meter::Budget {
+            name: name.clone(),
+            spec: BudgetSpec::new(1, 1, Some(1), None).unwrap(),
+        };
+        let outside = budget.day(Some(day), jiff::Timestamp::now()).unwrap_err();
         let kinds: Vec<&str> = [
-            Error::Refused(Refusal::UnknownBudget(name.clone())),
-            Error::Refused(Refusal::Overflow(name.clone())),
-            Error::Refused(Refusal::KeyReused),
-            Error::Refused(Refusal::DayOutsideWindow {
-                budget: name,
-                day,
-                kept: KeptDays {
-                    oldest: day,
-                    today: day,
-                },
-                timezone: "UTC".into(),
-                retention_days: 1,
-            }),
+            Refusal::UnknownBudget(name.clone()).into(),
+            Refusal::Overflow(name).into(),
+            Refusal::KeyReused.into(),
+            outside.into(),
             Error::StorageFull(db()),
-            Error::StorageLost(Arc::from(Path::new("x"))),
+            Error::StorageLost(Arc::from(std::path::Path::new("x"))),
             Error::Database(db()),
         ]
         .iter()

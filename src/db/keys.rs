@@ -19,6 +19,7 @@ pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// What was stored for a key: the command it was first used for, and that
 /// command's answer.
+#[derive(sqlx::FromRow)]
 pub struct Stored {
     pub fingerprint: String,
     result: String,
@@ -28,15 +29,8 @@ pub async fn lookup(
     conn: &mut SqliteConnection,
     key: &IdempotencyKey,
 ) -> Result<Option<Stored>, Error> {
-    let row: Option<(String, String)> =
-        sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1")
-            .bind(key.as_str())
-            .fetch_optional(&mut *conn)
-            .await?;
-    Ok(row.map(|(fingerprint, result)| Stored {
-        fingerprint,
-        result,
-    }))
+    let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
+    Ok(q.bind(key.as_str()).fetch_optional(conn).await?)
 }
 
 /// Stores `outcome` for the key, in the command's savepoint: the write and

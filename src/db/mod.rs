@@ -37,8 +37,8 @@ use sqlx::SqlitePool;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-pub(crate) use command::WRITE_RESULTS;
 use command::Command;
+pub(crate) use command::WRITE_RESULTS;
 use command::{Outcome, Queued};
 pub use open::{Database, OpenError};
 use stats::QueueStats;
@@ -49,8 +49,9 @@ use crate::{
     meter::{Budget, BudgetSpec, Day, Decision, IdempotencyKey, Name, Refusal, Usage, VisitorId},
 };
 
-/// How to open the database.
-#[derive(Debug, Clone)]
+/// How to open the database. The default is the smallest: a queue, a
+/// batch and a reader of one.
+#[derive(Debug, Clone, Default)]
 pub struct DbOptions {
     pub queue_capacity: usize,
     pub max_batch: usize,
@@ -223,13 +224,12 @@ impl Handle {
         request_id: Option<Arc<str>>,
     ) -> Result<Budget, Error> {
         let command = Command::PutBudget { name, spec };
-        let (budget, _) = self
-            .submit(command, None, request_id, |o| match o {
-                Outcome::Budget(b) => Some(b),
-                _ => None,
-            })
-            .await?;
-        Ok(budget)
+        self.submit(command, None, request_id, |o| match o {
+            Outcome::Budget(b) => Some(b),
+            _ => None,
+        })
+        .await
+        .map(|(budget, _)| budget)
     }
 
     /// A budget's configuration.
@@ -285,13 +285,12 @@ impl Handle {
             day,
             visitor,
         };
-        let (reset, _) = self
-            .submit(command, None, request_id, |o| match o {
-                Outcome::Reset { day, deleted_rows } => Some((day, deleted_rows)),
-                _ => None,
-            })
-            .await?;
-        Ok(reset)
+        self.submit(command, None, request_id, |o| match o {
+            Outcome::Reset { day, deleted_rows } => Some((day, deleted_rows)),
+            _ => None,
+        })
+        .await
+        .map(|(reset, _)| reset)
     }
 
     /// Whether the queue still accepts commands. A full queue still does.

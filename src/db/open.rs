@@ -80,7 +80,9 @@ impl Database {
                 path: path.to_owned(),
                 source,
             })?;
-        let readers = open_readers(path, opts.readers).await.map_err(open_err)?;
+        let readers = open_readers(path, opts.readers.max(1))
+            .await
+            .map_err(open_err)?;
 
         let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
         let stats = Arc::new(QueueStats::default());

@@ -1,24 +1,18 @@
 //! Model tests of the set-based SQL: a batch applied at once must answer,
 //! and leave the rows, exactly as the same commands applied one at a time.
 
-use std::str::FromStr;
-
 use jiff::{SignedDuration, Timestamp};
-use sqlx::{ConnectOptions, SqliteConnection, sqlite::SqliteConnectOptions};
+use sqlx::{Connection, SqliteConnection};
 
 use super::{
-    Error,
+    Database, DbOptions, Error,
     budgets::{self, CheckItem},
     counters,
 };
 use crate::meter::{self, BudgetSpec, Counts, Day, Decision, Name, Refusal, VisitorId};
 
 async fn fresh_db() -> SqliteConnection {
-    let mut conn = SqliteConnectOptions::from_str("sqlite::memory:")
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
     sqlx::migrate!("./migrations").run(&mut conn).await.unwrap();
     conn
 }
@@ -26,10 +20,8 @@ async fn fresh_db() -> SqliteConnection {
 /// A database whose counter `big` is 807 below the largest 64-bit integer.
 async fn near_overflow() -> SqliteConnection {
     let mut conn = fresh_db().await;
-    sqlx::query("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    let big = "INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)";
+    sqlx::raw_sql(big).execute(&mut conn).await.unwrap();
     conn
 }
 
@@ -362,21 +354,12 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
     assert_eq!(r, Some(vec![1]));
 }
 
-/// The handle's read pool cannot write, not even by turning `query_only`
+/// The handle's read pool (of one reader, by default) cannot write, not even by turning `query_only`
 /// off: its connections are opened read-only too.
 #[tokio::test]
 async fn readers_cannot_write() {
     let dir = tempfile::tempdir().unwrap();
-    let opts = super::DbOptions {
-        queue_capacity: 1,
-        max_batch: 1,
-        synchronous: crate::config::Synchronous::Full,
-        readers: 1,
-        checkpoints: true,
-        writer_delay: None,
-        writer_panic_after: None,
-    };
-    let (handle, _writer) = super::Database::open(&dir.path().join("t.db"), &opts)
+    let (handle, _writer) = Database::open(&dir.path().join("t.db"), &DbOptions::default())
         .await
         .unwrap();
     let pool = &handle.0.readers;

@@ -30,7 +30,7 @@ use super::{
     keys,
     stats::QueueStats,
 };
-use crate::meter::{IdempotencyKey, Name, Refusal};
+use crate::meter::{IdempotencyKey, Refusal};
 
 /// Owns the writable connection and the receiving end of the queue.
 /// Created by [`super::Database::open`]; run it with [`Writer::run`].
@@ -81,7 +81,7 @@ impl WriterTask {
     pub async fn join(mut self) -> Result<(), WriterFailed> {
         match self.ended.take() {
             Some(r) => r,
-            None => Self::outcome(self.done.await),
+            None => self.done.await.unwrap_or(Err(WriterFailed::Died)),
         }
     }
 
@@ -90,19 +90,12 @@ impl WriterTask {
     /// [`Self::join`] reports the clean end.
     pub async fn died(&mut self) -> WriterFailed {
         if self.ended.is_none() {
-            let r = Self::outcome((&mut self.done).await);
-            if let Err(e) = r {
+            if let Err(e) = (&mut self.done).await.unwrap_or(Err(WriterFailed::Died)) {
                 return e;
             }
             self.ended = Some(Ok(()));
         }
         std::future::pending().await
-    }
-
-    fn outcome(
-        r: Result<Result<(), WriterFailed>, tokio::sync::oneshot::error::RecvError>,
-    ) -> Result<(), WriterFailed> {
-        r.unwrap_or(Err(WriterFailed::Died))
     }
 }
 
@@ -370,7 +363,22 @@ impl Writer {
             }
         }
         if checks.is_empty() {
-            return self.apply_increments(batch, &increments).await;
+            // The hottest batch, increments only: the whole transaction in
+            // one round trip.
+            let started = std::time::Instant::now();
+            let applied = counters::increment_many_committed(&mut self.conn, &increments).await;
+            let (values, commit) = match applied {
+                Ok(Some(values)) => (values, Ok(())),
+                Ok(None) => return None,
+                Err(e) => {
+                    let _ = exec(&mut self.conn, "ROLLBACK").await;
+                    (Vec::new(), Err(e))
+                }
+            };
+            metrics::histogram!("tally_commit_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+            let replies = in_queue_order(batch, values, Vec::new());
+            return Some(Applied { replies, commit });
         }
         exec(&mut self.conn, "BEGIN IMMEDIATE").await.ok()?;
         let values = match increments.is_empty() {
@@ -390,31 +398,6 @@ impl Writer {
         let commit = commit(&mut self.conn).await;
         Some(Applied {
             replies: in_queue_order(batch, values, decisions),
-            commit,
-        })
-    }
-
-    /// The hottest batch, increments only: the whole transaction in one
-    /// round trip ([`counters::increment_many_committed`]).
-    async fn apply_increments(
-        &mut self,
-        batch: &[Queued],
-        increments: &[(&Name, i64)],
-    ) -> Option<Applied> {
-        let started = std::time::Instant::now();
-        let (values, commit) =
-            match counters::increment_many_committed(&mut self.conn, increments).await {
-                Ok(Some(values)) => (values, Ok(())),
-                Ok(None) => return None,
-                Err(e) => {
-                    let _ = exec(&mut self.conn, "ROLLBACK").await;
-                    (Vec::new(), Err(e))
-                }
-            };
-        metrics::histogram!("tally_commit_duration_seconds")
-            .record(started.elapsed().as_secs_f64());
-        Some(Applied {
-            replies: in_queue_order(batch, values, Vec::new()),
             commit,
         })
     }

@@ -28,7 +28,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
         if let Some(q) = parts.uri.query()
-            && !decodes_to_utf8(q)
+            && percent_encoding::percent_decode_str(q)
+                .decode_utf8()
+                .is_err()
         {
             return Err(Problem::new(
                 StatusCode::BAD_REQUEST,
@@ -41,36 +43,6 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
             axum::extract::Query::from_request_parts(parts, state).await?;
         Ok(Query(v))
     }
-}
-
-/// Whether every `%XX` escape of a query string, decoded, leaves valid
-/// UTF-8. A `%` not followed by two hex digits stays itself, as in
-/// `application/x-www-form-urlencoded` decoding.
-fn decodes_to_utf8(query: &str) -> bool {
-    let raw = query.as_bytes();
-    if !raw.contains(&b'%') {
-        return true;
-    }
-    let hex = |b: u8| char::from(b).to_digit(16);
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        let escaped = match raw.get(i..i + 3) {
-            Some([b'%', h, l]) => hex(*h).zip(hex(*l)),
-            _ => None,
-        };
-        match escaped {
-            Some((h, l)) => {
-                out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
-                i += 3;
-            }
-            None => {
-                out.push(raw[i]);
-                i += 1;
-            }
-        }
-    }
-    std::str::from_utf8(&out).is_ok()
 }
 
 /// A JSON request body that must be present.

@@ -140,28 +140,21 @@ impl From<InvalidInput> for Problem {
 
 impl From<Refusal> for Problem {
     fn from(r: Refusal) -> Self {
+        use StatusCode as S;
         let detail = r.to_string();
         match r {
             Refusal::UnknownBudget(name) => Self::not_found(detail).with("budget", name.as_str()),
-            Refusal::Overflow(name) => Self::new(
-                StatusCode::CONFLICT,
-                "counter-overflow",
-                "Counter would overflow",
-            )
-            .detail(format!(
-                "counter `{name}` would exceed the largest 64-bit integer; it was not changed"
-            )),
+            Refusal::Overflow(_) => {
+                Self::new(S::CONFLICT, "counter-overflow", "Counter would overflow").detail(detail)
+            }
             Refusal::KeyReused => Self::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
+                S::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "Idempotency-Key reused",
             )
-            .detail(
-                "this Idempotency-Key was first used for a different request; \
-                 use a new key for a new request",
-            ),
+            .detail(detail),
             Refusal::DayOutsideWindow { kept, .. } => Self::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
+                S::UNPROCESSABLE_ENTITY,
                 "day-outside-window",
                 "Day outside the budget's window",
             )

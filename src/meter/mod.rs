@@ -18,10 +18,13 @@ pub use types::{
 pub enum Refusal {
     #[error("budget `{0}` does not exist")]
     UnknownBudget(Name),
-    #[error("counter `{0}` would overflow a 64-bit integer")]
+    #[error("counter `{0}` would exceed the largest 64-bit integer; it was not changed")]
     Overflow(Name),
     /// The idempotency key was first used for another request.
-    #[error("this Idempotency-Key was already used for a different request")]
+    #[error(
+        "this Idempotency-Key was first used for a different request; \
+         use a new key for a new request"
+    )]
     KeyReused,
     /// A day the budget does not keep (see [`Budget::day`]).
     #[error(

@@ -39,16 +39,6 @@ impl Name {
         }
         Ok(Self(s.to_owned()))
     }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for Name {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
 }
 
 /// Who is calling a budget: 1 to 256 characters, no control characters.
@@ -73,16 +63,6 @@ impl VisitorId {
             ));
         }
         Ok(Self(s.to_owned()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for VisitorId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
     }
 }
 
@@ -117,10 +97,6 @@ impl IdempotencyKey {
             ));
         }
         Ok(Self(inner.to_owned()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
     }
 }
 
@@ -197,6 +173,24 @@ macro_rules! deserialize_by_parse {
 }
 deserialize_by_parse!(Name, VisitorId, Day, IdempotencyKey);
 
+/// The checked text of a name, visitor or key.
+macro_rules! text {
+    ($($t:ty),*) => {$(
+        impl $t {
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    )*};
+}
+text!(Name, VisitorId, IdempotencyKey);
+
 /// A budget as an operator configures it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BudgetSpec {
@@ -266,12 +260,6 @@ impl KeptDays {
     }
 }
 
-/// An IANA time zone name such as `Europe/Berlin` (or `UTC`), as a client
-/// gives it.
-pub fn parse_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
-    parse_timezone_name(name).map(|(tz, _)| tz)
-}
-
 /// A client's time zone name and its canonical spelling (`utc` is `UTC`).
 ///
 /// Only names of the database compiled into tally count: the host's
@@ -299,9 +287,11 @@ fn parse_timezone_name(name: &str) -> Result<(TimeZone, String), InvalidInput> {
 
 /// The time zone of a budget as stored. A name stored by an earlier version
 /// that only the host's database knows still loads, so that an existing
-/// budget keeps working; new names must pass [`parse_timezone`].
+/// budget keeps working; new names must pass [`parse_timezone_name`].
 pub fn load_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
-    parse_timezone(name).or_else(|e| TimeZone::get(name).map_err(|_| e))
+    parse_timezone_name(name)
+        .map(|(tz, _)| tz)
+        .or_else(|e| TimeZone::get(name).map_err(|_| e))
 }
 
 /// A stored budget.
@@ -372,6 +362,48 @@ pub struct Usage {
     pub day: Day,
     pub global_calls: i64,
     pub visitor_calls: Option<i64>,
+}
+
+/// A budget day as a time window: how long it lasts (23 or 25 hours on the
+/// days clocks change) and how long until it ends, in whole seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DayWindow {
+    pub length_secs: i64,
+    /// 0 once the day is over.
+    pub resets_in_secs: i64,
+}
+
+impl Day {
+    /// This day in `tz`, seen at `now`.
+    pub fn window(self, tz: &TimeZone, now: Timestamp) -> Option<DayWindow> {
+        let start = self
+            .0
+            .to_zoned_datetime(tz.clone())
+            .ok()?
+            .start_of_day()
+            .ok()?;
+        let end = self
+            .0
+            .tomorrow()
+            .ok()?
+            .to_zoned_datetime(tz.clone())
+            .ok()?
+            .start_of_day()
+            .ok()?;
+        let (start, end) = (start.timestamp(), end.timestamp());
+        let left = end.duration_since(now);
+        // Round up: a client told "0" while the day still runs would retry
+        // too early.
+        let resets_in_secs = if left.is_negative() {
+            0
+        } else {
+            left.as_secs() + i64::from(left.subsec_nanos() > 0)
+        };
+        Some(DayWindow {
+            length_secs: end.duration_since(start).as_secs(),
+            resets_in_secs,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -515,53 +547,6 @@ mod tests {
         assert!(load_timezone("Europe/Berlin").is_ok());
         assert!(load_timezone("Mars/Olympus").is_err());
     }
-}
-
-/// A budget day as a time window: how long it lasts (23 or 25 hours on the
-/// days clocks change) and how long until it ends, in whole seconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DayWindow {
-    pub length_secs: i64,
-    /// 0 once the day is over.
-    pub resets_in_secs: i64,
-}
-
-impl Day {
-    /// This day in `tz`, seen at `now`.
-    pub fn window(self, tz: &TimeZone, now: Timestamp) -> Option<DayWindow> {
-        let start = self
-            .0
-            .to_zoned_datetime(tz.clone())
-            .ok()?
-            .start_of_day()
-            .ok()?;
-        let end = self
-            .0
-            .tomorrow()
-            .ok()?
-            .to_zoned_datetime(tz.clone())
-            .ok()?
-            .start_of_day()
-            .ok()?;
-        let (start, end) = (start.timestamp(), end.timestamp());
-        let left = end.duration_since(now);
-        // Round up: a client told "0" while the day still runs would retry
-        // too early.
-        let resets_in_secs = if left.is_negative() {
-            0
-        } else {
-            left.as_secs() + i64::from(left.subsec_nanos() > 0)
-        };
-        Some(DayWindow {
-            length_secs: end.duration_since(start).as_secs(),
-            resets_in_secs,
-        })
-    }
-}
-
-#[cfg(test)]
-mod window_tests {
-    use super::*;
 
     fn at(s: &str) -> Timestamp {
         s.parse().unwrap()
