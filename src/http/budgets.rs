@@ -254,11 +254,11 @@ pub struct UsageQuery {
     /// The day; today in the budget's time zone when left out. Only a day
     /// the budget keeps (today or one of the `retention_days` days before
     /// it): any other is 422 `/problems/day-outside-window`.
-    #[param(value_type = Option<String>, format = Date)]
-    day: Option<Day>,
+    #[param(format = Date)]
+    day: Option<String>,
     /// Also report this visitor's calls.
-    #[param(inline)]
-    visitor: Option<VisitorId>,
+    #[param(value_type = Option<VisitorId>, inline)]
+    visitor: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -270,10 +270,11 @@ pub struct UsageView {
     visitor_calls: Option<i64>,
 }
 
-/// A budget's usage on one day, read without consuming anything. Outside
-/// its window a budget has no usage to tell: future days have none yet,
-/// and past ones read one thing or 0 depending on whether a prune has run;
-/// they are refused as a check would refuse them.
+/// A budget's usage on one day, read without consuming anything.
+///
+/// Outside its window a budget has no usage to tell: future days have none
+/// yet, and past ones read one thing or 0 depending on whether a prune has
+/// run; they are refused as a check would refuse them.
 #[utoipa::path(get, path = "/budgets/{name}/usage", operation_id = "getUsage", tag = "budgets",
     params(("name" = inline(Name), Path), UsageQuery),
     responses((status = 200, description = "Usage", body = UsageView), Problems))]
@@ -282,7 +283,11 @@ pub async fn usage(
     Path(name): Path<Name>,
     Query(q): Query<UsageQuery>,
 ) -> Result<Json<UsageView>, Problem> {
-    let u = state.db.usage(&name, q.day, q.visitor.as_ref()).await?;
+    // Parsed here rather than by the query's deserializer, so that a bad
+    // value is `invalid-input`, as everywhere else, not `invalid-query`.
+    let day = q.day.as_deref().map(Day::parse).transpose()?;
+    let visitor = q.visitor.as_deref().map(VisitorId::parse).transpose()?;
+    let u = state.db.usage(&name, day, visitor.as_ref()).await?;
     Ok(Json(UsageView {
         day: u.day,
         global_calls: u.global_calls,

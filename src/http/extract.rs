@@ -189,9 +189,7 @@ impl FromRequestParts<AppState> for Admin {
 #[derive(utoipa::IntoParams)]
 #[into_params(names("Idempotency-Key"), parameter_in = Header)]
 pub struct IdempotencyKeyHeader(
-    /// Makes a retry safe: a repeat with the same key answers the first
-    /// result (with Idempotent-Replayed: true) instead of writing again;
-    /// reusing it for a different request is 422; kept for 24 h.
+    /// Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h
     #[param(value_type = Option<String>, pattern = r"^[!#-\[\]-~]{1,255}$")]
     pub Option<crate::meter::IdempotencyKey>,
 );

@@ -249,10 +249,12 @@ impl From<PathRejection> for Problem {
 impl From<JsonRejection> for Problem {
     fn from(r: JsonRejection) -> Self {
         match r {
-            JsonRejection::JsonDataError(e) => Self::invalid_body(e.body_text()),
+            // serde's own words (with the field's path), without axum's
+            // preamble.
+            JsonRejection::JsonDataError(e) => Self::invalid_body(serde_message(&e, e.body_text())),
             JsonRejection::JsonSyntaxError(e) => {
                 Self::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON")
-                    .detail(e.body_text())
+                    .detail(serde_message(&e, e.body_text()))
             }
             r => Self::new(
                 StatusCode::BAD_REQUEST,
@@ -262,6 +264,11 @@ impl From<JsonRejection> for Problem {
             .detail(r.body_text()),
         }
     }
+}
+
+/// The message of the error `e` wraps, else `fallback`.
+fn serde_message(e: &dyn std::error::Error, fallback: String) -> String {
+    e.source().map_or(fallback, ToString::to_string)
 }
 
 impl From<QueryRejection> for Problem {
