@@ -76,7 +76,7 @@ pub enum Error {
     /// retrying is safe.
     #[error("the write queue is full")]
     QueueFull { retry_after: Duration },
-    /// The queue (or the read pool) no longer takes work: tally is shutting
+    /// The queue or the read pool no longer takes work: tally is shutting
     /// down.
     #[error("the database is closing")]
     Closed,
@@ -88,7 +88,7 @@ pub enum Error {
     /// written, and the same write succeeds once space is freed. Not a bug,
     /// so it is told apart from [`Self::Database`].
     #[error("the disk is full: {0}")]
-    StorageFull(Arc<sqlx::Error>),
+    StorageFull(#[source] Arc<sqlx::Error>),
     /// The database file, or its `-wal` or `-shm`, was deleted or replaced
     /// while tally had it open: whatever is written now goes to a file that
     /// no longer has a name and vanishes when tally exits.
@@ -97,7 +97,7 @@ pub enum Error {
     /// SQLite failed. Shared, because one failed COMMIT is every caller's
     /// answer in a batch.
     #[error("database error: {0}")]
-    Database(Arc<sqlx::Error>),
+    Database(#[source] Arc<sqlx::Error>),
     /// tally found its own data or its own bookkeeping inconsistent: a
     /// stored value it cannot read back, or a batch short of a result.
     /// Never the client's doing.
@@ -107,7 +107,9 @@ pub enum Error {
 
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
-        if is_storage_full(&e) {
+        if matches!(e, sqlx::Error::PoolClosed) {
+            Error::Closed
+        } else if is_storage_full(&e) {
             Error::StorageFull(Arc::new(e))
         } else {
             Error::Database(Arc::new(e))

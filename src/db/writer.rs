@@ -304,8 +304,16 @@ impl Writer {
         self.stats.record_batch(size, took);
         metrics::histogram!("tally_commit_batch_size").record(size as f64);
         metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
-        tracing::debug!(batch = size, elapsed = ?took, "batch done");
-        for (q, reply) in batch.drain(..).zip(replies) {
+        let ok = replies.iter().filter(|r| r.outcome.is_ok()).count();
+        tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
+        // One reply per command, by construction; should one ever be
+        // missing, its caller hears an error rather than nothing.
+        let missing = std::iter::repeat_with(|| {
+            Reply::new(Err(Error::Internal(
+                "the batch produced no reply for this command".into(),
+            )))
+        });
+        for (q, reply) in batch.drain(..).zip(replies.into_iter().chain(missing)) {
             answer(q, reply, &commit);
         }
         match lost {
@@ -380,7 +388,7 @@ impl Writer {
             let replies = in_queue_order(batch, values, Vec::new());
             return Some(Applied { replies, commit });
         }
-        exec(&mut self.conn, "BEGIN IMMEDIATE").await.ok()?;
+        begin(&mut self.conn).await.ok()?;
         let values = match increments.is_empty() {
             true => Ok(Some(Vec::new())),
             false => counters::increment_many(&mut self.conn, &increments).await,
@@ -409,7 +417,7 @@ impl Writer {
     /// every caller gets the error.
     async fn apply_one_by_one(&mut self, batch: &[Queued]) -> Applied {
         let mut replies = Vec::with_capacity(batch.len());
-        let mut broken = exec(&mut self.conn, "BEGIN IMMEDIATE").await.err();
+        let mut broken = begin(&mut self.conn).await.err();
         let began = broken.is_none();
         for q in batch {
             if let Some(e) = &broken {
@@ -579,6 +587,17 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
             );
         }
     }
+}
+
+/// BEGIN IMMEDIATE. If it fails, a transaction may have been left open by a
+/// ROLLBACK that failed earlier; then every later BEGIN would fail too,
+/// for good, so it is rolled back and BEGIN is tried once more.
+async fn begin(conn: &mut SqliteConnection) -> Result<(), Error> {
+    if exec(conn, "BEGIN IMMEDIATE").await.is_ok() {
+        return Ok(());
+    }
+    let _ = exec(conn, "ROLLBACK").await;
+    exec(conn, "BEGIN IMMEDIATE").await
 }
 
 /// COMMIT, timed: its fsync is most of what a durable write waits for.

@@ -42,6 +42,11 @@ pub struct ProblemDoc {
     pub today: Option<String>,
 }
 
+/// [`Name::parse`]'s rule, for clients.
+const NAME_PATTERN: &str = r"^[A-Za-z0-9._:-]{1,128}$";
+/// [`VisitorId::parse`]'s rule, for clients.
+const VISITOR_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$";
+
 /// The schemas of the domain's types, each stating its rule once: path
 /// parameters and body fields of these types share them.
 impl utoipa::PartialSchema for Name {
@@ -50,7 +55,7 @@ impl utoipa::PartialSchema for Name {
             .schema_type(Type::String)
             .min_length(Some(1))
             .max_length(Some(Name::MAX_LEN))
-            .pattern(Some(r"^[A-Za-z0-9._:-]{1,128}$"))
+            .pattern(Some(NAME_PATTERN))
             .into()
     }
 }
@@ -65,7 +70,7 @@ impl utoipa::PartialSchema for VisitorId {
             ))
             .min_length(Some(1))
             .max_length(Some(VisitorId::MAX_LEN))
-            .pattern(Some(r"^[^\u0000-\u001F\u007F-\u009F]{1,256}$"))
+            .pattern(Some(VISITOR_PATTERN))
             .into()
     }
 }
@@ -201,4 +206,67 @@ pub enum CounterProblems {
         content_type = "application/problem+json"
     )]
     Overflow(ProblemDoc),
+}
+
+#[cfg(test)]
+mod tests {
+    use utoipa::{IntoParams, openapi::schema::Schema};
+
+    use super::*;
+    use crate::meter::IdempotencyKey;
+
+    /// Random strings near the rules' edges: lengths around the limits,
+    /// letters, punctuation, quotes, controls and non-ASCII.
+    fn samples() -> Vec<String> {
+        let alphabet: Vec<char> = "aZ09._:-!#[]~ \"\\/é🎉\u{0}\u{1f}\u{7f}\u{85}\u{a0}*"
+            .chars()
+            .collect();
+        let mut rng = fastrand::Rng::with_seed(3);
+        let mut out = vec![String::new()];
+        for _ in 0..5000 {
+            let len = [1, 2, 127, 128, 129, 255, 256, 257][rng.usize(..8)];
+            let plain = rng.bool();
+            out.push(
+                (0..len)
+                    .map(|_| {
+                        if plain {
+                            'a'
+                        } else {
+                            alphabet[rng.usize(..alphabet.len())]
+                        }
+                    })
+                    .collect(),
+            );
+            let mut s: String = (0..rng.usize(1..4))
+                .map(|_| alphabet[rng.usize(..alphabet.len())])
+                .collect();
+            s.push_str(&"b".repeat(len - 1));
+            out.push(s);
+        }
+        out
+    }
+
+    fn agree(pattern: &str, parses: impl Fn(&str) -> bool) {
+        let re = regex::Regex::new(pattern).unwrap();
+        for s in samples() {
+            assert_eq!(re.is_match(&s), parses(&s), "{pattern} vs {s:?}");
+        }
+    }
+
+    /// What OpenAPI tells clients is exactly what tally accepts.
+    #[test]
+    fn stated_patterns_are_the_parsers_rules() {
+        agree(NAME_PATTERN, |s| Name::parse(s).is_ok());
+        agree(VISITOR_PATTERN, |s| VisitorId::parse(s).is_ok());
+        let param = crate::http::extract::IdempotencyKeyHeader::into_params(|| None).remove(0);
+        let Some(utoipa::openapi::RefOr::T(Schema::Object(o))) = param.schema else {
+            panic!("no schema")
+        };
+        let pattern = o.pattern.unwrap();
+        // Bare keys: quotes around a key and white space are the header's
+        // syntax, not the key's.
+        agree(&pattern, |s| {
+            s.trim() == s && !s.starts_with('"') && IdempotencyKey::parse(s).is_ok()
+        });
+    }
 }

@@ -181,7 +181,7 @@ impl From<db::Error> for Problem {
                 "shutting-down",
                 "Shutting down",
             )
-            .detail("tally is shutting down and accepts no more writes; nothing was done")
+            .detail("tally is shutting down and takes no more requests; nothing was done")
             .retry_after(Duration::from_secs(1)),
             db::Error::OutcomeUnknown => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -268,3 +268,34 @@ async fn unknown_routes_and_methods() {
     }
     app.stop().await.unwrap();
 }
+
+/// A body is one JSON object and nothing after it but white space: a
+/// second value or trailing text is refused, not half-read.
+#[tokio::test]
+async fn trailing_data_after_the_json_object_is_refused() {
+    let app = spawn_app().await;
+    for body in ["{\"by\": 5} x", "{\"by\": 5}{\"by\": 7}", "{\"by\": 5}]"] {
+        let r = app
+            .client
+            .post(app.url("/counters/t"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::BAD_REQUEST).await;
+        assert_eq!(p["type"], "/problems/malformed-json", "{body}");
+    }
+    let r = app
+        .client
+        .post(app.url("/counters/t"))
+        .header("content-type", "application/json")
+        .body("{\"by\": 2} \r\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = app.get("/counters/t").await;
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 2);
+    app.stop().await.unwrap();
+}

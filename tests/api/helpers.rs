@@ -121,8 +121,6 @@ impl TestApp {
         r.json().await.unwrap()
     }
 
-    /// Runs `sql` on the database file from outside tally, on a connection
-    /// of its own, as another process would.
     /// A read-only look at the database file, to check rows the API does
     /// not show.
     pub async fn peek(&self) -> sqlx::SqlitePool {
@@ -137,6 +135,8 @@ impl TestApp {
             .unwrap()
     }
 
+    /// Runs `sql` on the database file from outside tally, on a connection
+    /// of its own, as another process would.
     pub async fn sql_behind(&self, sql: &'static str) {
         use sqlx::ConnectOptions;
         let mut conn = sqlx::sqlite::SqliteConnectOptions::new()

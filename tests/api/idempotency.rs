@@ -181,3 +181,37 @@ async fn keys_are_forgotten_after_a_day() {
     assert_eq!(r.json::<Value>().await.unwrap()["value"], 2);
     app.stop().await.unwrap();
 }
+
+/// A stored key is answered before the day is judged: a retry of a check
+/// that named a day gets its decision back even once the day has left the
+/// budget's window (here: the window shrinks), while the same request
+/// without the key is refused.
+#[tokio::test]
+async fn a_keyed_check_replays_after_its_day_left_the_window() {
+    let app = spawn_app().await;
+    let put = |retention: u32| json!({"visitor_limit": 5, "global_limit": 10, "retention_days": retention});
+    assert_eq!(
+        app.admin_put_budget("w", put(3)).await.status(),
+        StatusCode::OK
+    );
+    let day = (jiff::Timestamp::now().in_tz("UTC").unwrap().date() - jiff::Span::new().days(3))
+        .to_string();
+    let body = json!({"visitor": "A", "day": day});
+    let first = post_keyed(&app, "/budgets/w/check", "k-day", body.clone()).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(
+        app.admin_put_budget("w", put(1)).await.status(),
+        StatusCode::OK
+    );
+
+    let again = post_keyed(&app, "/budgets/w/check", "k-day", body.clone()).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.json::<Value>().await.unwrap(), first);
+    let fresh = post_keyed(&app, "/budgets/w/check", "k-other", body).await;
+    let p = problem(fresh, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(p["type"], "/problems/day-outside-window");
+    assert_eq!(p["allowed"], false);
+    app.stop().await.unwrap();
+}
