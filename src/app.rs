@@ -70,10 +70,7 @@ impl Application {
             }
         }
 
-        let state = AppState {
-            db: db.clone(),
-            admin_token: settings.admin_token.as_deref().map(Arc::from),
-        };
+        let state = AppState::new(db.clone(), settings.admin_token.as_deref().map(Arc::from));
         let metrics_state = MetricsState {
             handle: prometheus.clone(),
             db: db.clone(),
@@ -91,17 +88,13 @@ impl Application {
             Some(addr) => {
                 let listener = server::bind(addr)
                     .with_context(|| format!("cannot listen on {addr} for metrics"))?;
-                let metrics_router = http::observe::metrics_router(metrics_state)
-                    .layer(axum::middleware::from_fn(server::bound_request_head));
+                let metrics_router = http::observe::metrics_router(metrics_state);
                 (
                     http::router(state, settings.request_timeout, None),
                     Some((listener, metrics_router)),
                 )
             }
         };
-        // Outermost, so that an oversized head is refused before anything
-        // else looks at it.
-        let router = router.layer(axum::middleware::from_fn(server::bound_request_head));
         let listener = server::bind(settings.listen)
             .with_context(|| format!("cannot listen on {}", settings.listen))?;
         Ok(Self {

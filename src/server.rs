@@ -13,7 +13,7 @@
 //!   so this one timer bounds idle keep-alive connections too); past it the
 //!   connection is closed without an answer;
 //! - a **bounded head**: hyper buffers at most [`HARD_HEAD_BYTES`] of
-//!   request head per connection; [`bound_request_head`] answers smaller,
+//!   request head per connection; `oversized_head` answers smaller,
 //!   still too large heads (and long URIs) with problem+json itself;
 //! - a **cap on open connections** ([`Limits::max_connections`]): past it a
 //!   new connection gets a small static `503` problem and is closed at once,
@@ -42,9 +42,7 @@ use std::{
 use axum::{
     Router,
     body::Body,
-    extract::Request,
     http::StatusCode,
-    middleware::Next,
     response::{IntoResponse, Response},
 };
 use bytes::Bytes;
@@ -276,11 +274,19 @@ async fn connection(
             // A body must arrive in full within the header timeout of its
             // head, or a client could hold its connection slot with a body
             // it never finishes. No body, no timer.
+            // An oversized head is refused before anything else looks at it.
+            let refused = oversized_head(&req);
             let req = match req.body().is_end_stream() {
                 true => req.map(Body::new),
                 false => req.map(|b| Body::new(DeadlineBody::new(b, body_timeout))),
             };
-            router.clone().oneshot(req)
+            let router = router.clone();
+            async move {
+                match refused {
+                    Some(answer) => Ok(answer),
+                    None => router.oneshot(req).await,
+                }
+            }
         })
     };
     let conn = http.serve_connection(TokioIo::new(stream), service);
@@ -435,21 +441,20 @@ async fn accept_failed(e: &io::Error, last_logged: &mut Option<Instant>) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
-/// Answers a request whose target or head is larger than tally accepts
-/// with a `414` or `431` problem; hyper answers only the much larger ones
-/// (see [`HARD_HEAD_BYTES`]), and without a body.
-pub async fn bound_request_head(req: Request, next: Next) -> Response {
+/// The answer to a request whose target or head is larger than tally
+/// accepts: a `414` or `431` problem; hyper answers only the much larger
+/// ones (see [`HARD_HEAD_BYTES`]), and without a body. `None` for the rest.
+fn oversized_head<B>(req: &http::Request<B>) -> Option<Response> {
     let uri = req.uri();
     let target = uri.path_and_query().map_or(0, |p| p.as_str().len())
         + uri
             .authority()
             .map_or(0, |a| a.as_str().len() + "http://".len());
     if target > MAX_URI_BYTES {
-        return Problem::new(StatusCode::URI_TOO_LONG, "uri-too-long", "URI too long")
-            .detail(format!(
-                "the request target is {target} bytes; tally accepts at most {MAX_URI_BYTES}"
-            ))
-            .into_response();
+        let p = Problem::new(StatusCode::URI_TOO_LONG, "uri-too-long", "URI too long").detail(
+            format!("the request target is {target} bytes; tally accepts at most {MAX_URI_BYTES}"),
+        );
+        return Some(p.into_response());
     }
     // As on the wire: "METHOD target HTTP/1.1\r\n", "name: value\r\n"
     // per field, "\r\n".
@@ -464,7 +469,7 @@ pub async fn bound_request_head(req: Request, next: Next) -> Response {
             .sum::<usize>()
         + 2;
     if head > MAX_HEAD_BYTES || fields > MAX_HEADER_FIELDS {
-        return Problem::new(
+        let p = Problem::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             "header-too-large",
             "Request header too large",
@@ -472,10 +477,10 @@ pub async fn bound_request_head(req: Request, next: Next) -> Response {
         .detail(format!(
             "the request head is {head} bytes in {fields} fields; tally accepts at most \
              {MAX_HEAD_BYTES} bytes and {MAX_HEADER_FIELDS} fields"
-        ))
-        .into_response();
+        ));
+        return Some(p.into_response());
     }
-    next.run(req).await
+    None
 }
 
 /// The open-files limit, after trying to raise it.

@@ -10,14 +10,18 @@ pub mod observe;
 pub mod openapi;
 mod problem;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
-use axum::middleware;
 use axum::{
     Router,
     error_handling::HandleErrorLayer,
     extract::{DefaultBodyLimit, MatchedPath},
 };
+use axum::{extract::State, http::header, middleware, response::IntoResponse};
+use bytes::Bytes;
 use tower::ServiceBuilder;
 use tower_http::{
     request_id::{PropagateRequestIdLayer, SetRequestIdLayer},
@@ -59,10 +63,9 @@ pub fn api_parts(
 /// This API's OpenAPI document.
 #[utoipa::path(get, path = "/openapi.json", operation_id = "openapi", tag = "meta",
     responses((status = 200, description = "OpenAPI document", body = Object)))]
-async fn openapi_json(
-    axum::Extension(doc): axum::Extension<Arc<utoipa::openapi::OpenApi>>,
-) -> axum::Json<Arc<utoipa::openapi::OpenApi>> {
-    axum::Json(doc)
+async fn openapi_json(State(state): State<AppState>) -> impl IntoResponse {
+    let doc = state.openapi.get().cloned().unwrap_or_default();
+    ([(header::CONTENT_TYPE, "application/json")], doc)
 }
 
 /// What every handler can reach.
@@ -71,6 +74,18 @@ pub struct AppState {
     pub db: Handle,
     /// The bearer token for admin endpoints; `None` turns them off.
     pub admin_token: Option<Arc<str>>,
+    /// The OpenAPI document as served, written once the routes are known.
+    pub openapi: Arc<OnceLock<Bytes>>,
+}
+
+impl AppState {
+    pub fn new(db: Handle, admin_token: Option<Arc<str>>) -> Self {
+        Self {
+            db,
+            admin_token,
+            openapi: Arc::default(),
+        }
+    }
 }
 
 /// The whole API, ready to serve. `/metrics` is served here too unless
@@ -80,19 +95,31 @@ pub fn router(
     request_timeout: Duration,
     metrics: Option<observe::MetricsState>,
 ) -> Router {
+    let openapi = Arc::clone(&state.openapi);
     let (api, doc) = api_parts(state, metrics);
-    let doc = Arc::new(doc);
-    api.layer(axum::Extension(doc))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .layer(
-            ServiceBuilder::new()
-                .layer(HandleErrorLayer::new(timed_out))
-                .timeout(request_timeout),
-        )
-        .layer(middleware::from_fn(observe::with_request_id))
-        .layer(middleware::from_fn(observe::track))
+    let _ = openapi.set(serde_json::to_vec(&doc).unwrap_or_default().into());
+    // One layer, applied once: every `Router::layer` call wraps each route
+    // in a boxed service of its own, and a request then clones the whole
+    // chain of boxes (about a dozen allocations, and as many frees, for a
+    // no-op). A single stack is cloned in one piece. Outermost first.
+    let stack = ServiceBuilder::new()
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            |_: Box<dyn std::any::Any + Send>| {
+                axum::response::IntoResponse::into_response(Problem::internal(
+                    "the request failed unexpectedly",
+                ))
+            },
+        ))
+        // Before an id is set: a client's id that could forge log text is
+        // dropped, so that a fresh one is made in its place.
+        .layer(tower::util::MapRequestLayer::new(
+            observe::drop_unsafe_request_id,
+        ))
+        .layer(SetRequestIdLayer::new(
+            observe::REQUEST_ID,
+            observe::MakeRequestId,
+        ))
+        .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
         .layer(
             TraceLayer::new_for_http().make_span_with(|req: &axum::extract::Request| {
                 let id = req
@@ -103,23 +130,13 @@ pub fn router(
                 tracing::info_span!("request", method = %req.method(), request_id = %id)
             }),
         )
-        .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
-        .layer(SetRequestIdLayer::new(
-            observe::REQUEST_ID,
-            observe::MakeRequestId,
-        ))
-        // Before an id is set: a client's id that could forge log text is
-        // dropped, so that a fresh one is made in its place.
-        .layer(tower::util::MapRequestLayer::new(
-            observe::drop_unsafe_request_id,
-        ))
-        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
-            |_: Box<dyn std::any::Any + Send>| {
-                axum::response::IntoResponse::into_response(Problem::internal(
-                    "the request failed unexpectedly",
-                ))
-            },
-        ))
+        .layer(middleware::from_fn(observe::observe))
+        .layer(HandleErrorLayer::new(timed_out))
+        .timeout(request_timeout)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    api.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(stack)
 }
 
 /// The answer to a request that ran out of time (the only error the

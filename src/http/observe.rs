@@ -1,15 +1,21 @@
 //! Per-request observability: request ids, metrics by route template, and
 //! the request id in every problem body.
 
-use std::{path::PathBuf, sync::Arc, time::Instant};
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{Arc, LazyLock, RwLock},
+    time::Instant,
+};
 
 use axum::{
     Router,
     extract::{MatchedPath, Request, State},
-    http::{HeaderName, HeaderValue, Method, header},
+    http::{HeaderName, HeaderValue, Method, StatusCode, header},
     middleware::Next,
     response::{IntoResponse, Response},
 };
+use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::db::Handle;
@@ -68,25 +74,58 @@ pub fn drop_unsafe_request_id(mut req: Request) -> Request {
     req
 }
 
-/// Counts and times every request by method, route template and status.
-/// Requests that matched no route share the label `unmatched`, so no raw
-/// path ever becomes a label.
-pub async fn track(req: Request, next: Next) -> Response {
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|m| m.as_str().to_owned())
-        .unwrap_or_else(|| "unmatched".to_owned());
+/// Runs the request with its id in scope (see [`request_id`]), and counts
+/// and times it by method, route template and status. Requests that
+/// matched no route share the label `unmatched`, so no raw path ever
+/// becomes a label.
+pub async fn observe(req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().cloned();
     let method = method_label(req.method());
+    let id = req
+        .headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(Arc::<str>::from);
     let started = Instant::now();
-    let res = next.run(req).await;
-    let status = res.status().as_u16().to_string();
-    metrics::counter!("tally_http_requests_total",
-        "method" => method, "route" => route.clone(), "status" => status)
-    .increment(1);
-    metrics::histogram!("tally_http_request_duration_seconds", "method" => method, "route" => route)
-        .record(started.elapsed().as_secs_f64());
+    let res = match id {
+        Some(id) => REQUEST.scope(id, next.run(req)).await,
+        None => next.run(req).await,
+    };
+    let route = route.as_ref().map_or("unmatched", MatchedPath::as_str);
+    let (requests, duration) = series(method, route, res.status());
+    requests.increment(1);
+    duration.record(started.elapsed().as_secs_f64());
     res
+}
+
+/// The request counter and duration histogram of one method, route and
+/// status, registered once: building a metric's key with its labels and
+/// looking it up in the registry, on every request, cost more than
+/// everything else tally does for a no-op answer.
+fn series(method: &'static str, route: &str, status: StatusCode) -> (Counter, Histogram) {
+    type Series = (&'static str, StatusCode, Counter, Histogram);
+    static SERIES: LazyLock<RwLock<HashMap<Box<str>, Vec<Series>>>> =
+        LazyLock::new(Default::default);
+    let find = |all: &HashMap<Box<str>, Vec<Series>>| {
+        all.get(route)?
+            .iter()
+            .find(|s| s.0 == method && s.1 == status)
+            .map(|s| (s.2.clone(), s.3.clone()))
+    };
+    if let Some(found) = SERIES.read().ok().as_deref().and_then(find) {
+        return found;
+    }
+    let requests = metrics::counter!("tally_http_requests_total",
+        "method" => method, "route" => route.to_owned(), "status" => status.as_str().to_owned());
+    let duration = metrics::histogram!("tally_http_request_duration_seconds",
+        "method" => method, "route" => route.to_owned());
+    if let Ok(mut all) = SERIES.write() {
+        let at = all.entry(route.into()).or_default();
+        if !at.iter().any(|s| s.0 == method && s.1 == status) {
+            at.push((method, status, requests.clone(), duration.clone()));
+        }
+    }
+    (requests, duration)
 }
 
 fn method_label(m: &Method) -> &'static str {
@@ -112,19 +151,6 @@ tokio::task_local! {
 /// its log lines about them name it.
 pub fn request_id() -> Option<Arc<str>> {
     REQUEST.try_with(Arc::clone).ok()
-}
-
-/// Runs the request with its id in scope (see [`request_id`]).
-pub async fn with_request_id(req: Request, next: Next) -> Response {
-    let id = req
-        .headers()
-        .get(&REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(Arc::<str>::from);
-    match id {
-        Some(id) => REQUEST.scope(id, next.run(req)).await,
-        None => next.run(req).await,
-    }
 }
 
 /// What `/metrics` needs.
