@@ -273,14 +273,11 @@ impl Writer {
     async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
+        // Keyed commands look up and store their key one by one.
         let keyed = batch.iter().any(|q| q.key.is_some());
-        let set_based = !keyed
-            && batch
-                .iter()
-                .all(|q| matches!(q.command, Command::Increment { .. } | Command::Check { .. }));
-        let applied = match set_based {
-            true => self.apply_set_based(batch).await,
-            false => None,
+        let applied = match keyed {
+            true => None,
+            false => self.apply_set_based(batch).await,
         };
         let Applied { replies, commit } = match applied {
             Some(applied) => applied,
@@ -349,9 +346,9 @@ impl Writer {
     /// All increments of the batch in one statement, all checks in a
     /// handful. Increments and checks touch disjoint tables, so running each
     /// kind as a group keeps every caller's answer what it would be in queue
-    /// order. `None` (with the transaction rolled back) when the batch must
-    /// be applied one by one instead: a statement failed, or a counter would
-    /// overflow.
+    /// order. `None` (with nothing run, or the transaction rolled back) when
+    /// the batch must be applied one by one instead: it holds another kind
+    /// of command, a statement failed, or a counter would overflow.
     async fn apply_set_based(&mut self, batch: &[Queued]) -> Option<Applied> {
         let mut increments = Vec::new();
         let mut checks = Vec::new();
