@@ -38,7 +38,7 @@ impl Application {
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let prometheus = observe::install();
-        observe::record_start(settings.queue_capacity as usize);
+        observe::record_start(settings.queue_capacity as usize, settings.database.engine());
         let max_connections = connection_cap(&settings);
         let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
@@ -74,7 +74,7 @@ impl Application {
         let metrics_state = MetricsState {
             handle: prometheus.clone(),
             db: db.clone(),
-            db_path: settings.database.clone(),
+            db_path: settings.database.sqlite_path().map(ToOwned::to_owned),
         };
         background.push(tokio::spawn(observe::upkeep(
             prometheus,
@@ -216,8 +216,11 @@ async fn replica_gate(
     socket: &std::path::Path,
     settings: &Settings,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let db_path =
-        std::path::absolute(&settings.database).context("cannot resolve the database path")?;
+    let path = settings.database.sqlite_path().context(
+        "TALLY_LITESTREAM_SOCKET is set, but Litestream replicates a SQLite file and the \
+         database is PostgreSQL",
+    )?;
+    let db_path = std::path::absolute(path).context("cannot resolve the database path")?;
     tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
     let started = std::time::Instant::now();
     let gate = replica::wait_for_replica(

@@ -56,9 +56,11 @@ pub struct Settings {
     #[arg(long, env = "TALLY_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
-    /// Path of the SQLite database file; parent directories are created.
-    #[arg(long, env = "TALLY_DATABASE", default_value = "./data/tally.db")]
-    pub database: PathBuf,
+    /// Where the data lives: a SQLite database file (parent directories are
+    /// created), or a `postgres://` / `postgresql://` URL for PostgreSQL.
+    #[arg(long, env = "TALLY_DATABASE", default_value = "./data/tally.db",
+          value_parser = parse_storage, hide_env_values = true)]
+    pub database: Storage,
 
     /// Capacity of the write queue. A full queue answers 429 at once.
     #[arg(long, env = "TALLY_QUEUE_CAPACITY", default_value_t = 1024,
@@ -128,6 +130,108 @@ pub struct Settings {
     pub test_writer_panic_after: Option<u64>,
 }
 
+/// Where the data lives.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Storage {
+    /// One SQLite file, written by this process alone.
+    Sqlite(PathBuf),
+    /// A PostgreSQL server, shared by any number of tally processes.
+    Postgres(PostgresUrl),
+}
+
+/// A PostgreSQL connection URL. It may hold a password: it is shown only
+/// with the password replaced ([`fmt::Display`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PostgresUrl(String);
+
+impl PostgresUrl {
+    /// The URL itself, password included: for connecting only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PostgresUrl {
+    /// The URL with the password of its user part and of a `password=`
+    /// parameter replaced by `***`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let url = &self.0;
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        let authority = match authority.rsplit_once('@') {
+            Some((user, host)) => match user.split_once(':') {
+                Some((name, _)) => format!("{name}:***@{host}"),
+                None => format!("{user}@{host}"),
+            },
+            None => authority.to_owned(),
+        };
+        let tail = match tail.split_once('?') {
+            Some((path, query)) => {
+                let query: Vec<String> = query
+                    .split('&')
+                    .map(|p| match p.split_once('=') {
+                        Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+                        _ => p.to_owned(),
+                    })
+                    .collect();
+                format!("{path}?{}", query.join("&"))
+            }
+            None => tail.to_owned(),
+        };
+        write!(f, "{scheme}://{authority}{tail}")
+    }
+}
+
+impl fmt::Debug for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Storage::Sqlite(path) => f.debug_tuple("Sqlite").field(path).finish(),
+            Storage::Postgres(url) => f.debug_tuple("Postgres").field(&url.to_string()).finish(),
+        }
+    }
+}
+
+impl Storage {
+    /// A name for logs and the `engine` label of `tally_build_info`.
+    pub fn engine(&self) -> &'static str {
+        match self {
+            Storage::Sqlite(_) => "sqlite",
+            Storage::Postgres(_) => "postgres",
+        }
+    }
+
+    /// The SQLite file, if the data lives in one.
+    pub fn sqlite_path(&self) -> Option<&std::path::Path> {
+        match self {
+            Storage::Sqlite(path) => Some(path),
+            Storage::Postgres(_) => None,
+        }
+    }
+}
+
+impl std::str::FromStr for Storage {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_storage(s)
+    }
+}
+
+/// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
+/// is a SQLite file's path. A URL is checked when the database is opened,
+/// not here: an error here would echo it, password and all.
+fn parse_storage(s: &str) -> Result<Storage, String> {
+    let lower = s.to_ascii_lowercase();
+    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        return Ok(Storage::Postgres(PostgresUrl(s.to_owned())));
+    }
+    if s.trim().is_empty() {
+        return Err("the database path is empty".into());
+    }
+    Ok(Storage::Sqlite(PathBuf::from(s)))
+}
+
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
@@ -147,10 +251,16 @@ fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
 }
 
 impl Settings {
-    /// Settings for a database at `path`, everything else at its default.
+    /// Settings for a SQLite database at `path`, everything else at its
+    /// default.
     pub fn for_database(path: impl Into<PathBuf>) -> Self {
+        Self::for_storage(Storage::Sqlite(path.into()))
+    }
+
+    /// Settings for `storage`, everything else at its default.
+    pub fn for_storage(storage: Storage) -> Self {
         let mut cli = Cli::parse_from(["tally"]);
-        cli.settings.database = path.into();
+        cli.settings.database = storage;
         cli.settings
     }
 }
@@ -210,6 +320,32 @@ mod tests {
         // A zero header timeout would close every connection at once.
         assert!(Cli::try_parse_from(["tally", "--header-timeout", "0"]).is_err());
         assert!(Cli::try_parse_from(["tally", "--max-connections", "0"]).is_err());
+    }
+
+    #[test]
+    fn a_url_selects_postgres_and_its_password_is_never_shown() {
+        let parse = |s: &str| Cli::try_parse_from(["tally", "--database", s]).map(|c| c.settings);
+        let s =
+            parse("postgres://tally:hunter2@db:5432/tally?sslmode=require&password=other").unwrap();
+        let Storage::Postgres(url) = &s.database else {
+            panic!("{:?}", s.database)
+        };
+        assert_eq!(
+            url.to_string(),
+            "postgres://tally:***@db:5432/tally?sslmode=require&password=***"
+        );
+        let shown = format!("{s:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("other"),
+            "{shown}"
+        );
+        assert_eq!(s.database.engine(), "postgres");
+        assert!(parse("postgresql://db/tally").is_ok());
+        // A path, even one that mentions postgres, stays SQLite.
+        let s = parse("./postgres/tally.db").unwrap();
+        assert_eq!(s.database, Storage::Sqlite("./postgres/tally.db".into()));
+        assert_eq!(s.database.engine(), "sqlite");
+        assert!(parse("").is_err());
     }
 
     #[test]

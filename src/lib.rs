@@ -43,4 +43,4 @@ pub mod server;
 pub mod telemetry;
 
 pub use app::Application;
-pub use config::Settings;
+pub use config::{Settings, Storage};

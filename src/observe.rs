@@ -94,7 +94,13 @@ fn describe() {
     );
     describe_counter!(
         "tally_write_outcome_unknown_total",
-        "Writes accepted whose reply was lost."
+        "Writes accepted whose outcome is unknown: the reply was lost, or the \
+         database connection broke during COMMIT."
+    );
+    describe_counter!(
+        "tally_write_retries_total",
+        "Batches run again after losing a race with another tally process \
+         (PostgreSQL deadlock or serialization failure)."
     );
     describe_counter!(
         "tally_write_committed_caller_gone_total",
@@ -186,8 +192,8 @@ fn describe() {
 }
 
 /// Records the facts of this process that never change.
-pub fn record_start(queue_capacity: usize) {
-    gauge!("tally_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+pub fn record_start(queue_capacity: usize, engine: &'static str) {
+    gauge!("tally_build_info", "version" => env!("CARGO_PKG_VERSION"), "engine" => engine).set(1.0);
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
@@ -205,6 +211,7 @@ fn zero_known_series() {
     for name in [
         "tally_write_rejected_total",
         "tally_write_outcome_unknown_total",
+        "tally_write_retries_total",
         "tally_budget_prunes_total",
         "tally_budget_pruned_rows_total",
         "tally_replica_poll_errors_total",
@@ -224,12 +231,13 @@ fn zero_known_series() {
 
 /// Samples what is cheaper to read when asked than to keep current: queue
 /// depth, readers, file sizes.
-pub fn sample(db: &Handle, path: &Path) {
+pub fn sample(db: &Handle, path: Option<&Path>) {
     gauge!("tally_write_queue_depth").set(db.queue_depth() as f64);
     gauge!("tally_write_queue_closed").set(if db.accepts_writes() { 0.0 } else { 1.0 });
     let (open, busy) = db.readers_open_and_busy();
     gauge!("tally_db_readers_open").set(f64::from(open));
     gauge!("tally_db_readers_in_use").set(f64::from(busy));
+    let Some(path) = path else { return };
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len() as f64).unwrap_or(0.0);
     gauge!("tally_db_size_bytes").set(size(path));
     let mut wal = path.as_os_str().to_owned();

@@ -78,19 +78,23 @@ pub struct Queued {
 
 /// Every `result` label `tally_write_commands_total` can carry, per command
 /// kind ([`Command::kind`]): `ok`, the refusals a command can meet
-/// ([`Error::kind`]), and `not_committed` for a batch whose COMMIT failed
-/// for another reason than the storage's. Exported at 0 from the start so
-/// that a first failure is an increase an alert can see.
+/// ([`Error::kind`]), the storage's failures (a full disk, a lost file, a
+/// database server out of reach, a COMMIT whose outcome is unknown), and
+/// `not_committed` for a batch whose COMMIT failed for another reason.
+/// Exported at 0 from the start so that a first failure is an increase an
+/// alert can see.
 #[rustfmt::skip]
 pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
-    ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DATABASE, NOT_COMMITTED]),
-    ("put_budget", &["ok", FULL, LOST, DATABASE, NOT_COMMITTED]),
-    ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DATABASE, NOT_COMMITTED]),
-    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DATABASE, NOT_COMMITTED]),
+    ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("put_budget", &["ok", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
 ];
 
 const FULL: &str = "storage_full";
 const LOST: &str = "storage_lost";
+const DOWN: &str = "unavailable";
+const UNKNOWN: &str = "outcome_unknown";
 const DATABASE: &str = "database_error";
 pub const NOT_COMMITTED: &str = "not_committed";
 
@@ -175,6 +179,8 @@ mod tests {
             outside.into(),
             Error::StorageFull(db()),
             Error::StorageLost(Arc::from(std::path::Path::new("x"))),
+            Error::Unavailable(db()),
+            Error::OutcomeUnknown,
             Error::Database(db()),
         ]
         .iter()

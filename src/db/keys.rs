@@ -1,43 +1,50 @@
-//! Idempotency keys in SQLite: a keyed write runs once; a retry with the
-//! same key gets the first answer back. The writer serialises all writes,
-//! so two requests with one key never race: the second finds the first's
-//! answer.
+//! Idempotency keys: a keyed write runs once; a retry with the same key
+//! gets the first answer back. The key is claimed in the transaction that
+//! applies the write ([`Store::claim_key`]), so the write and its key
+//! commit together, and a retry running at the same time, in this process
+//! or another, waits for the first and then replays its answer.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use serde::{Deserialize, Serialize};
-use sqlx::SqliteConnection;
 
 use super::{
     Error,
     command::{Command, Outcome},
+    store::Store,
 };
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
+use serde::{Deserialize, Serialize};
 
 /// How long a key is remembered.
 pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// What was stored for a key: the command it was first used for, and that
 /// command's answer.
-#[derive(sqlx::FromRow)]
 pub struct Stored {
     pub fingerprint: String,
     result: String,
 }
 
-pub async fn lookup(
-    conn: &mut SqliteConnection,
+/// What is stored for `key`, or `None`: then the key is the transaction's
+/// and [`remember`] stores the command's answer under it.
+pub async fn claim(
+    conn: &mut impl Store,
     key: &IdempotencyKey,
+    fingerprint: &str,
 ) -> Result<Option<Stored>, Error> {
-    let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
-    Ok(q.bind(key.as_str()).fetch_optional(conn).await?)
+    let stored = conn
+        .claim_key(key.as_str(), fingerprint, unix_now())
+        .await?;
+    Ok(stored.map(|(fingerprint, result)| Stored {
+        fingerprint,
+        result,
+    }))
 }
 
 /// Stores `outcome` for the key, in the command's savepoint: the write and
 /// its key land together or not at all. Only counter values and decisions
 /// are ever stored: only increments and checks take keys.
 pub async fn remember(
-    conn: &mut SqliteConnection,
+    conn: &mut impl Store,
     key: &IdempotencyKey,
     fingerprint: &str,
     outcome: &Outcome,
@@ -47,17 +54,8 @@ pub async fn remember(
         Outcome::Decision(d) => encode_decision(d),
         Outcome::Budget(_) | Outcome::Reset { .. } => return Ok(()),
     };
-    sqlx::query(
-        "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-         VALUES (?1, ?2, ?3, ?4)",
-    )
-    .bind(key.as_str())
-    .bind(fingerprint)
-    .bind(result)
-    .bind(unix_now())
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
+    conn.remember_key(key.as_str(), fingerprint, &result, unix_now())
+        .await
 }
 
 /// The answer stored for `command`'s key, as that command answers.
@@ -79,15 +77,9 @@ pub fn replay(command: &Command, stored: &Stored) -> Result<Outcome, Error> {
 }
 
 /// Forgets keys older than [`KEY_TTL`]; returns how many.
-pub async fn forget_expired(conn: &mut SqliteConnection) -> Result<u64, Error> {
-    let cutoff = unix_now() - KEY_TTL.as_secs() as i64;
-    Ok(
-        sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
-            .bind(cutoff)
-            .execute(&mut *conn)
-            .await?
-            .rows_affected(),
-    )
+pub async fn forget_expired(conn: &mut impl Store) -> Result<u64, Error> {
+    conn.forget_keys_before(unix_now() - KEY_TTL.as_secs() as i64)
+        .await
 }
 
 fn unix_now() -> i64 {

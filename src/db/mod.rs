@@ -27,13 +27,15 @@ mod counters;
 mod files;
 mod keys;
 mod open;
+mod postgres;
 mod reads;
+mod sqlite;
 mod stats;
+mod store;
 mod writer;
 
 use std::{path::Path, sync::Arc, time::Duration};
 
-use sqlx::SqlitePool;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -80,8 +82,9 @@ pub enum Error {
     /// down.
     #[error("the database is closing")]
     Closed,
-    /// The command was accepted but its reply never came: it may or may not
-    /// have committed.
+    /// The command was accepted but its reply never came, or the database
+    /// connection broke during its COMMIT: it may or may not have
+    /// committed.
     #[error("the write was accepted but its outcome is unknown")]
     OutcomeUnknown,
     /// The disk (or the database's size limit) is full: nothing was
@@ -94,8 +97,14 @@ pub enum Error {
     /// no longer has a name and vanishes when tally exits.
     #[error("the database file {} was deleted or replaced while open", .0.display())]
     StorageLost(Arc<Path>),
-    /// SQLite failed. Shared, because one failed COMMIT is every caller's
-    /// answer in a batch.
+    /// The database server cannot be reached (refused, timed out, the
+    /// connection dropped, the server shutting down or out of connection
+    /// slots): nothing was written, and the same write succeeds once it
+    /// answers again.
+    #[error("the database cannot be reached: {0}")]
+    Unavailable(#[source] Arc<sqlx::Error>),
+    /// The database failed. Shared, because one failed COMMIT is every
+    /// caller's answer in a batch.
     #[error("database error: {0}")]
     Database(#[source] Arc<sqlx::Error>),
     /// tally found its own data or its own bookkeeping inconsistent: a
@@ -111,10 +120,38 @@ impl From<sqlx::Error> for Error {
             Error::Closed
         } else if is_storage_full(&e) {
             Error::StorageFull(Arc::new(e))
+        } else if is_unreachable(&e) {
+            Error::Unavailable(Arc::new(e))
         } else {
             Error::Database(Arc::new(e))
         }
     }
+}
+
+/// Whether `e` says the database server is out of reach, rather than that
+/// it refused a statement: no connection, a connection lost, a pool with
+/// no connection to give in time, or PostgreSQL's own words for the same
+/// (SQLSTATE class 08, connection exceptions; 57P01-57P03, shutting down
+/// or starting; 53300, out of connection slots).
+fn is_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .is_some_and(|pg| {
+                let code = pg.code();
+                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300")
+            }),
+        _ => false,
+    }
+}
+
+/// PostgreSQL's serialization failure and deadlock: the transaction lost a
+/// race with another and is worth running again.
+fn is_retryable(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|pg| matches!(pg.code(), "40001" | "40P01"))
 }
 
 /// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
@@ -128,6 +165,14 @@ const SQLITE_FULL: i32 = 13;
 /// failing disk.
 fn is_storage_full(e: &sqlx::Error) -> bool {
     match e {
+        // PostgreSQL's disk_full.
+        sqlx::Error::Database(db)
+            if db
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .is_some() =>
+        {
+            db.code().is_some_and(|c| c == "53100")
+        }
         sqlx::Error::Database(db) => db
             .code()
             .and_then(|c| c.parse::<i32>().ok())
@@ -150,7 +195,31 @@ impl Error {
             Error::OutcomeUnknown => "outcome_unknown",
             Error::StorageFull(_) => "storage_full",
             Error::StorageLost(_) => "storage_lost",
+            Error::Unavailable(_) => "unavailable",
             Error::Database(_) | Error::Internal(_) => "database_error",
+        }
+    }
+
+    /// Whether the error is the whole transaction's rather than one
+    /// command's: the connection is gone, or the transaction lost a race
+    /// ([`Self::is_retryable`]). Then no command of the batch can commit.
+    pub(crate) fn breaks_transaction(&self) -> bool {
+        matches!(self, Error::Unavailable(_)) || self.is_retryable()
+    }
+
+    /// A serialization failure or deadlock: the same transaction run again
+    /// can succeed.
+    pub(crate) fn is_retryable(&self) -> bool {
+        matches!(self, Error::Database(e) if is_retryable(e))
+    }
+
+    /// What a failed COMMIT means. A server that could not be reached
+    /// during COMMIT may have committed before the connection went: the
+    /// outcome is unknown, and no caller may hear "nothing was written".
+    pub(crate) fn at_commit(self) -> Self {
+        match self {
+            Error::Unavailable(_) => Error::OutcomeUnknown,
+            e => e,
         }
     }
 
@@ -159,7 +228,11 @@ impl Error {
     pub fn is_storage_failure(&self) -> bool {
         matches!(
             self,
-            Error::StorageFull(_) | Error::StorageLost(_) | Error::Database(_) | Error::Internal(_)
+            Error::StorageFull(_)
+                | Error::StorageLost(_)
+                | Error::Unavailable(_)
+                | Error::Database(_)
+                | Error::Internal(_)
         )
     }
 }
@@ -177,7 +250,7 @@ fn to_json<T: serde::Serialize + ?Sized>(v: &T) -> String {
 pub struct Handle(Arc<HandleInner>);
 
 struct HandleInner {
-    readers: SqlitePool,
+    readers: reads::Readers,
     counter_reads: mpsc::Sender<reads::CounterRead>,
     tx: mpsc::Sender<Queued>,
     stats: Arc<QueueStats>,
@@ -236,7 +309,7 @@ impl Handle {
 
     /// A budget's configuration.
     pub async fn budget(&self, name: &Name) -> Result<Budget, Error> {
-        budgets::get(&self.0.readers, name).await
+        self.0.readers.budget(name).await
     }
 
     /// One call against a budget, on `day` (the budget's today when
@@ -269,7 +342,7 @@ impl Handle {
         day: Option<Day>,
         visitor: Option<&VisitorId>,
     ) -> Result<Usage, Error> {
-        budgets::usage(&self.0.readers, budget, day, visitor).await
+        self.0.readers.usage(budget, day, visitor).await
     }
 
     /// Clears a day's usage of a budget (its today when `None`): every row
@@ -307,8 +380,8 @@ impl Handle {
 
     /// Read-only connections open, and how many of them are in use.
     pub fn readers_open_and_busy(&self) -> (u32, u32) {
-        let open = self.0.readers.size();
-        let idle = u32::try_from(self.0.readers.num_idle()).unwrap_or(open);
+        let (open, idle) = self.0.readers.size_and_idle();
+        let idle = u32::try_from(idle).unwrap_or(open);
         (open, open.saturating_sub(idle))
     }
 
@@ -370,6 +443,9 @@ impl Handle {
             return Err(Error::OutcomeUnknown);
         };
         metrics::histogram!("tally_write_wait_seconds").record(queued_at.elapsed().as_secs_f64());
+        if let Err(Error::OutcomeUnknown) = &reply.outcome {
+            metrics::counter!("tally_write_outcome_unknown_total").increment(1);
+        }
         let value = expect(reply.outcome?)
             .ok_or_else(|| Error::Internal("the writer answered another command's kind".into()))?;
         Ok((value, reply.replayed))

@@ -1,5 +1,7 @@
-//! Opening the SQLite file: the one writable connection (WAL, the chosen
-//! `synchronous`, migrations) and the pool of read-only ones.
+//! Opening the database: for SQLite, the one writable connection (WAL, the
+//! chosen `synchronous`, migrations) and the pool of read-only ones; for
+//! PostgreSQL, the migrations and the read pool, the writer connecting on
+//! its own.
 
 use std::{
     path::{Path, PathBuf},
@@ -14,8 +16,13 @@ use sqlx::{
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{DbOptions, Handle, HandleInner, Writer, files, reads, stats::QueueStats};
-use crate::config::Synchronous;
+use super::{
+    DbOptions, Handle, HandleInner, Writer, files, postgres,
+    reads::{self, Readers},
+    stats::QueueStats,
+    writer::Backend,
+};
+use crate::config::{PostgresUrl, Storage, Synchronous};
 
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -36,16 +43,80 @@ pub enum OpenError {
         path: PathBuf,
         source: sqlx::migrate::MigrateError,
     },
+    /// The URL is shown with its password replaced.
+    #[error("cannot use PostgreSQL at {url}: {reason}")]
+    Postgres { url: String, reason: String },
 }
 
 /// The entry point of the storage layer.
 pub struct Database;
 
 impl Database {
-    /// Opens (creating if needed) the database at `path`, runs migrations on
-    /// the writable connection, and returns the handle and the writer. Spawn
-    /// the writer ([`Writer::spawn`]) before using the handle for writes.
-    pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
+    /// Opens the database (creating a SQLite file if needed), runs
+    /// migrations, and returns the handle and the writer. Spawn the writer
+    /// ([`Writer::spawn`]) before using the handle for writes.
+    pub async fn open(storage: &Storage, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
+        match storage {
+            Storage::Sqlite(path) => open_sqlite(path, opts).await,
+            Storage::Postgres(url) => open_postgres(url, opts).await,
+        }
+    }
+}
+
+/// The two halves around a read pool and a writer's connection.
+fn assemble(readers: Readers, backend: Backend, opts: &DbOptions) -> (Handle, Writer) {
+    let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
+    let stats = Arc::new(QueueStats::default());
+    let close = CancellationToken::new();
+    let counter_reads = reads::start(readers.clone(), opts.readers);
+    let handle = Handle(Arc::new(HandleInner {
+        readers,
+        counter_reads,
+        tx,
+        stats: Arc::clone(&stats),
+        close: close.clone(),
+    }));
+    let writer = Writer {
+        backend,
+        rx,
+        max_batch: opts.max_batch.max(1),
+        close,
+        stats,
+        delay: opts.writer_delay,
+        keys_forgotten_at: None,
+        panic_after: opts.writer_panic_after,
+        batches: 0,
+        failing_since: None,
+    };
+    (handle, writer)
+}
+
+/// Runs PostgreSQL's migrations on a connection of their own. sqlx holds
+/// an advisory lock while it migrates, so replicas starting together
+/// migrate one after the other, and the later ones find nothing to do.
+async fn open_postgres(url: &PostgresUrl, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
+    let fail = |reason: String| OpenError::Postgres {
+        url: url.to_string(),
+        reason,
+    };
+    let options = postgres::connect_options(url.expose())
+        .map_err(|e| fail(format!("not a usable URL: {e}")))?;
+    let mut conn = postgres::connect(&options)
+        .await
+        .map_err(|e| fail(format!("cannot connect: {e}")))?;
+    sqlx::migrate!("./migrations/postgres")
+        .run(&mut conn)
+        .await
+        .map_err(|e| fail(format!("cannot migrate: {e}")))?;
+    let _ = sqlx::Connection::close(conn).await;
+    tracing::info!(url = %url, readers = opts.readers, "PostgreSQL open");
+    let readers = Readers::Postgres(postgres::readers(options.clone(), opts.readers));
+    let backend = Backend::Postgres(postgres::WriterConn::new(options));
+    Ok(assemble(readers, backend, opts))
+}
+
+async fn open_sqlite(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
+    {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
                 path: dir.to_owned(),
@@ -73,7 +144,7 @@ impl Database {
             );
         }
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
-        sqlx::migrate!("./migrations")
+        sqlx::migrate!("./migrations/sqlite")
             .run(&mut conn)
             .await
             .map_err(|source| OpenError::Migrate {
@@ -83,34 +154,13 @@ impl Database {
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;
-
-        let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
-        let stats = Arc::new(QueueStats::default());
-        let close = CancellationToken::new();
-        let counter_reads = reads::start(readers.clone(), opts.readers);
-        let handle = Handle(Arc::new(HandleInner {
-            readers,
-            counter_reads,
-            tx,
-            stats: Arc::clone(&stats),
-            close: close.clone(),
-        }));
-        let writer = Writer {
+        let backend = Backend::Sqlite {
             conn,
-            rx,
-            max_batch: opts.max_batch.max(1),
-            close,
-            stats,
-            checkpoint_on_close: opts.checkpoints,
-            delay: opts.writer_delay,
-            keys_forgotten_at: None,
-            panic_after: opts.writer_panic_after,
-            batches: 0,
             // After the migrations: by now SQLite has created -wal and -shm.
             files: files::DbFiles::record(path),
-            disk_full_since: None,
+            checkpoint_on_close: opts.checkpoints,
         };
-        Ok((handle, writer))
+        Ok(assemble(Readers::Sqlite(readers), backend, opts))
     }
 }
 

@@ -1,19 +1,92 @@
-//! Counter reads, coalesced.
+//! Reads, which go straight to the database on a pool of their own
+//! (read-only connections to the SQLite file, or connections to
+//! PostgreSQL), never through the writer.
 //!
-//! Every statement on a sqlx SQLite connection is a hop to that
-//! connection's thread and back, and under load those hops, not SQLite,
-//! are what a read costs. So counter reads queue up, and each of a few
-//! reader loops takes every read waiting, answers them all with one
-//! statement on a read-only connection from the pool, and replies. An idle
-//! loop answers a lone read at once: coalescing never waits to fill.
+//! Counter reads are coalesced. Every statement on a sqlx SQLite
+//! connection is a hop to that connection's thread and back, and every
+//! statement to PostgreSQL a network round trip; under load those, not the
+//! database, are what a read costs. So counter reads queue up, and each of
+//! a few reader loops takes every read waiting, answers them all with one
+//! statement on a connection from the pool, and replies. An idle loop
+//! answers a lone read at once: coalescing never waits to fill.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
-use sqlx::SqlitePool;
+use jiff::Timestamp;
+use sqlx::{PgPool, SqlitePool};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::Error;
-use crate::meter::Name;
+use super::{Error, budgets, postgres, sqlite};
+use crate::meter::{Budget, Day, Name, Usage, VisitorId};
+
+/// The read pool of either engine.
+#[derive(Clone)]
+pub(super) enum Readers {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+impl Readers {
+    /// The current values of many counters; names never written are absent.
+    async fn counters(&self, names: &[&str]) -> Result<HashMap<String, i64>, Error> {
+        let rows = match self {
+            Readers::Sqlite(pool) => sqlite::read_counters(pool, names).await?,
+            Readers::Postgres(pool) => postgres::read_counters(pool, names).await?,
+        };
+        Ok(rows.into_iter().collect())
+    }
+
+    /// One budget, or [`crate::meter::Refusal::UnknownBudget`].
+    pub async fn budget(&self, name: &Name) -> Result<Budget, Error> {
+        let names = [name.as_str()];
+        let rows = match self {
+            Readers::Sqlite(pool) => sqlite::load_budgets(pool, &names).await?,
+            Readers::Postgres(pool) => postgres::load_budgets(pool, &names).await?,
+        };
+        budgets::one(rows, name)
+    }
+
+    /// A budget's usage on a day it keeps (its today by default); the two
+    /// numbers come from one statement, one snapshot. Days without usage
+    /// read as 0.
+    pub async fn usage(
+        &self,
+        budget: &Name,
+        day: Option<Day>,
+        visitor: Option<&VisitorId>,
+    ) -> Result<Usage, Error> {
+        let day = self.budget(budget).await?.day(day, Timestamp::now())?;
+        let (b, d, v) = (
+            budget.as_str(),
+            day.to_string(),
+            visitor.map(VisitorId::as_str),
+        );
+        let (global_calls, visitor_calls) = match self {
+            Readers::Sqlite(pool) => sqlite::usage_counts(pool, b, &d, v).await?,
+            Readers::Postgres(pool) => postgres::usage_counts(pool, b, &d, v).await?,
+        };
+        Ok(Usage {
+            day,
+            global_calls,
+            visitor_calls,
+        })
+    }
+
+    /// Connections open, and how many of them are idle.
+    pub fn size_and_idle(&self) -> (u32, usize) {
+        match self {
+            Readers::Sqlite(pool) => (pool.size(), pool.num_idle()),
+            Readers::Postgres(pool) => (pool.size(), pool.num_idle()),
+        }
+    }
+
+    pub async fn close(&self) {
+        match self {
+            Readers::Sqlite(pool) => pool.close().await,
+            Readers::Postgres(pool) => pool.close().await,
+        }
+    }
+}
 
 /// Most reads answered by one statement.
 const MAX_READ_BATCH: usize = 512;
@@ -24,7 +97,7 @@ pub(super) struct CounterRead {
 }
 
 /// Starts `loops` reader loops on the current runtime and returns the way in.
-pub(super) fn start(pool: SqlitePool, loops: u32) -> mpsc::Sender<CounterRead> {
+pub(super) fn start(pool: Readers, loops: u32) -> mpsc::Sender<CounterRead> {
     let (tx, rx) = mpsc::channel(4 * MAX_READ_BATCH);
     let rx = Arc::new(Mutex::new(rx));
     for _ in 0..loops.max(1) {
@@ -33,7 +106,7 @@ pub(super) fn start(pool: SqlitePool, loops: u32) -> mpsc::Sender<CounterRead> {
     tx
 }
 
-async fn reader_loop(pool: SqlitePool, rx: Arc<Mutex<mpsc::Receiver<CounterRead>>>) {
+async fn reader_loop(pool: Readers, rx: Arc<Mutex<mpsc::Receiver<CounterRead>>>) {
     let mut batch = Vec::with_capacity(MAX_READ_BATCH);
     loop {
         // Hold the receiver only while waiting: the next loop takes the
@@ -43,7 +116,7 @@ async fn reader_loop(pool: SqlitePool, rx: Arc<Mutex<mpsc::Receiver<CounterRead>
             return;
         }
         let names: Vec<&str> = batch.iter().map(|r| r.name.as_str()).collect();
-        match super::counters::read(&pool, &names).await {
+        match pool.counters(&names).await {
             Ok(values) => {
                 for read in batch.drain(..) {
                     let v = values.get(read.name.as_str()).copied().unwrap_or(0);

@@ -13,7 +13,10 @@ use crate::meter::{self, BudgetSpec, Counts, Day, Decision, Name, Refusal, Visit
 
 async fn fresh_db() -> SqliteConnection {
     let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
-    sqlx::migrate!("./migrations").run(&mut conn).await.unwrap();
+    sqlx::migrate!("./migrations/sqlite")
+        .run(&mut conn)
+        .await
+        .unwrap();
     conn
 }
 
@@ -62,9 +65,10 @@ async fn reference_check(
     item: &CheckItem<'_>,
     now: Timestamp,
 ) -> Result<Decision, String> {
-    let budget = budgets::get(&mut *conn, item.budget)
+    let rows = crate::db::sqlite::load_budgets(&mut *conn, &[item.budget.as_str()])
         .await
         .map_err(|e| e.to_string())?;
+    let budget = budgets::one(rows, item.budget).map_err(|e| e.to_string())?;
     let day = budget
         .day(item.day, now)
         .map_err(|e| Error::from(e).to_string())?;
@@ -367,10 +371,13 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
 #[tokio::test]
 async fn readers_cannot_write() {
     let dir = tempfile::tempdir().unwrap();
-    let (handle, _writer) = Database::open(&dir.path().join("t.db"), &DbOptions::default())
+    let storage = crate::config::Storage::Sqlite(dir.path().join("t.db"));
+    let (handle, _writer) = Database::open(&storage, &DbOptions::default())
         .await
         .unwrap();
-    let pool = &handle.0.readers;
+    let super::reads::Readers::Sqlite(pool) = &handle.0.readers else {
+        panic!("a SQLite database has a SQLite read pool")
+    };
     for sql in [
         "INSERT INTO counters (name, value) VALUES ('sneaky', 1)",
         "PRAGMA query_only = OFF; INSERT INTO counters (name, value) VALUES ('sneaky', 1)",

@@ -27,22 +27,20 @@ use super::{
     command::{Command, NOT_COMMITTED, Outcome, Queued, Reply},
     counters,
     files::{DbFiles, Lost},
-    keys,
+    keys, postgres,
     stats::QueueStats,
+    store::Store,
 };
 use crate::meter::{IdempotencyKey, Refusal};
 
 /// Owns the writable connection and the receiving end of the queue.
 /// Created by [`super::Database::open`]; run it with [`Writer::run`].
 pub struct Writer {
-    pub(super) conn: SqliteConnection,
+    pub(super) backend: Backend,
     pub(super) rx: mpsc::Receiver<Queued>,
     pub(super) max_batch: usize,
     pub(super) close: CancellationToken,
     pub(super) stats: Arc<QueueStats>,
-    /// Checkpoint and truncate the WAL when the queue is drained. Off when
-    /// another process (Litestream) owns checkpointing.
-    pub(super) checkpoint_on_close: bool,
     /// Test hook: sleep before each batch to make the queue fill up.
     pub(super) delay: Option<Duration>,
     /// When expired idempotency keys were last deleted.
@@ -51,11 +49,48 @@ pub struct Writer {
     pub(super) panic_after: Option<u64>,
     /// Batches taken so far.
     pub(super) batches: u64,
-    /// The database's files as opened, to notice them being deleted.
-    pub(super) files: DbFiles,
-    /// Since when commits fail for a full disk, to log the start and the end
-    /// of it rather than every failed batch.
-    pub(super) disk_full_since: Option<std::time::Instant>,
+    /// Since when commits fail for a full disk or an unreachable database,
+    /// to log the start and the end of it rather than every failed batch.
+    /// The message for when it ends.
+    pub(super) failing_since: Option<(std::time::Instant, &'static str)>,
+}
+
+/// The writer's connection, of either engine.
+pub(super) enum Backend {
+    Sqlite {
+        conn: SqliteConnection,
+        /// The database's files as opened, to notice them being deleted.
+        files: DbFiles,
+        /// Checkpoint and truncate the WAL when the queue is drained. Off
+        /// when another process (Litestream) owns checkpointing.
+        checkpoint_on_close: bool,
+    },
+    Postgres(postgres::WriterConn),
+}
+
+impl Backend {
+    /// Whether the database's files are still where they were opened; a
+    /// server database has none.
+    fn check_files(&mut self) -> Result<(), Lost> {
+        match self {
+            Backend::Sqlite { files, .. } => files.check(),
+            Backend::Postgres(_) => Ok(()),
+        }
+    }
+
+    async fn apply(&mut self, batch: &[Queued]) -> Applied {
+        match self {
+            Backend::Sqlite { conn, .. } => apply_batch(conn, batch).await,
+            Backend::Postgres(pg) => pg.apply(batch).await,
+        }
+    }
+
+    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        match self {
+            Backend::Sqlite { conn, .. } => keys::forget_expired(conn).await,
+            Backend::Postgres(pg) => pg.forget_expired_keys().await,
+        }
+    }
 }
 
 /// How often an idle writer checks that its files are still in place. After
@@ -64,9 +99,19 @@ const FILES_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A batch applied: one reply per command, in queue order, and whether the
 /// transaction holding them committed.
-struct Applied {
-    replies: Vec<Reply>,
-    commit: Result<(), Error>,
+pub(super) struct Applied {
+    pub replies: Vec<Reply>,
+    pub commit: Result<(), Error>,
+}
+
+impl Applied {
+    /// Nothing ran: every caller gets `e`.
+    pub fn none(e: Error) -> Self {
+        Applied {
+            replies: Vec::new(),
+            commit: Err(e),
+        }
+    }
 }
 
 /// The writer running on its own thread; see [`Writer::spawn`].
@@ -168,7 +213,7 @@ impl Writer {
                 // Idle: a deleted file would otherwise go unnoticed until the
                 // next write, and tally would look ready all that time.
                 _ = watch.tick() => {
-                    if let Err(lost) = self.files.check() {
+                    if let Err(lost) = self.backend.check_files() {
                         return Err(self.lose(lost, &mut batch).await);
                     }
                     continue;
@@ -189,7 +234,7 @@ impl Writer {
             }
         }
         tracing::info!("write queue drained");
-        if let Err(lost) = self.files.check() {
+        if let Err(lost) = self.backend.check_files() {
             return Err(self.lose(lost, &mut batch).await);
         }
         self.shutdown().await;
@@ -202,10 +247,21 @@ impl Writer {
     /// cannot take the checkpointed pages) loses nothing, so it is logged,
     /// and the writer's end is still a clean one. Under Litestream a
     /// non-zero exit would skip its final sync, exactly when it matters.
-    async fn shutdown(mut self) {
-        if self.checkpoint_on_close {
+    async fn shutdown(self) {
+        let Backend::Sqlite {
+            mut conn,
+            checkpoint_on_close,
+            ..
+        } = self.backend
+        else {
+            if let Backend::Postgres(pg) = self.backend {
+                pg.close().await;
+            }
+            return;
+        };
+        if checkpoint_on_close {
             match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(TRUNCATE)")
-                .fetch_one(&mut self.conn)
+                .fetch_one(&mut conn)
                 .await
             {
                 Ok((0, _, _)) => {}
@@ -219,7 +275,7 @@ impl Writer {
                 ),
             }
         }
-        if let Err(e) = self.conn.close().await {
+        if let Err(e) = conn.close().await {
             tracing::error!(
                 error = %e,
                 "closing the database failed after every write was committed and answered"
@@ -273,19 +329,11 @@ impl Writer {
     async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
-        // Keyed commands look up and store their key one by one.
         let keyed = batch.iter().any(|q| q.key.is_some());
-        let applied = match keyed {
-            true => None,
-            false => self.apply_set_based(batch).await,
-        };
-        let Applied { replies, commit } = match applied {
-            Some(applied) => applied,
-            None => self.apply_one_by_one(batch).await,
-        };
+        let Applied { replies, commit } = self.backend.apply(batch).await;
         // Before anyone hears of the batch: a commit into a deleted file
         // succeeded for SQLite and is lost all the same.
-        let lost = self.files.check().err();
+        let lost = self.backend.check_files().err();
         let commit = match &lost {
             Some(lost) => {
                 self.stop_taking_writes(lost);
@@ -319,144 +367,40 @@ impl Writer {
         }
     }
 
-    /// Logs a failed commit once per cause: a full disk when it starts and
-    /// when it ends, any other failure every time.
+    /// Logs a failed commit once per cause: a full disk or an unreachable
+    /// database when it starts and when it ends, any other failure every
+    /// time.
     fn log_commit(&mut self, commit: &Result<(), Error>, size: usize) {
-        match commit {
-            Err(Error::StorageLost(_)) => {}
-            Err(e @ Error::StorageFull(_)) => {
-                if self.disk_full_since.is_none() {
-                    self.disk_full_since = Some(std::time::Instant::now());
-                    tracing::error!(error = %e, batch = size, "the disk is full: writes fail (507) until space is freed");
-                } else {
-                    tracing::debug!(batch = size, "batch not committed: the disk is still full");
-                }
-            }
+        let (lasting, ended) = match commit {
+            Err(Error::StorageLost(_)) => return,
+            Err(Error::StorageFull(_)) => (
+                "the disk is full: writes fail (507) until space is freed",
+                "space was freed: writes commit again",
+            ),
+            Err(Error::Unavailable(_)) => (
+                "the database cannot be reached: writes fail (503) until it answers again",
+                "the database answers again: writes commit again",
+            ),
             Err(e) => {
-                tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error")
+                tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+                return;
             }
             Ok(()) => {
-                if let Some(since) = self.disk_full_since.take() {
-                    tracing::warn!(full_for = ?since.elapsed(), "space was freed: writes commit again");
+                if let Some((since, ended)) = self.failing_since.take() {
+                    tracing::warn!(failed_for = ?since.elapsed(), "{ended}");
+                }
+                return;
+            }
+        };
+        match self.failing_since {
+            None => {
+                self.failing_since = Some((std::time::Instant::now(), ended));
+                if let Err(e) = commit {
+                    tracing::error!(error = %e, batch = size, "{lasting}");
                 }
             }
+            Some(_) => tracing::debug!(batch = size, "batch not committed: {lasting}"),
         }
-    }
-
-    /// All increments of the batch in one statement, all checks in a
-    /// handful. Increments and checks touch disjoint tables, so running each
-    /// kind as a group keeps every caller's answer what it would be in queue
-    /// order. `None` (with nothing run, or the transaction rolled back) when
-    /// the batch must be applied one by one instead: it holds another kind
-    /// of command, a statement failed, or a counter would overflow.
-    async fn apply_set_based(&mut self, batch: &[Queued]) -> Option<Applied> {
-        let mut increments = Vec::new();
-        let mut checks = Vec::new();
-        for q in batch {
-            match &q.command {
-                Command::Increment { name, by } => increments.push((name, *by)),
-                Command::Check {
-                    budget,
-                    visitor,
-                    day,
-                } => checks.push(budgets::CheckItem {
-                    budget,
-                    visitor,
-                    day: *day,
-                }),
-                _ => return None,
-            }
-        }
-        if checks.is_empty() {
-            // The hottest batch, increments only: the whole transaction in
-            // one round trip.
-            let started = std::time::Instant::now();
-            let applied = counters::increment_many_committed(&mut self.conn, &increments).await;
-            let (values, commit) = match applied {
-                Ok(Some(values)) => (values, Ok(())),
-                Ok(None) => return None,
-                Err(e) => {
-                    let _ = exec(&mut self.conn, "ROLLBACK").await;
-                    (Vec::new(), Err(e))
-                }
-            };
-            metrics::histogram!("tally_commit_duration_seconds")
-                .record(started.elapsed().as_secs_f64());
-            let replies = in_queue_order(batch, values, Vec::new());
-            return Some(Applied { replies, commit });
-        }
-        begin(&mut self.conn).await.ok()?;
-        let values = match increments.is_empty() {
-            true => Ok(Some(Vec::new())),
-            false => counters::increment_many(&mut self.conn, &increments).await,
-        };
-        let decisions = match values {
-            Ok(Some(_)) => budgets::check_many(&mut self.conn, &checks, Timestamp::now())
-                .await
-                .ok(),
-            _ => None,
-        };
-        let (Ok(Some(values)), Some(decisions)) = (values, decisions) else {
-            let _ = exec(&mut self.conn, "ROLLBACK").await;
-            return None;
-        };
-        let commit = commit(&mut self.conn).await;
-        Some(Applied {
-            replies: in_queue_order(batch, values, decisions),
-            commit,
-        })
-    }
-
-    /// The general path: one transaction, each command in its own
-    /// savepoint. If the transaction breaks (BEGIN fails, or a savepoint
-    /// cannot be rolled back because SQLite already rolled everything back,
-    /// as it does on some I/O errors), the commands after it do not run and
-    /// every caller gets the error.
-    async fn apply_one_by_one(&mut self, batch: &[Queued]) -> Applied {
-        let mut replies = Vec::with_capacity(batch.len());
-        let mut broken = begin(&mut self.conn).await.err();
-        let began = broken.is_none();
-        for q in batch {
-            if let Some(e) = &broken {
-                replies.push(Reply::new(Err(e.clone())));
-                continue;
-            }
-            let (reply, end) = self.apply_in_savepoint(q).await;
-            replies.push(reply);
-            broken = end.err();
-        }
-        let commit = match broken {
-            Some(e) => {
-                if began {
-                    let _ = exec(&mut self.conn, "ROLLBACK").await;
-                }
-                Err(e)
-            }
-            None => commit(&mut self.conn).await,
-        };
-        Applied { replies, commit }
-    }
-
-    /// Applies one command inside a savepoint. A command that fails is
-    /// rolled back to its savepoint and answers its own error; the others in
-    /// the batch are untouched. The second value is an error if the
-    /// savepoint could not be taken or ended: then the batch is broken.
-    async fn apply_in_savepoint(&mut self, q: &Queued) -> (Reply, Result<(), Error>) {
-        if let Err(e) = exec(&mut self.conn, "SAVEPOINT cmd").await {
-            return (Reply::new(Err(e.clone())), Err(e));
-        }
-        let reply = match &q.key {
-            None => Reply::new(apply(&mut self.conn, &q.command).await),
-            Some(key) => apply_once(&mut self.conn, &q.command, key).await,
-        };
-        let end = match reply.outcome.is_ok() {
-            true => exec(&mut self.conn, "RELEASE cmd").await,
-            false => match exec(&mut self.conn, "ROLLBACK TO cmd").await {
-                Ok(()) => exec(&mut self.conn, "RELEASE cmd").await,
-                Err(e) => Err(e),
-            },
-        };
-        (reply, end)
     }
 }
 
@@ -471,7 +415,7 @@ impl Writer {
             return;
         }
         self.keys_forgotten_at = Some(std::time::Instant::now());
-        match keys::forget_expired(&mut self.conn).await {
+        match self.backend.forget_expired_keys().await {
             Ok(n) if n > 0 => tracing::info!(keys = n, "forgot expired idempotency keys"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),
@@ -479,8 +423,157 @@ impl Writer {
     }
 }
 
+/// Applies a batch in one transaction: set-based when it can be, else one
+/// command at a time. Keyed commands claim and store their key one by one.
+pub(super) async fn apply_batch(conn: &mut impl Store, batch: &[Queued]) -> Applied {
+    let keyed = batch.iter().any(|q| q.key.is_some());
+    if !keyed && let Some(applied) = apply_set_based(conn, batch).await {
+        return applied;
+    }
+    apply_one_by_one(conn, batch).await
+}
+
+/// All increments of the batch in one statement, all checks in a
+/// handful. Increments and checks touch disjoint tables, so running each
+/// kind as a group keeps every caller's answer what it would be in queue
+/// order. `None` (with nothing run, or the transaction rolled back) when
+/// the batch must be applied one by one instead: it holds another kind
+/// of command, a statement failed, or a counter would overflow. An error
+/// that breaks the transaction ([`Error::breaks_transaction`]) is the
+/// whole batch's answer.
+async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Applied> {
+    let mut increments = Vec::new();
+    let mut checks = Vec::new();
+    for q in batch {
+        match &q.command {
+            Command::Increment { name, by } => increments.push((name, *by)),
+            Command::Check {
+                budget,
+                visitor,
+                day,
+            } => checks.push(budgets::CheckItem {
+                budget,
+                visitor,
+                day: *day,
+            }),
+            _ => return None,
+        }
+    }
+    if checks.is_empty() {
+        // The hottest batch, increments only: the whole transaction in
+        // one round trip.
+        let started = std::time::Instant::now();
+        let applied = counters::increment_many_committed(conn, &increments).await;
+        let (values, commit) = match applied {
+            Ok(Some(values)) => (values, Ok(())),
+            Ok(None) => return None,
+            Err(e) => {
+                let _ = conn.exec("ROLLBACK").await;
+                (Vec::new(), Err(e))
+            }
+        };
+        metrics::histogram!("tally_commit_duration_seconds")
+            .record(started.elapsed().as_secs_f64());
+        let replies = in_queue_order(batch, values, Vec::new());
+        return Some(Applied { replies, commit });
+    }
+    if let Err(e) = begin(conn).await {
+        return e.breaks_transaction().then(|| Applied::none(e));
+    }
+    let applied = async {
+        let values = match increments.is_empty() {
+            true => Some(Vec::new()),
+            false => counters::increment_many(conn, &increments).await?,
+        };
+        let Some(values) = values else {
+            return Ok(None);
+        };
+        let decisions = budgets::check_many(conn, &checks, Timestamp::now()).await?;
+        Ok::<_, Error>(Some((values, decisions)))
+    }
+    .await;
+    match applied {
+        Ok(Some((values, decisions))) => Some(Applied {
+            replies: in_queue_order(batch, values, decisions),
+            commit: commit(conn).await,
+        }),
+        // Lost connection or lost race: the batch's, whichever way it runs.
+        Err(e) if e.breaks_transaction() => {
+            let _ = conn.exec("ROLLBACK").await;
+            Some(Applied::none(e))
+        }
+        // An overflow, or a statement that failed: one by one tells which
+        // command it was.
+        _ => {
+            let _ = conn.exec("ROLLBACK").await;
+            None
+        }
+    }
+}
+
+/// The general path: one transaction, each command in its own
+/// savepoint. If the transaction breaks (BEGIN fails, or a savepoint
+/// cannot be rolled back because SQLite already rolled everything back,
+/// as it does on some I/O errors), the commands after it do not run and
+/// every caller gets the error.
+async fn apply_one_by_one(conn: &mut impl Store, batch: &[Queued]) -> Applied {
+    let mut replies = Vec::with_capacity(batch.len());
+    let mut broken = begin(conn).await.err();
+    let began = broken.is_none();
+    for q in batch {
+        if let Some(e) = &broken {
+            replies.push(Reply::new(Err(e.clone())));
+            continue;
+        }
+        let (reply, end) = apply_in_savepoint(conn, q).await;
+        replies.push(reply);
+        broken = end.err();
+    }
+    let commit = match broken {
+        Some(e) => {
+            if began {
+                let _ = conn.exec("ROLLBACK").await;
+            }
+            Err(e)
+        }
+        None => commit(conn).await,
+    };
+    Applied { replies, commit }
+}
+
+/// Applies one command inside a savepoint. A command that fails is
+/// rolled back to its savepoint and answers its own error; the others in
+/// the batch are untouched. The second value is an error if the
+/// savepoint could not be taken or ended: then the batch is broken.
+async fn apply_in_savepoint(conn: &mut impl Store, q: &Queued) -> (Reply, Result<(), Error>) {
+    if let Err(e) = conn.exec("SAVEPOINT cmd").await {
+        return (Reply::new(Err(e.clone())), Err(e));
+    }
+    let reply = match &q.key {
+        None => Reply::new(apply(conn, &q.command).await),
+        Some(key) => apply_once(conn, &q.command, key).await,
+    };
+    // A lost connection, a deadlock or a serialization failure is the
+    // whole transaction's, not this command's: the batch is retried or
+    // failed as one.
+    if let Err(e) = &reply.outcome
+        && e.breaks_transaction()
+    {
+        let e = e.clone();
+        return (reply, Err(e));
+    }
+    let end = match reply.outcome.is_ok() {
+        true => conn.exec("RELEASE cmd").await,
+        false => match conn.exec("ROLLBACK TO cmd").await {
+            Ok(()) => conn.exec("RELEASE cmd").await,
+            Err(e) => Err(e),
+        },
+    };
+    (reply, end)
+}
+
 /// Applies one command.
-async fn apply(conn: &mut SqliteConnection, command: &Command) -> Result<Outcome, Error> {
+async fn apply(conn: &mut impl Store, command: &Command) -> Result<Outcome, Error> {
     match command {
         Command::Increment { name, by } => counters::increment(conn, name, *by)
             .await
@@ -516,9 +609,9 @@ async fn apply(conn: &mut SqliteConnection, command: &Command) -> Result<Outcome
 /// stored for it (or refuses a different command reusing the key);
 /// otherwise applies the command and stores its outcome under the key, in
 /// the same savepoint.
-async fn apply_once(conn: &mut SqliteConnection, command: &Command, key: &IdempotencyKey) -> Reply {
+async fn apply_once(conn: &mut impl Store, command: &Command, key: &IdempotencyKey) -> Reply {
     let fingerprint = command.fingerprint();
-    let outcome = match keys::lookup(conn, key).await {
+    let outcome = match keys::claim(conn, key, &fingerprint).await {
         Err(e) => Err(e),
         Ok(Some(stored)) if stored.fingerprint != fingerprint => Err(Refusal::KeyReused.into()),
         Ok(Some(stored)) => {
@@ -544,7 +637,15 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
     let kind = q.command.kind();
     let result = match (commit, &reply.outcome) {
         // Why the batch failed, when the reason is the storage's.
-        (Err(e @ (Error::StorageFull(_) | Error::StorageLost(_))), _) => e.kind(),
+        (
+            Err(
+                e @ (Error::StorageFull(_)
+                | Error::StorageLost(_)
+                | Error::Unavailable(_)
+                | Error::OutcomeUnknown),
+            ),
+            _,
+        ) => e.kind(),
         (Err(_), _) => NOT_COMMITTED,
         (Ok(()), Ok(_)) => "ok",
         (Ok(()), Err(e)) => e.kind(),
@@ -589,24 +690,29 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
 /// BEGIN IMMEDIATE. If it fails, a transaction may have been left open by a
 /// ROLLBACK that failed earlier; then every later BEGIN would fail too,
 /// for good, so it is rolled back and BEGIN is tried once more.
-async fn begin(conn: &mut SqliteConnection) -> Result<(), Error> {
-    if exec(conn, "BEGIN IMMEDIATE").await.is_ok() {
-        return Ok(());
+async fn begin<S: Store>(conn: &mut S) -> Result<(), Error> {
+    match conn.exec(S::BEGIN).await {
+        Ok(()) => return Ok(()),
+        // A lost connection stays lost: no second try on it.
+        Err(e) if e.breaks_transaction() => return Err(e),
+        Err(_) => {}
     }
-    let _ = exec(conn, "ROLLBACK").await;
-    exec(conn, "BEGIN IMMEDIATE").await
+    let _ = conn.exec("ROLLBACK").await;
+    conn.exec(S::BEGIN).await
 }
 
 /// COMMIT, timed: its fsync is most of what a durable write waits for.
-/// A failed COMMIT may leave the transaction open, so it is rolled back.
-async fn commit(conn: &mut SqliteConnection) -> Result<(), Error> {
+/// A failed COMMIT may leave the transaction open, so it is rolled back. A
+/// COMMIT whose connection was lost may have committed or not
+/// ([`Error::at_commit`]).
+async fn commit(conn: &mut impl Store) -> Result<(), Error> {
     let started = std::time::Instant::now();
-    let r = exec(conn, "COMMIT").await;
+    let r = conn.exec("COMMIT").await;
     metrics::histogram!("tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
     if r.is_err() {
-        let _ = exec(conn, "ROLLBACK").await;
+        let _ = conn.exec("ROLLBACK").await;
     }
-    r
+    r.map_err(Error::at_commit)
 }
 
 /// Pairs each command of a set-based batch, in queue order, with its
@@ -635,9 +741,4 @@ fn in_queue_order(
             }))
         })
         .collect()
-}
-
-async fn exec(conn: &mut SqliteConnection, sql: &'static str) -> Result<(), Error> {
-    sqlx::raw_sql(sql).execute(conn).await?;
-    Ok(())
 }

@@ -192,7 +192,11 @@ fn meter_failed(err: &db::Error) -> Problem {
     metrics::counter!("tally_budget_decisions_total",
         "budget" => "", "reason" => "meter_error")
     .increment(1);
-    tracing::error!(error = %err, "budget check failed; denying");
+    // An unreachable server is logged by the writer when it goes and when
+    // it comes back, not once per denied check.
+    if !matches!(err, db::Error::Unavailable(_)) {
+        tracing::error!(error = %err, "budget check failed; denying");
+    }
     let denied = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "meter-error",
@@ -201,8 +205,12 @@ fn meter_failed(err: &db::Error) -> Problem {
     .detail("the budget could not be checked, so the call is denied")
     .with("allowed", false)
     .with("reason", "meter_error");
-    // A full or lost disk is not over at once: say when to try again.
-    denied.retry_after(super::problem::STORAGE_RETRY_AFTER)
+    // A full or lost disk is not over at once, an unreachable server may
+    // be: say when to try again.
+    denied.retry_after(match err {
+        db::Error::Unavailable(_) => super::problem::UNAVAILABLE_RETRY_AFTER,
+        _ => super::problem::STORAGE_RETRY_AFTER,
+    })
 }
 
 /// The quota fields of draft-ietf-httpapi-ratelimit-headers-10: one policy

@@ -158,7 +158,8 @@ pub fn request_id() -> Option<Arc<str>> {
 pub struct MetricsState {
     pub handle: PrometheusHandle,
     pub db: Handle,
-    pub db_path: PathBuf,
+    /// The SQLite file, whose size is exported; none for PostgreSQL.
+    pub db_path: Option<PathBuf>,
 }
 
 /// `GET /metrics` on a listener of its own.
@@ -177,7 +178,7 @@ pub fn metrics_api(state: MetricsState) -> utoipa_axum::router::OpenApiRouter {
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "meta",
     responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
-    crate::observe::sample(&m.db, &m.db_path);
+    crate::observe::sample(&m.db, m.db_path.as_deref());
     (
         [(
             header::CONTENT_TYPE,

@@ -20,6 +20,10 @@ use crate::{
 /// an orchestrator a few seconds at least.
 pub const STORAGE_RETRY_AFTER: Duration = Duration::from_secs(5);
 
+/// `Retry-After` while the database server cannot be reached: the writer
+/// tries to connect again for the next write, so a short wait is enough.
+pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// A problem document, with optional extension members and `Retry-After`.
 /// Boxed: it travels in the `Err` side of every handler's result.
 #[derive(Debug)]
@@ -217,6 +221,18 @@ impl From<db::Error> for Problem {
             )
             .with("reason", "storage_lost")
             .retry_after(STORAGE_RETRY_AFTER),
+            // The writer logs when the server goes and comes back.
+            db::Error::Unavailable(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database-unavailable",
+                "Database unavailable",
+            )
+            .detail(
+                "the database server cannot be reached; nothing was written. \
+                 Retrying is safe and succeeds once it answers again",
+            )
+            .with("reason", "database_unavailable")
+            .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Database(_) | db::Error::Internal(_)) => {
                 tracing::error!(error = %e, "database error");
                 Self::internal("the database failed; nothing was written")

@@ -12,17 +12,39 @@ use std::{
 
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{Value, json};
-use tally::{Application, Settings};
+use tally::{Application, Settings, Storage};
 use tempfile::TempDir;
 use tokio::{sync::oneshot, task::JoinHandle};
 
 pub const ADMIN: &str = "test-admin-token";
 
+/// Which engine the suite runs on: SQLite, unless `TALLY_TEST_ENGINE` is
+/// `postgres` (then on a fresh database of the test server, see
+/// `crate::postgres`). The test command runs the suite once with each.
+pub fn on_postgres() -> bool {
+    match std::env::var("TALLY_TEST_ENGINE").as_deref() {
+        Ok("postgres") => true,
+        Ok("sqlite") | Err(_) => false,
+        Ok(other) => panic!("TALLY_TEST_ENGINE={other}: sqlite or postgres"),
+    }
+}
+
+/// A database for the binary's `TALLY_DATABASE`: a SQLite file in `dir`, or
+/// a fresh database on the test server when the suite runs on PostgreSQL.
+pub async fn database_in(dir: &Path) -> String {
+    match on_postgres() {
+        true => crate::postgres::fresh_database().await,
+        false => dir.join("tally.db").to_str().unwrap().to_owned(),
+    }
+}
+
 /// A running in-process tally.
 pub struct TestApp {
     pub addr: SocketAddr,
     pub client: Client,
+    /// The SQLite file (a path that does not exist on PostgreSQL).
     pub db_path: PathBuf,
+    pub storage: Storage,
     pub db: tally::db::Handle,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
@@ -45,8 +67,14 @@ pub async fn spawn_app() -> TestApp {
 pub async fn spawn_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     let mut s = settings(dir.path());
+    if on_postgres() {
+        s.database = crate::postgres::fresh_database().await.parse().unwrap();
+    }
     tweak(&mut s);
-    let db_path = s.database.clone();
+    let storage = s.database.clone();
+    let db_path = storage
+        .sqlite_path()
+        .map_or_else(|| dir.path().join("not-sqlite"), ToOwned::to_owned);
     let app = Application::build(s).await.expect("app builds");
     let addr = app.local_addr();
     let db = app.db();
@@ -58,6 +86,7 @@ pub async fn spawn_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         addr,
         client: Client::new(),
         db_path,
+        storage,
         db,
         stop: Some(stop),
         task: Some(task),
@@ -121,9 +150,10 @@ impl TestApp {
         r.json().await.unwrap()
     }
 
-    /// A read-only look at the database file, to check rows the API does
-    /// not show.
+    /// A read-only look at the SQLite file, to check rows the API does not
+    /// show. Tests that use it are SQLite's (`scripts/sqlite-only-tests`).
     pub async fn peek(&self) -> sqlx::SqlitePool {
+        assert!(!on_postgres(), "this test looks at SQLite itself");
         sqlx::sqlite::SqlitePoolOptions::new()
             .max_connections(1)
             .connect_with(
@@ -135,10 +165,13 @@ impl TestApp {
             .unwrap()
     }
 
-    /// Runs `sql` on the database file from outside tally, on a connection
-    /// of its own, as another process would.
+    /// Runs `sql` on the database from outside tally, on a connection of
+    /// its own, as another process would.
     pub async fn sql_behind(&self, sql: &'static str) {
         use sqlx::ConnectOptions;
+        if let Storage::Postgres(url) = &self.storage {
+            return crate::postgres::sql(url.expose(), sql).await;
+        }
         let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
             .filename(&self.db_path)
             .connect()

@@ -211,7 +211,10 @@ async fn metrics_are_valid_and_move_with_traffic() {
     assert_eq!(get("tally_budget_pruned_rows_total"), 3.0);
     assert_eq!(get("tally_write_queue_capacity"), 2.0);
     assert_eq!(get("tally_write_queue_closed"), 0.0);
-    assert_eq!(get(r#"tally_build_info{version="0.1.0"}"#), 1.0);
+    assert_eq!(
+        get(r#"tally_build_info{version="0.1.0",engine="sqlite"}"#),
+        1.0
+    );
     assert!(get("tally_start_time_seconds") > 1.7e9);
     assert!(get("tally_db_size_bytes") > 0.0);
     assert!(get("tally_commit_batch_size_count") >= written as f64);

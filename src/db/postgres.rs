@@ -1,0 +1,471 @@
+//! The PostgreSQL engine: any number of tally processes on one database.
+//!
+//! Each process keeps its own queue and writer: a batch is one transaction
+//! on the writer's one connection, answered only after COMMIT. What the
+//! single SQLite writer gets for free, many processes get from row locks
+//! taken in one order: counters are upserted in name order, a budget's
+//! day is locked (its global row, created if need be) before any of its
+//! usage is read, and an idempotency key is claimed by inserting it, so a
+//! concurrent duplicate waits on the unique index and then replays the
+//! first answer. A deadlock or serialization failure reruns the whole
+//! batch, a few times, so a client never sees one.
+//!
+//! The writer's connection is opened when a batch needs it and dropped when
+//! it breaks: while the server is unreachable every batch is answered 503
+//! at once, and the first batch after it answers again reconnects. A COMMIT
+//! whose connection broke has an unknown outcome and is answered so.
+//!
+//! The SQL stays within what PostgreSQL 15 and CockroachDB both accept:
+//! `ON CONFLICT`, `RETURNING`, `unnest` of arrays, `= ANY`.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+use sqlx::{
+    Connection, Executor, PgConnection, PgPool, Postgres,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+
+use super::{
+    Error,
+    command::Queued,
+    keys,
+    store::{BudgetRow, Store, StoredKey, UsageRow},
+    writer::{Applied, apply_batch},
+};
+use crate::meter::BudgetSpec;
+
+/// Longest wait for a connection to the server, the writer's or a reader's.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest a statement may run before the server cancels it.
+pub const STATEMENT_TIMEOUT: &str = "10s";
+
+/// How many times a batch that lost a race (deadlock, serialization
+/// failure) is run again before its callers hear 503.
+const RACE_RETRIES: u32 = 8;
+
+/// The connection options every connection of the process uses: the URL's,
+/// plus a statement timeout and the application's name (seen in
+/// `pg_stat_activity`).
+pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    Ok(options
+        .application_name("tally")
+        .options([("statement_timeout", STATEMENT_TIMEOUT)]))
+}
+
+/// One connection, or [`Error::Unavailable`] within [`CONNECT_TIMEOUT`].
+pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(options)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(match Error::from(e) {
+            // Refused credentials or an unknown database are not a
+            // passing outage, but they are the server's answer all the
+            // same: nothing was written, and retrying is safe.
+            Error::Database(e) => Error::Unavailable(e),
+            e => e,
+        }),
+        Err(_) => Err(Error::Unavailable(std::sync::Arc::new(sqlx::Error::Io(
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection within {CONNECT_TIMEOUT:?}"),
+            ),
+        )))),
+    }
+}
+
+/// The read pool: at most `readers` connections, opened on demand.
+pub fn readers(options: PgConnectOptions, readers: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(readers.max(1))
+        .min_connections(0)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        // sqlx pings a connection when it is released and drops it if the
+        // ping fails; a second ping before every read would double the
+        // round trips.
+        .test_before_acquire(false)
+        .idle_timeout(Duration::from_secs(60))
+        .connect_lazy_with(options)
+}
+
+/// The writer's connection: opened when a batch needs one, dropped when it
+/// breaks.
+pub struct WriterConn {
+    options: PgConnectOptions,
+    conn: Option<PgConnection>,
+}
+
+impl WriterConn {
+    pub fn new(options: PgConnectOptions) -> Self {
+        WriterConn {
+            options,
+            conn: None,
+        }
+    }
+
+    async fn conn(&mut self) -> Result<&mut PgConnection, Error> {
+        if self.conn.is_none() {
+            self.conn = Some(connect(&self.options).await?);
+            tracing::info!("writer connected to PostgreSQL");
+        }
+        self.conn
+            .as_mut()
+            .ok_or_else(|| Error::Internal("no writer connection".into()))
+    }
+
+    /// Applies a batch, running it again when it lost a race with another
+    /// process.
+    pub async fn apply(&mut self, batch: &[Queued]) -> Applied {
+        let mut attempt = 0;
+        loop {
+            let conn = match self.conn().await {
+                Ok(conn) => conn,
+                Err(e) => return Applied::none(e),
+            };
+            let mut applied = apply_batch(conn, batch).await;
+            match &applied.commit {
+                Err(e) if e.is_retryable() && attempt < RACE_RETRIES => {
+                    attempt += 1;
+                    metrics::counter!("tally_write_retries_total").increment(1);
+                    tracing::debug!(error = %e, attempt, "batch lost a race; running it again");
+                    // Back off a little, with jitter, so two processes
+                    // that deadlocked do not meet again at once.
+                    let jitter = u64::from(std::process::id() % 7 + attempt);
+                    tokio::time::sleep(Duration::from_millis(jitter * 2)).await;
+                    continue;
+                }
+                Err(e) if e.is_retryable() => {
+                    if let Err(Error::Database(source)) = &applied.commit {
+                        applied.commit = Err(Error::Unavailable(source.clone()));
+                    }
+                }
+                Err(Error::Unavailable(_) | Error::OutcomeUnknown) => self.drop_connection(),
+                _ => {}
+            }
+            return applied;
+        }
+    }
+
+    fn drop_connection(&mut self) {
+        if self.conn.take().is_some() {
+            tracing::warn!(
+                "writer lost its PostgreSQL connection; reconnecting for the next batch"
+            );
+        }
+    }
+
+    pub async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        let r = keys::forget_expired(self.conn().await?).await;
+        if let Err(Error::Unavailable(_)) = &r {
+            self.drop_connection();
+        }
+        r
+    }
+
+    pub async fn close(self) {
+        if let Some(conn) = self.conn
+            && let Err(e) = conn.close().await
+        {
+            tracing::warn!(error = %e, "closing the writer's PostgreSQL connection failed");
+        }
+    }
+}
+
+/// SQLSTATE 22003, numeric_value_out_of_range: a counter left `bigint`.
+fn is_overflow(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "22003")
+}
+
+/// Columns of a list of tuples, as arrays for `unnest`.
+fn column<T, U>(rows: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
+    rows.iter().map(f).collect()
+}
+
+impl Store for PgConnection {
+    const BEGIN: &'static str = "BEGIN";
+
+    async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
+        sqlx::raw_sql(sql).execute(self).await?;
+        Ok(())
+    }
+
+    async fn upsert_counters(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error> {
+        let rows = sqlx::query_as(
+            "INSERT INTO counters AS c (name, value)
+             SELECT name, value FROM unnest($1::text[], $2::int8[]) AS t (name, value)
+             ORDER BY name
+             ON CONFLICT (name) DO UPDATE SET value = c.value + excluded.value
+             RETURNING name, value",
+        )
+        .bind(column(totals, |t| t.0))
+        .bind(column(totals, |t| t.1))
+        .fetch_all(self)
+        .await;
+        match rows {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if is_overflow(&e) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (name) DO UPDATE SET
+                 visitor_limit = excluded.visitor_limit,
+                 global_limit = excluded.global_limit,
+                 retention_days = excluded.retention_days,
+                 timezone = excluded.timezone,
+                 updated_at = excluded.updated_at",
+        )
+        .bind(name)
+        .bind(i64::from(spec.visitor_limit))
+        .bind(i64::from(spec.global_limit))
+        .bind(i64::from(spec.retention_days))
+        .bind(&spec.timezone_name)
+        .bind(Timestamp::now().to_string())
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
+        load_budgets(self, names).await
+    }
+
+    /// Creates each day's global row if missing and locks it: the no-op
+    /// update takes the row lock, in the order given (sorted by the
+    /// caller), and a concurrent creator of the same row is waited for.
+    async fn lock_days(&mut self, days: &[(&str, &str)]) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budget_global_usage AS g (budget, day, calls)
+             SELECT budget, day, 0 FROM unnest($1::text[], $2::text[]) AS t (budget, day)
+             ORDER BY budget, day
+             ON CONFLICT (budget, day) DO UPDATE SET calls = g.calls",
+        )
+        .bind(column(days, |d| d.0))
+        .bind(column(days, |d| d.1))
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn read_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str)],
+        globals: &[(&str, &str)],
+    ) -> Result<Vec<UsageRow>, Error> {
+        Ok(sqlx::query_as(
+            "SELECT u.budget, u.day, u.visitor, u.calls
+             FROM budget_visitor_usage AS u
+             JOIN unnest($1::text[], $2::text[], $3::text[]) AS k (budget, day, visitor)
+               ON u.budget = k.budget AND u.day = k.day AND u.visitor = k.visitor
+             UNION ALL
+             SELECT g.budget, g.day, NULL::text, g.calls
+             FROM budget_global_usage AS g
+             JOIN unnest($4::text[], $5::text[]) AS k (budget, day)
+               ON g.budget = k.budget AND g.day = k.day",
+        )
+        .bind(column(visitors, |v| v.0))
+        .bind(column(visitors, |v| v.1))
+        .bind(column(visitors, |v| v.2))
+        .bind(column(globals, |g| g.0))
+        .bind(column(globals, |g| g.1))
+        .fetch_all(self)
+        .await?)
+    }
+
+    async fn write_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str, i64)],
+        globals: &[(&str, &str, i64)],
+    ) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[])
+             ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls",
+        )
+        .bind(column(visitors, |v| v.0))
+        .bind(column(visitors, |v| v.1))
+        .bind(column(visitors, |v| v.2))
+        .bind(column(visitors, |v| v.3))
+        .execute(&mut *self)
+        .await?;
+        if globals.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO budget_global_usage (budget, day, calls)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls",
+        )
+        .bind(column(globals, |g| g.0))
+        .bind(column(globals, |g| g.1))
+        .bind(column(globals, |g| g.2))
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error> {
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day < $2",
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day < $2",
+        ] {
+            let r = sqlx::query(sql)
+                .bind(budget)
+                .bind(before)
+                .execute(&mut *self)
+                .await?;
+            deleted += r.rows_affected();
+        }
+        Ok(deleted)
+    }
+
+    async fn delete_usage(
+        &mut self,
+        budget: &str,
+        day: &str,
+        visitor: Option<&str>,
+    ) -> Result<u64, Error> {
+        if let Some(v) = visitor {
+            let r = sqlx::query(
+                "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2 AND visitor = $3",
+            )
+            .bind(budget)
+            .bind(day)
+            .bind(v)
+            .execute(self)
+            .await?;
+            return Ok(r.rows_affected());
+        }
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2",
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day = $2",
+        ] {
+            let r = sqlx::query(sql)
+                .bind(budget)
+                .bind(day)
+                .execute(&mut *self)
+                .await?;
+            deleted += r.rows_affected();
+        }
+        Ok(deleted)
+    }
+
+    /// Inserts the key with an empty answer. If another transaction holds
+    /// the same key uncommitted, the insert waits for it; if the key is
+    /// there (committed, or claimed earlier in this transaction), nothing is
+    /// inserted and its row is read instead.
+    async fn claim_key(
+        &mut self,
+        key: &str,
+        fingerprint: &str,
+        now: i64,
+    ) -> Result<Option<StoredKey>, Error> {
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+             VALUES ($1, $2, '', $3)
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .bind(key)
+        .bind(fingerprint)
+        .bind(now)
+        .execute(&mut *self)
+        .await?
+        .rows_affected();
+        if claimed == 1 {
+            return Ok(None);
+        }
+        let stored: Option<StoredKey> =
+            sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = $1")
+                .bind(key)
+                .fetch_optional(self)
+                .await?;
+        // Gone between the two statements (forgotten as expired by another
+        // process): a race lost, worth the batch's retry.
+        stored
+            .map(Some)
+            .ok_or_else(|| Error::Internal("an idempotency key vanished while claimed".into()))
+    }
+
+    async fn remember_key(
+        &mut self,
+        key: &str,
+        _fingerprint: &str,
+        result: &str,
+        _now: i64,
+    ) -> Result<(), Error> {
+        sqlx::query("UPDATE idempotency_keys SET result = $2 WHERE key = $1")
+            .bind(key)
+            .bind(result)
+            .execute(self)
+            .await?;
+        Ok(())
+    }
+
+    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error> {
+        Ok(
+            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
+                .bind(cutoff)
+                .execute(self)
+                .await?
+                .rows_affected(),
+        )
+    }
+}
+
+/// The named budgets that exist, in one statement.
+pub async fn load_budgets<'c>(
+    db: impl Executor<'c, Database = Postgres>,
+    names: &[&str],
+) -> Result<Vec<BudgetRow>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT name, visitor_limit, global_limit, retention_days, timezone
+         FROM budgets WHERE name = ANY($1)",
+    )
+    .bind(names)
+    .fetch_all(db)
+    .await?)
+}
+
+/// The current values of many counters in one statement; names never
+/// written are absent.
+pub async fn read_counters(pool: &PgPool, names: &[&str]) -> Result<Vec<(String, i64)>, Error> {
+    Ok(
+        sqlx::query_as("SELECT name, value FROM counters WHERE name = ANY($1)")
+            .bind(names)
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
+/// A day's global calls of a budget and, if asked, one visitor's, in one
+/// statement (one snapshot); absent rows read as 0.
+pub async fn usage_counts(
+    pool: &PgPool,
+    budget: &str,
+    day: &str,
+    visitor: Option<&str>,
+) -> Result<(i64, Option<i64>), Error> {
+    Ok(sqlx::query_as(
+        "SELECT
+           coalesce((SELECT calls FROM budget_global_usage WHERE budget = $1 AND day = $2), 0),
+           CASE WHEN $3::text IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
+             WHERE budget = $1 AND day = $2 AND visitor = $3::text), 0) END",
+    )
+    .bind(budget)
+    .bind(day)
+    .bind(visitor)
+    .fetch_one(pool)
+    .await?)
+}

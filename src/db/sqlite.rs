@@ -1,0 +1,288 @@
+//! The SQLite engine's statements: the writer's ([`Store`] for its one
+//! connection) and the readers'. Lists go in as one JSON parameter read by
+//! `json_each`, so a batch of any size is one statement, one round trip to
+//! the connection's thread.
+//!
+//! There is one writable connection in the process and its transactions
+//! are `BEGIN IMMEDIATE`: nothing else can write between two statements, so
+//! [`Store::lock_days`] has nothing to do.
+
+use std::collections::HashMap;
+
+use jiff::Timestamp;
+use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
+
+use super::{
+    Error,
+    store::{BudgetRow, Store, StoredKey, UsageRow},
+    to_json,
+};
+use crate::meter::BudgetSpec;
+
+/// Adds every `(name, total)` of the JSON object `?1` (creating counters at
+/// 0) and returns each counter's new value. An overflowing sum makes SQLite
+/// produce a REAL, which the STRICT table refuses ([`is_overflow`]): the
+/// statement then changes nothing.
+macro_rules! upsert_counters {
+    () => {
+        "INSERT INTO counters (name, value)
+         SELECT key, value FROM json_each(?1) WHERE true
+         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
+         RETURNING name, value;"
+    };
+}
+
+/// SQLITE_CONSTRAINT_DATATYPE: a STRICT column refused a value, which for
+/// `counters.value` means the sum left the 64-bit integers.
+fn is_overflow(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "3091")
+}
+
+fn totals_json(totals: &[(&str, i64)]) -> String {
+    to_json(&totals.iter().copied().collect::<HashMap<&str, i64>>())
+}
+
+impl Store for SqliteConnection {
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+
+    async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
+        sqlx::raw_sql(sql).execute(self).await?;
+        Ok(())
+    }
+
+    async fn upsert_counters(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error> {
+        let rows = sqlx::query_as(upsert_counters!())
+            .bind(totals_json(totals))
+            .fetch_all(self)
+            .await;
+        match rows {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if is_overflow(&e) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `BEGIN`, the upsert and `COMMIT` as one script: the hottest batch in
+    /// one round trip. On overflow the script stops before `COMMIT`, and
+    /// the open transaction is rolled back here.
+    async fn upsert_counters_committed(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error> {
+        let rows = sqlx::query_as(concat!("BEGIN IMMEDIATE;", upsert_counters!(), "COMMIT;"))
+            .bind(totals_json(totals))
+            .fetch_all(&mut *self)
+            .await;
+        match rows {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if is_overflow(&e) => {
+                self.exec("ROLLBACK").await?;
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (name) DO UPDATE SET
+                 visitor_limit = excluded.visitor_limit,
+                 global_limit = excluded.global_limit,
+                 retention_days = excluded.retention_days,
+                 timezone = excluded.timezone,
+                 updated_at = excluded.updated_at",
+        )
+        .bind(name)
+        .bind(spec.visitor_limit)
+        .bind(spec.global_limit)
+        .bind(spec.retention_days)
+        .bind(&spec.timezone_name)
+        .bind(Timestamp::now().to_string())
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
+        load_budgets(self, names).await
+    }
+
+    async fn lock_days(&mut self, _days: &[(&str, &str)]) -> Result<(), Error> {
+        Ok(())
+    }
+
+    async fn read_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str)],
+        globals: &[(&str, &str)],
+    ) -> Result<Vec<UsageRow>, Error> {
+        // Both kinds of rows in one statement. Tuples serialize as the JSON
+        // arrays `->> 0`, `->> 1` read; a global row has no visitor.
+        Ok(sqlx::query_as(
+            "SELECT u.budget, u.day, u.visitor, u.calls
+             FROM json_each(?1) AS k
+             JOIN budget_visitor_usage AS u
+               ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
+             UNION ALL
+             SELECT g.budget, g.day, NULL, g.calls
+             FROM json_each(?2) AS k
+             JOIN budget_global_usage AS g
+               ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1",
+        )
+        .bind(to_json(visitors))
+        .bind(to_json(globals))
+        .fetch_all(self)
+        .await?)
+    }
+
+    /// Both write-backs as one script, one round trip.
+    async fn write_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str, i64)],
+        globals: &[(&str, &str, i64)],
+    ) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
+             ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls;
+             INSERT INTO budget_global_usage (budget, day, calls)
+             SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2) WHERE true
+             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
+        )
+        .bind(to_json(visitors))
+        .bind(to_json(globals))
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error> {
+        let deleted = sqlx::query(
+            "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2;
+             DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2;",
+        )
+        .bind(budget)
+        .bind(before)
+        .execute(self)
+        .await?;
+        Ok(deleted.rows_affected())
+    }
+
+    async fn delete_usage(
+        &mut self,
+        budget: &str,
+        day: &str,
+        visitor: Option<&str>,
+    ) -> Result<u64, Error> {
+        let sql = match visitor {
+            Some(_) => {
+                "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2 AND visitor = ?3"
+            }
+            None => {
+                "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day = ?2;
+                 DELETE FROM budget_global_usage WHERE budget = ?1 AND day = ?2;"
+            }
+        };
+        let mut q = sqlx::query(sql).bind(budget).bind(day);
+        if let Some(v) = visitor {
+            q = q.bind(v);
+        }
+        Ok(q.execute(self).await?.rows_affected())
+    }
+
+    /// A lookup: the one writer serialises every write, so an absent key
+    /// stays absent until this transaction stores it.
+    async fn claim_key(
+        &mut self,
+        key: &str,
+        _fingerprint: &str,
+        _now: i64,
+    ) -> Result<Option<StoredKey>, Error> {
+        let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
+        Ok(q.bind(key).fetch_optional(self).await?)
+    }
+
+    async fn remember_key(
+        &mut self,
+        key: &str,
+        fingerprint: &str,
+        result: &str,
+        now: i64,
+    ) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+             VALUES (?1, ?2, ?3, ?4)",
+        )
+        .bind(key)
+        .bind(fingerprint)
+        .bind(result)
+        .bind(now)
+        .execute(self)
+        .await?;
+        Ok(())
+    }
+
+    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error> {
+        Ok(
+            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
+                .bind(cutoff)
+                .execute(self)
+                .await?
+                .rows_affected(),
+        )
+    }
+}
+
+/// The named budgets that exist, in one statement.
+pub async fn load_budgets<'c>(
+    db: impl Executor<'c, Database = Sqlite>,
+    names: &[&str],
+) -> Result<Vec<BudgetRow>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT name, visitor_limit, global_limit, retention_days, timezone
+         FROM budgets WHERE name IN (SELECT value FROM json_each(?1))",
+    )
+    .bind(to_json(names))
+    .fetch_all(db)
+    .await?)
+}
+
+/// The current values of many counters in one statement; names never
+/// written are absent.
+pub async fn read_counters(pool: &SqlitePool, names: &[&str]) -> Result<Vec<(String, i64)>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT name, value FROM counters
+         WHERE name IN (SELECT value FROM json_each(?1))",
+    )
+    .bind(to_json(&names))
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A day's global calls of a budget and, if asked, one visitor's, in one
+/// statement (one snapshot); absent rows read as 0.
+pub async fn usage_counts(
+    pool: &SqlitePool,
+    budget: &str,
+    day: &str,
+    visitor: Option<&str>,
+) -> Result<(i64, Option<i64>), Error> {
+    Ok(sqlx::query_as(
+        "SELECT
+           coalesce((SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2), 0),
+           CASE WHEN ?3 IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
+             WHERE budget = ?1 AND day = ?2 AND visitor = ?3), 0) END",
+    )
+    .bind(budget)
+    .bind(day)
+    .bind(visitor)
+    .fetch_one(pool)
+    .await?)
+}

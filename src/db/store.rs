@@ -1,0 +1,124 @@
+//! What an engine must do inside the writer's transaction: every statement
+//! a command needs, as one trait implemented for a SQLite and for a
+//! PostgreSQL connection (`sqlite.rs`, `postgres.rs`). The rules built on
+//! them (queue order, the budget decision, idempotency, savepoints) are
+//! written once, in `counters`, `budgets`, `keys` and `writer`.
+//!
+//! The contract a store keeps: every method runs inside the transaction the
+//! writer opened with [`Store::BEGIN`]; a method that fails leaves that
+//! transaction to the writer, who rolls back to the command's savepoint or
+//! the whole batch; and whatever another process could write between two
+//! statements of a transaction is locked first ([`Store::lock_days`]).
+
+use super::Error;
+use crate::meter::BudgetSpec;
+
+/// A budget as stored: name, visitor limit, global limit, retention days,
+/// time zone name.
+pub type BudgetRow = (String, i64, i64, i64, String);
+
+/// A usage row: budget, day, visitor (`None` for the day's global row),
+/// calls.
+pub type UsageRow = (String, String, Option<String>, i64);
+
+/// What was stored for an idempotency key: the command's fingerprint and
+/// its answer.
+pub type StoredKey = (String, String);
+
+pub(super) trait Store {
+    /// Opens the writer's transaction.
+    const BEGIN: &'static str;
+
+    /// A statement without parameters or rows (transaction control).
+    async fn exec(&mut self, sql: &'static str) -> Result<(), Error>;
+
+    /// Adds each `(name, total)` (names distinct), creating counters at 0,
+    /// and returns every counter's new value; `None` if one would leave
+    /// the 64-bit integers (the statement then changed nothing it keeps:
+    /// the caller rolls back).
+    async fn upsert_counters(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error>;
+
+    /// The same as a whole transaction: BEGIN, upsert, COMMIT. On overflow
+    /// (`None`) nothing was committed and no transaction is left open; on
+    /// an error the caller rolls back, since one may be.
+    async fn upsert_counters_committed(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error> {
+        self.exec(Self::BEGIN).await?;
+        match self.upsert_counters(totals).await? {
+            Some(rows) => {
+                self.exec("COMMIT").await.map_err(Error::at_commit)?;
+                Ok(Some(rows))
+            }
+            None => {
+                self.exec("ROLLBACK").await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Creates or replaces a budget's configuration.
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error>;
+
+    /// The named budgets that exist.
+    async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error>;
+
+    /// Makes every `(budget, day)` the transaction's own until it ends:
+    /// whatever a check or reset of that day reads stays true until COMMIT,
+    /// whichever process runs it. Every writer of a day's usage rows calls
+    /// this first, so the global row's lock guards the visitor rows too.
+    async fn lock_days(&mut self, days: &[(&str, &str)]) -> Result<(), Error>;
+
+    /// The usage rows that exist among the given visitor and global keys.
+    async fn read_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str)],
+        globals: &[(&str, &str)],
+    ) -> Result<Vec<UsageRow>, Error>;
+
+    /// Sets the calls of the given visitor and global rows.
+    async fn write_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str, i64)],
+        globals: &[(&str, &str, i64)],
+    ) -> Result<(), Error>;
+
+    /// Deletes a budget's usage on days before `before`; returns the rows.
+    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error>;
+
+    /// Deletes one day's usage of a budget, or one visitor's row of it;
+    /// returns the rows deleted.
+    async fn delete_usage(
+        &mut self,
+        budget: &str,
+        day: &str,
+        visitor: Option<&str>,
+    ) -> Result<u64, Error>;
+
+    /// What is stored for `key`, or `None`: then the key is this
+    /// transaction's until it ends, and [`Self::remember_key`] stores the
+    /// answer. A concurrent transaction claiming the same key waits for
+    /// this one and then sees its answer.
+    async fn claim_key(
+        &mut self,
+        key: &str,
+        fingerprint: &str,
+        now: i64,
+    ) -> Result<Option<StoredKey>, Error>;
+
+    /// Stores the answer for a key this transaction claimed.
+    async fn remember_key(
+        &mut self,
+        key: &str,
+        fingerprint: &str,
+        result: &str,
+        now: i64,
+    ) -> Result<(), Error>;
+
+    /// Forgets keys created before `cutoff` (unix seconds); returns how many.
+    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error>;
+}

@@ -1,0 +1,189 @@
+//! PostgreSQL for the tests: a fresh database per test on the server the
+//! test command started (`TALLY_TEST_POSTGRES`, see `scripts/test`), and
+//! servers of their own for the tests that stop and start one. Shared by
+//! the test binaries through `#[path]`.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
+};
+
+use sqlx::{Connection, PgConnection};
+
+/// The shared server's URL. Tests of the PostgreSQL engine need it: they
+/// fail, rather than pass without running, when it is not set.
+pub fn server_url() -> String {
+    std::env::var("TALLY_TEST_POSTGRES").unwrap_or_else(|_| {
+        panic!(
+            "TALLY_TEST_POSTGRES is not set: run ./scripts/test, which starts a PostgreSQL \
+             server for the tests, or point it at one (postgres://user@host:port/db)"
+        )
+    })
+}
+
+/// A new, empty database on the server at `server` (a URL), and its URL.
+pub async fn fresh_database_on(server: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let name = format!(
+        "tally_test_{}_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    );
+    let mut conn = PgConnection::connect(server)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach the test PostgreSQL server: {e}"));
+    // The name is made here of digits and underscores, never of input.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
+    with_database(server, &name)
+}
+
+/// A new, empty database on the shared server.
+pub async fn fresh_database() -> String {
+    fresh_database_on(&server_url()).await
+}
+
+/// `server` with its database replaced by `db`.
+fn with_database(server: &str, db: &str) -> String {
+    let (base, query) = match server.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (server, String::new()),
+    };
+    let authority_end = base
+        .find("://")
+        .map(|i| i + 3)
+        .and_then(|start| base[start..].find('/').map(|j| start + j))
+        .unwrap_or(base.len());
+    format!("{}/{db}{query}", &base[..authority_end])
+}
+
+/// Runs `sql` on the database at `url`, from outside tally.
+pub async fn sql(url: &str, sql: &'static str) {
+    let mut conn = PgConnection::connect(url).await.unwrap();
+    sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+    let _ = conn.close().await;
+}
+
+/// A PostgreSQL server of the test's own, on a free loopback port in a
+/// temp directory, for tests that stop and start it. Stopped (immediate
+/// shutdown) when dropped.
+pub struct PgServer {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    pub port: u16,
+}
+
+impl PgServer {
+    pub fn start() -> Self {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL is missing: run ./scripts/install-tools")
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|p| p.join("initdb").exists())
+            .max()
+            .expect("no PostgreSQL server binaries: run ./scripts/install-tools");
+        let dir = tempfile::tempdir().unwrap();
+        if is_root() {
+            run(Command::new("chown").arg("postgres").arg(dir.path()));
+        }
+        let port = super::loopback::free_port();
+        let server = PgServer { dir, bin, port };
+        run(server
+            .as_postgres("initdb")
+            .arg("-D")
+            .arg(server.data())
+            .args(["-A", "trust", "-U", "tally", "--no-sync"]));
+        server.start_again();
+        server
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn as_postgres(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        let mut c = if is_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(program);
+            c
+        } else {
+            Command::new(program)
+        };
+        c.stdout(Stdio::null()).stderr(Stdio::piped());
+        c
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> Command {
+        let mut c = self.as_postgres("pg_ctl");
+        c.arg("-D").arg(self.data()).args(args);
+        c
+    }
+
+    /// The server's URL, database `postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://tally@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Starts the server (again), waiting until it takes connections.
+    pub fn start_again(&self) {
+        let options = format!(
+            "-k {} -p {} -c listen_addresses=127.0.0.1 -c max_connections=200",
+            self.dir.path().display(),
+            self.port
+        );
+        let log = self.dir.path().join("log");
+        run(self
+            .pg_ctl(&["-w", "-t", "30", "-o", &options, "-l"])
+            .arg(log)
+            .arg("start"));
+    }
+
+    /// Stops the server the way an operator or a failover would: fast
+    /// shutdown, which ends every session at once.
+    pub fn stop_fast(&self) {
+        run(&mut self.pg_ctl(&["-w", "-m", "fast", "stop"]));
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = self
+            .pg_ctl(&["-m", "immediate", "stop"])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+fn run(c: &mut Command) {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Waits until `url` takes connections again, at most `limit`.
+pub async fn wait_until_up(url: &str, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while PgConnection::connect(url).await.is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "PostgreSQL did not come back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
