@@ -6,7 +6,8 @@
 //! `scripts/check-chart`, run here too.
 //!
 //! [`render`] is shared: the pod test plays the StatefulSet's pod template
-//! it returns.
+//! it returns, and the tests of `storage: postgres` (`postgres_chart.rs`)
+//! use it and the helpers below.
 
 use std::{
     path::{Path, PathBuf},
@@ -29,7 +30,7 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn chart_dir() -> PathBuf {
+pub(crate) fn chart_dir() -> PathBuf {
     repo().join("helm/tally")
 }
 
@@ -45,7 +46,7 @@ pub fn render(release: &str, namespace: &str, sets: &[(&str, &str)]) -> Vec<Valu
         .unwrap_or_else(|e| panic!("helm template failed for {sets:?}:\n{e}"))
 }
 
-fn set_args(sets: &[(&str, &str)]) -> Vec<String> {
+pub(crate) fn set_args(sets: &[(&str, &str)]) -> Vec<String> {
     sets.iter()
         .flat_map(|(k, v)| ["--set".to_owned(), format!("{k}={v}")])
         .collect()
@@ -53,7 +54,11 @@ fn set_args(sets: &[(&str, &str)]) -> Vec<String> {
 
 /// `helm template` with [`IMAGE`] and then any extra arguments: the
 /// manifests, or Helm's stderr when it exits non-zero.
-fn helm_template(release: &str, namespace: &str, args: &[String]) -> Result<Vec<Value>, String> {
+pub(crate) fn helm_template(
+    release: &str,
+    namespace: &str,
+    args: &[String],
+) -> Result<Vec<Value>, String> {
     let out = Command::new(tool_in("bin", "helm"))
         .arg("template")
         .arg(release)
@@ -85,19 +90,19 @@ fn rendered(sets: &[(&str, &str)]) -> Vec<Value> {
 }
 
 /// Helm's error for values the chart must refuse.
-fn refused(sets: &[(&str, &str)]) -> String {
+pub(crate) fn refused(sets: &[(&str, &str)]) -> String {
     match helm_template("tally", "tally", &set_args(sets)) {
         Ok(_) => panic!("the chart accepted {sets:?}"),
         Err(e) => e,
     }
 }
 
-fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+pub(crate) fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| d["kind"] == kind).collect()
 }
 
 /// The one document of `kind`.
-fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+pub(crate) fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     match of_kind(docs, kind)[..] {
         [d] => d,
         ref found => panic!("expected one {kind}, found {}", found.len()),
@@ -126,20 +131,20 @@ fn restore(docs: &[Value]) -> &Value {
 }
 
 /// A literal env value of a container.
-fn env<'a>(container: &'a Value, name: &str) -> &'a str {
+pub(crate) fn env<'a>(container: &'a Value, name: &str) -> &'a str {
     env_entry(container, name)
         .and_then(|e| e["value"].as_str())
         .unwrap_or_else(|| panic!("{} has no literal {name}", container["name"]))
 }
 
-fn env_entry<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+pub(crate) fn env_entry<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
     container["env"]
         .as_array()?
         .iter()
         .find(|e| e["name"] == name)
 }
 
-fn strings(v: &Value) -> Vec<&str> {
+pub(crate) fn strings(v: &Value) -> Vec<&str> {
     v.as_array()
         .unwrap_or_else(|| panic!("not a list: {v}"))
         .iter()
@@ -147,7 +152,7 @@ fn strings(v: &Value) -> Vec<&str> {
         .collect()
 }
 
-fn u64_at(v: &Value) -> u64 {
+pub(crate) fn u64_at(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
 }
 
@@ -168,7 +173,7 @@ fn seconds(duration: &Value) -> u64 {
         .unwrap_or_else(|| panic!("not whole seconds: {s}"))
 }
 
-fn values_yaml() -> Value {
+pub(crate) fn values_yaml() -> Value {
     serde_yaml_ng::from_str(&std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap())
         .unwrap()
 }
@@ -1193,7 +1198,7 @@ fn check_chart_script_passes() {
 }
 
 /// Standard base64 with padding, as a Secret's `data` holds it.
-fn base64(s: &str) -> String {
+pub(crate) fn base64(s: &str) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for chunk in s.as_bytes().chunks(3) {

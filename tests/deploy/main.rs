@@ -1,8 +1,8 @@
 //! Tests of what users install: the container image built from the
 //! repository's `Dockerfile` with podman, and the Helm chart in
-//! `helm/tally`, rendered and checked, and its pod run for real with
-//! `podman kube play`. S3 is moto on loopback; every container uses the
-//! host's network and talks to loopback only.
+//! `helm/tally`, rendered and checked with either storage, and its SQLite
+//! pod run for real with `podman kube play`. S3 is moto on loopback; every
+//! container uses the host's network and talks to loopback only.
 
 mod chart;
 mod image;
@@ -10,3 +10,4 @@ mod image;
 mod loopback;
 mod monitoring;
 mod pod;
+mod postgres_chart;

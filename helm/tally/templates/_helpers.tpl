@@ -69,8 +69,8 @@ app.kubernetes.io/part-of: tally
 {{- end }}
 
 {{/*
-Labels that pick the tally pod (never change them on upgrade: a
-StatefulSet's selector is immutable).
+Labels that pick the tally pods (never change them on upgrade: the
+selector of a StatefulSet or Deployment is immutable).
 */}}
 {{- define "tally.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "tally.name" . }}
@@ -112,34 +112,66 @@ releases pointed at one bucket never write one path.
 {{- end }}
 
 {{/*
+Whether tally runs on PostgreSQL (a Deployment of stateless pods) rather
+than on SQLite under Litestream (one StatefulSet pod): "true" or empty.
+*/}}
+{{- define "tally.postgres" -}}
+{{- if eq .Values.storage "postgres" }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether Litestream's metrics listener runs: only where Litestream does.
+*/}}
+{{- define "tally.litestreamMetrics" -}}
+{{- if and (not (include "tally.postgres" .)) .Values.metrics.litestream.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
 The pod's termination grace, in seconds: tally's drain, the writer's
-drain, Litestream's final sync and a margin. The same values are rendered
-into TALLY_DRAIN_TIMEOUT and shutdown-sync-timeout (configmap.yaml), so
-the sum cannot drift from its parts.
+drain, Litestream's final sync (SQLite only) and a margin. The same values
+are rendered into TALLY_DRAIN_TIMEOUT and shutdown-sync-timeout
+(configmap.yaml), so the sum cannot drift from its parts.
 */}}
 {{- define "tally.terminationGracePeriodSeconds" -}}
 {{- with .Values.shutdown }}
+{{- if include "tally.postgres" $ }}
+{{- add .drainTimeoutSeconds .writerDrainSeconds .marginSeconds }}
+{{- else }}
 {{- add .drainTimeoutSeconds .writerDrainSeconds .syncTimeoutSeconds .marginSeconds }}
+{{- end }}
 {{- end }}
 {{- end }}
 
 {{/*
 The startup probe's failureThreshold: enough periods to cover tally's wait
-for the replica plus a margin (rounded up), so the kubelet never restarts
-a pod that is still inside that wait.
+for the replica (SQLite only) plus a margin (rounded up, at least one), so
+the kubelet never restarts a pod that is still inside that wait.
 */}}
 {{- define "tally.startupFailureThreshold" -}}
 {{- $period := int .Values.probes.startup.periodSeconds }}
-{{- $budget := add .Values.config.replicaWaitTimeoutSeconds .Values.probes.startup.marginSeconds }}
-{{- div (add $budget $period -1) $period }}
+{{- $budget := int .Values.probes.startup.marginSeconds }}
+{{- if not (include "tally.postgres" .) }}
+{{- $budget = add .Values.config.replicaWaitTimeoutSeconds $budget }}
+{{- end }}
+{{- max 1 (div (add $budget $period -1) $period) }}
 {{- end }}
 
 {{/*
 Whether the chart creates the Secret, and what goes in it.
 */}}
 {{- define "tally.createCredentials" -}}
+{{- if not (include "tally.postgres" .) }}
 {{- with .Values.replica.credentials }}
 {{- if and .accessKeyId .secretAccessKey (not .existingSecret.name) }}true{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tally.createDatabaseUrl" -}}
+{{- if include "tally.postgres" . }}
+{{- with .Values.postgres }}
+{{- if and .url (not .existingSecret) }}true{{ end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -151,14 +183,17 @@ Whether the chart creates the Secret, and what goes in it.
 
 {{/*
 Checks across values that the schema cannot express. Included by the
-StatefulSet, so every render runs them.
+workload of either storage (statefulset.yaml, deployment.yaml), so every
+render runs them.
 */}}
 {{- define "tally.validate" -}}
 {{- if not .Values.image.repository }}
 {{- fail "image.repository is required: build the image from the repository's Dockerfile, push it to a registry your cluster pulls from and name it (--set image.repository=REGISTRY/tally). There is no public tally image: a bare \"tally\" would pull someone else's image, or nothing." }}
 {{- end }}
-{{- if not .Values.replica.bucket }}
-{{- fail "replica.bucket is required: the S3 bucket Litestream replicates the database to (--set replica.bucket=NAME)" }}
+{{- if include "tally.postgres" . }}
+{{- include "tally.validatePostgres" . }}
+{{- else }}
+{{- include "tally.validateSqlite" . }}
 {{- end }}
 {{- /*
 An extraEnv entry with a name the chart sets would come last in the list
@@ -171,8 +206,20 @@ arithmetic, LITESTREAM_PATH the one-writer-per-path rule.
 {{- end }}
 {{- range $i, $e := .Values.extraEnv }}
 {{- if has $e.name $chartEnv }}
-{{- fail (printf "extraEnv[%d]: %s is set by the chart; set it through the chart's values instead (values.yaml): a second definition would silently replace the chart's, and with it what the chart computes from it (the grace period, the replica path)" $i $e.name) }}
+{{- fail (printf "extraEnv[%d]: %s is set by the chart; set it through the chart's values instead (values.yaml): a second definition would silently replace the chart's, and with it what the chart computes from it (the grace period, the database, the replica path)" $i $e.name) }}
 {{- end }}
+{{- end }}
+{{- if and .Values.adminToken.value .Values.adminToken.existingSecret.name }}
+{{- fail "adminToken: set either value or existingSecret.name, not both" }}
+{{- end }}
+{{- end }}
+
+{{- define "tally.validateSqlite" -}}
+{{- if or .Values.postgres.url .Values.postgres.existingSecret .Values.deployment.autoscaling.enabled }}
+{{- fail "postgres.url, postgres.existingSecret and deployment.autoscaling apply to storage=postgres only, and storage is sqlite: set storage=postgres, or remove them (with sqlite tally runs as exactly one pod)" }}
+{{- end }}
+{{- if not .Values.replica.bucket }}
+{{- fail "replica.bucket is required: the S3 bucket Litestream replicates the database to (--set replica.bucket=NAME)" }}
 {{- end }}
 {{- with .Values.replica.credentials }}
 {{- if and .existingSecret.name (or .accessKeyId .secretAccessKey) }}
@@ -182,8 +229,33 @@ arithmetic, LITESTREAM_PATH the one-writer-per-path rule.
 {{- fail "replica.credentials: accessKeyId and secretAccessKey go together" }}
 {{- end }}
 {{- end }}
-{{- if and .Values.adminToken.value .Values.adminToken.existingSecret.name }}
-{{- fail "adminToken: set either value or existingSecret.name, not both" }}
+{{- end }}
+
+{{- define "tally.validatePostgres" -}}
+{{- with .Values.postgres }}
+{{- if and .url .existingSecret }}
+{{- fail "postgres: set either url or existingSecret, not both" }}
+{{- end }}
+{{- if not (or .url .existingSecret) }}
+{{- fail "storage=postgres needs the database URL (postgres://USER:PASSWORD@HOST:5432/DB): set postgres.existingSecret (and postgres.existingSecretKey) to a Secret of your own holding it, or postgres.url for the chart to put it in a Secret" }}
+{{- end }}
+{{- end }}
+{{- with .Values.deployment.autoscaling }}
+{{- if and .enabled (gt (int .minReplicas) (int .maxReplicas)) }}
+{{- fail (printf "deployment.autoscaling: minReplicas (%d) is above maxReplicas (%d)" (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- if and .enabled (not (and $.Values.resources.requests $.Values.resources.requests.cpu)) }}
+{{- fail "deployment.autoscaling needs resources.requests.cpu: the autoscaler's CPU target is a share of the request" }}
+{{- end }}
+{{- end }}
+{{- /*
+With Litestream's socket set, tally would wait for a Litestream that is
+not there and never serve; the other names are Litestream's own.
+*/}}
+{{- range $i, $e := .Values.extraEnv }}
+{{- if regexMatch "^(LITESTREAM_|TALLY_LITESTREAM_|TALLY_REPLICA_)" $e.name }}
+{{- fail (printf "extraEnv[%d]: %s belongs to storage=sqlite (Litestream and its replica); with storage=postgres there is no Litestream, and tally must run without it" $i $e.name) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -244,28 +316,52 @@ both address the same replica. Credentials come from a Secret only.
 {{- end }}
 
 {{/*
+The environment of tally on PostgreSQL: the database URL from a Secret
+only, and no Litestream at all.
+*/}}
+{{- define "tally.postgresEnv" -}}
+- name: TALLY_DATABASE
+  valueFrom:
+    secretKeyRef:
+      {{- if include "tally.createDatabaseUrl" . }}
+      name: {{ include "tally.fullname" . }}
+      key: database-url
+      {{- else }}
+      name: {{ .Values.postgres.existingSecret }}
+      key: {{ .Values.postgres.existingSecretKey }}
+      {{- end }}
+# The root filesystem is read-only: the tmp volume.
+- name: TMPDIR
+  value: /tmp
+{{- end }}
+
+{{/*
 The tally container's environment as the chart sets it (extraEnv comes
 after it). tally.validate refuses an extraEnv entry with one of these
 names.
 */}}
 {{- define "tally.tallyEnv" -}}
-{{ include "tally.litestreamEnv" . }}
+{{ include (ternary "tally.postgresEnv" "tally.litestreamEnv" (eq .Values.storage "postgres")) . }}
 - name: TALLY_LISTEN
   value: {{ printf "0.0.0.0:%d" (int .Values.ports.http) | quote }}
 - name: TALLY_METRICS_LISTEN
   value: {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
 - name: TALLY_DRAIN_TIMEOUT
   value: {{ .Values.shutdown.drainTimeoutSeconds | int | quote }}
+{{- if not (include "tally.postgres" .) }}
 - name: TALLY_REPLICA_WAIT_TIMEOUT
   value: {{ .Values.config.replicaWaitTimeoutSeconds | int | quote }}
+{{- end }}
 - name: TALLY_REQUEST_TIMEOUT
   value: {{ .Values.config.requestTimeoutSeconds | int | quote }}
 - name: TALLY_QUEUE_CAPACITY
   value: {{ .Values.config.queueCapacity | int | quote }}
 - name: TALLY_MAX_BATCH
   value: {{ .Values.config.maxBatch | int | quote }}
+{{- if not (include "tally.postgres" .) }}
 - name: TALLY_SYNCHRONOUS
   value: {{ .Values.config.synchronous | quote }}
+{{- end }}
 - name: TALLY_READERS
   value: {{ .Values.config.readers | int | quote }}
 - name: TALLY_LOG
@@ -284,6 +380,45 @@ names.
     secretKeyRef:
       name: {{ .Values.adminToken.existingSecret.name }}
       key: {{ .Values.adminToken.existingSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the pod runs and what it pulls with, the same for the StatefulSet
+and the Deployment; at indentation 0, to be nindented into a pod spec.
+*/}}
+{{- define "tally.podPlacement" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.topologySpreadConstraints }}
+{{- /* A constraint without a labelSelector would count no pods. */}}
+{{- $constraints := list }}
+{{- range . }}
+{{- $constraint := deepCopy . }}
+{{- if not (hasKey $constraint "labelSelector") }}
+{{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "tally.selectorLabels" $ | fromYaml)) }}
+{{- end }}
+{{- $constraints = append $constraints $constraint }}
+{{- end }}
+topologySpreadConstraints:
+  {{- toYaml $constraints | nindent 2 }}
 {{- end }}
 {{- end }}
 
