@@ -17,11 +17,10 @@ mod lifecycle;
 mod loopback;
 mod observability;
 mod openapi;
-// The servers a test stops and starts itself are for `tests/postgres`.
-#[allow(dead_code)]
 #[path = "../common/postgres.rs"]
 mod postgres;
 mod replica_env;
 mod replication;
+mod scale_out;
 mod storage_faults;
 mod writer;

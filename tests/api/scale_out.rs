@@ -1,0 +1,465 @@
+//! Many tally processes on one PostgreSQL database: the limits, counters
+//! and idempotency keys hold across processes, not just within one; a
+//! server that stops mid-load loses nothing acknowledged and tally
+//! recovers without a restart. Every process is the real binary; the
+//! server is the test command's (a fresh database per test) or, for the
+//! faults, one the test stops and starts itself.
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use futures_util::future::join_all;
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+
+use crate::{
+    helpers::{ADMIN, Binary, problem},
+    postgres::{self, PgServer},
+};
+
+/// `n` tally processes on the database at `url`.
+fn processes(n: usize, url: &str, extra: &[(&str, &str)]) -> Vec<Binary> {
+    (0..n)
+        .map(|_| {
+            let mut env = vec![("TALLY_DATABASE", url), ("TALLY_ADMIN_TOKEN", ADMIN)];
+            env.extend_from_slice(extra);
+            Binary::start(&env)
+        })
+        .collect()
+}
+
+async fn stop_all(bins: Vec<Binary>) {
+    for mut bin in bins {
+        bin.sigterm();
+        let status = bin.wait(Duration::from_secs(20)).await;
+        assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    }
+}
+
+async fn json(r: reqwest::Response) -> Value {
+    r.json().await.unwrap()
+}
+
+/// Four processes, many concurrent clients, one budget with small limits:
+/// exactly the limits are admitted, and every call is counted as the rule
+/// says (visitor first, then global; denied calls stay counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_processes_admit_exactly_a_budgets_limits() {
+    const VISITORS: usize = 20;
+    const CALLS: usize = 10;
+    const VISITOR_LIMIT: usize = 5;
+    const GLOBAL_LIMIT: usize = 60;
+    let url = postgres::fresh_database().await;
+    let bins = processes(4, &url, &[]);
+    let client = Client::new();
+    let r = client
+        .put(bins[0].url("/budgets/api"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": VISITOR_LIMIT, "global_limit": GLOBAL_LIMIT}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    // Every call of every visitor at once, spread over the processes.
+    let calls = (0..VISITORS * CALLS).map(|i| {
+        let visitor = format!("v{}", i % VISITORS);
+        let url = bins[i % bins.len()].url("/budgets/api/check");
+        let client = client.clone();
+        async move {
+            let r = client
+                .post(url)
+                .json(&json!({"visitor": visitor}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+            (visitor, json(r).await)
+        }
+    });
+    let answers = join_all(calls).await;
+
+    let mut allowed: HashMap<String, usize> = HashMap::new();
+    let mut global_calls_seen = HashSet::new();
+    for (visitor, d) in &answers {
+        if d["allowed"] == true {
+            *allowed.entry(visitor.clone()).or_default() += 1;
+            // Each admitted call took a global count of its own.
+            assert!(global_calls_seen.insert(d["global_calls"].as_i64().unwrap()));
+        }
+    }
+    let admitted: usize = allowed.values().sum();
+    assert_eq!(admitted, GLOBAL_LIMIT.min(VISITORS * VISITOR_LIMIT));
+    assert!(allowed.values().all(|&n| n <= VISITOR_LIMIT), "{allowed:?}");
+
+    let usage = json(
+        client
+            .get(bins[3].url("/budgets/api/usage?visitor=v7"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    // Every call that passed its visitor's limit reached the global count.
+    assert_eq!(usage["global_calls"], VISITORS * VISITOR_LIMIT);
+    assert_eq!(usage["visitor_calls"], CALLS);
+    stop_all(bins).await;
+}
+
+/// Eight processes incrementing one counter: every acknowledged value is
+/// distinct and the final value is their number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_processes_count_one_counter_exactly() {
+    const PER_CLIENT: usize = 40;
+    const CLIENTS_PER_PROCESS: usize = 4;
+    let url = postgres::fresh_database().await;
+    let bins = processes(8, &url, &[]);
+    let client = Client::new();
+    let clients = bins.iter().flat_map(|bin| {
+        (0..CLIENTS_PER_PROCESS).map(|_| {
+            let (client, url) = (client.clone(), bin.url("/counters/shared"));
+            async move {
+                let mut values = Vec::new();
+                for _ in 0..PER_CLIENT {
+                    let r = client.post(&url).send().await.unwrap();
+                    assert_eq!(r.status(), StatusCode::OK);
+                    values.push(json(r).await["value"].as_i64().unwrap());
+                }
+                values
+            }
+        })
+    });
+    let values: Vec<i64> = join_all(clients).await.into_iter().flatten().collect();
+    let total = (bins.len() * CLIENTS_PER_PROCESS * PER_CLIENT) as i64;
+    let distinct: HashSet<i64> = values.iter().copied().collect();
+    assert_eq!(distinct, (1..=total).collect::<HashSet<_>>());
+    for bin in &bins {
+        let v = json(
+            client
+                .get(bin.url("/counters/shared"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(v["value"], total);
+    }
+    stop_all(bins).await;
+}
+
+/// Retries of one Idempotency-Key land on different processes, at the same
+/// time and later: one effect, one answer, replayed everywhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_retried_on_other_processes_has_one_effect() {
+    const KEYS: usize = 30;
+    let url = postgres::fresh_database().await;
+    let bins = processes(4, &url, &[]);
+    let client = Client::new();
+    for round in 0..2 {
+        let tries =
+            (0..KEYS).flat_map(|k| bins.iter().map(move |bin| (k, bin.url("/counters/keyed"))));
+        let answers = join_all(tries.map(|(k, url)| {
+            let client = client.clone();
+            async move {
+                let r = client
+                    .post(url)
+                    .header("idempotency-key", format!("key-{k}"))
+                    .json(&json!({"by": 2}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+                let replayed = r.headers().contains_key("idempotent-replayed");
+                (k, json(r).await["value"].as_i64().unwrap(), replayed)
+            }
+        }))
+        .await;
+        let mut by_key: HashMap<usize, Vec<(i64, bool)>> = HashMap::new();
+        for (k, value, replayed) in answers {
+            by_key.entry(k).or_default().push((value, replayed));
+        }
+        for (k, tries) in &by_key {
+            let first = tries.iter().filter(|(_, replayed)| !replayed).count();
+            // In the first round exactly one try per key did it; in the
+            // second every try is a replay.
+            assert_eq!(first, usize::from(round == 0), "key {k}: {tries:?}");
+            assert!(
+                tries.iter().all(|(v, _)| *v == tries[0].0),
+                "key {k}: {tries:?}"
+            );
+        }
+    }
+    let v = json(
+        client
+            .get(bins[2].url("/counters/keyed"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(v["value"], 2 * KEYS);
+    // A key reused for another request is refused on any process.
+    let r = client
+        .post(bins[1].url("/counters/other"))
+        .header("idempotency-key", "key-0")
+        .send()
+        .await
+        .unwrap();
+    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(p["type"], "/problems/idempotency-key-reused");
+    stop_all(bins).await;
+}
+
+/// The first calls of a day prune old usage; two processes racing on it
+/// both succeed, the old days are gone once, and nothing of the kept days
+/// is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn processes_racing_on_a_days_prune_lose_nothing() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(2, &url, &[]);
+    let client = Client::new();
+    let r = client
+        .put(bins[0].url("/budgets/old"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 1000, "global_limit": 1000, "retention_days": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // Usage of long ago, as an earlier day's calls left it.
+    postgres::sql(
+        &url,
+        "INSERT INTO budget_visitor_usage VALUES ('old', '2001-01-01', 'a', 3), ('old', '2001-01-02', 'a', 4);
+         INSERT INTO budget_global_usage VALUES ('old', '2001-01-01', 3), ('old', '2001-01-02', 4);",
+    )
+    .await;
+    let checks = (0..200).map(|i| {
+        let (client, url) = (client.clone(), bins[i % 2].url("/budgets/old/check"));
+        async move {
+            let r = client
+                .post(url)
+                .json(&json!({"visitor": format!("v{}", i % 7)}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+            json(r).await
+        }
+    });
+    let answers = join_all(checks).await;
+    assert!(answers.iter().all(|d| d["allowed"] == true));
+    let usage = json(
+        client
+            .get(bins[1].url("/budgets/old/usage"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(usage["global_calls"], 200);
+    let metrics = |bin: &Binary| {
+        let (client, url) = (client.clone(), bin.url("/metrics"));
+        async move { client.get(url).send().await.unwrap().text().await.unwrap() }
+    };
+    let mut pruned = 0.0;
+    for bin in &bins {
+        pruned +=
+            crate::helpers::sample(&metrics(bin).await, "tally_budget_pruned_rows_total").unwrap();
+    }
+    // Both days of long ago, each a visitor row and a global row.
+    assert_eq!(pruned, 4.0);
+    stop_all(bins).await;
+}
+
+/// What a client saw of one write while the server went away and came back.
+#[derive(Debug, Default)]
+struct Seen {
+    acked: Vec<i64>,
+    unavailable: usize,
+    unknown: usize,
+    other: Vec<String>,
+}
+
+/// PostgreSQL stopped mid-load (fast shutdown: every session ended) and
+/// started again: writes answer 503 with Retry-After while it is gone (or
+/// outcome-unknown for a COMMIT cut off), budget checks deny with
+/// `meter_error`, `/ready` and `/livez` stay up, tally recovers without a
+/// restart, and no acknowledged write is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_stopped_mid_load_loses_nothing_acknowledged_and_recovers() {
+    let server = PgServer::start();
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let bins = processes(2, &url, &[]);
+    let client = Client::new();
+    let r = client
+        .put(bins[0].url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 1000000, "global_limit": 1000000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    let stop_at = Instant::now() + Duration::from_secs(6);
+    let writers = (0..8).map(|i| {
+        let (client, url) = (client.clone(), bins[i % 2].url("/counters/survivor"));
+        tokio::spawn(async move {
+            let mut seen = Seen::default();
+            while Instant::now() < stop_at {
+                let r = client.post(&url).send().await.unwrap();
+                match r.status() {
+                    StatusCode::OK => seen.acked.push(json(r).await["value"].as_i64().unwrap()),
+                    StatusCode::SERVICE_UNAVAILABLE => {
+                        assert_eq!(r.headers()["retry-after"], "1");
+                        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+                        assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
+                        seen.unavailable += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    StatusCode::INTERNAL_SERVER_ERROR => {
+                        let p = problem(r, StatusCode::INTERNAL_SERVER_ERROR).await;
+                        assert_eq!(p["type"], "/problems/outcome-unknown", "{p}");
+                        seen.unknown += 1;
+                    }
+                    s => seen.other.push(format!("{s}: {}", r.text().await.unwrap())),
+                }
+            }
+            seen
+        })
+    });
+    let writers: Vec<_> = writers.collect();
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.stop_fast();
+    // While it is gone: writes fail fast and clearly (above), checks
+    // deny, and tally itself stays alive and ready.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for bin in bins.iter() {
+        let r = client
+            .post(bin.url("/budgets/b/check"))
+            .json(&json!({"visitor": "v"}))
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(
+            (&p["reason"], &p["allowed"]),
+            (&json!("meter_error"), &json!(false))
+        );
+        let r = client
+            .get(bin.url("/counters/survivor"))
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(p["type"], "/problems/database-unavailable");
+        for path in ["/ready", "/livez"] {
+            let r = client.get(bin.url(path)).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK, "{path}");
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    server.start_again();
+    postgres::wait_until_up(&url, Duration::from_secs(20)).await;
+
+    let mut seen = Seen::default();
+    for w in writers {
+        let s = w.await.unwrap();
+        seen.acked.extend(s.acked);
+        seen.unavailable += s.unavailable;
+        seen.unknown += s.unknown;
+        seen.other.extend(s.other);
+    }
+    assert!(
+        seen.other.is_empty(),
+        "answers outside the contract: {:?}",
+        seen.other
+    );
+    assert!(seen.unavailable > 0, "the outage was never seen: {seen:?}");
+    // Writes commit again after the outage, without a restart.
+    let r = client
+        .post(bins[1].url("/counters/survivor"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    seen.acked.push(json(r).await["value"].as_i64().unwrap());
+    let value = json(
+        client
+            .get(bins[0].url("/counters/survivor"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await["value"]
+        .as_i64()
+        .unwrap();
+    let acked = seen.acked.len() as i64;
+    let distinct: HashSet<i64> = seen.acked.iter().copied().collect();
+    assert_eq!(
+        distinct.len() as i64,
+        acked,
+        "an acknowledged value was given twice"
+    );
+    // Every acknowledged write is there; the only others that may be are
+    // those whose COMMIT was cut off and were answered so.
+    assert!(
+        value >= acked && value <= acked + seen.unknown as i64,
+        "counter {value}, acknowledged {acked}, unknown {}",
+        seen.unknown
+    );
+    assert!(seen.acked.iter().all(|v| *v <= value));
+    let logs: String = bins.iter().map(Binary::log_text).collect();
+    assert!(logs.contains("the database cannot be reached"), "{logs}");
+    assert!(logs.contains("the database answers again"), "{logs}");
+    stop_all(bins).await;
+}
+
+/// Processes starting together on an empty database migrate it once
+/// between them (sqlx's migration lock) and all serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn processes_starting_together_migrate_once() {
+    let url = postgres::fresh_database().await;
+    let starts = (0..4).map(|_| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || Binary::start(&[("TALLY_DATABASE", url.as_str())]))
+    });
+    let bins: Vec<Binary> = join_all(starts)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let client = Client::new();
+    for bin in &bins {
+        let r = client.post(bin.url("/counters/m")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    let v = json(client.get(bins[0].url("/counters/m")).send().await.unwrap()).await;
+    assert_eq!(v["value"], 4);
+    stop_all(bins).await;
+}
+
+/// A server that cannot be reached at start is a clear startup failure,
+/// and the password in the URL is never printed.
+#[tokio::test]
+async fn an_unreachable_server_at_start_fails_clearly_without_the_password() {
+    let port = crate::loopback::free_port();
+    let url = format!("postgres://tally:sekret-pw@127.0.0.1:{port}/tally");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_LISTEN", "127.0.0.1:0")
+        .env("TALLY_DATABASE", &url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "cannot use PostgreSQL at postgres://tally:***@127.0.0.1:{port}/tally"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("sekret-pw"), "{err}");
+}
