@@ -41,6 +41,15 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest a statement may run before the server cancels it.
 pub const STATEMENT_TIMEOUT: &str = "10s";
 
+/// Longest a batch may take, all its statements and its COMMIT together. A
+/// server that stops answering without closing the connection (a network
+/// partition, a frozen host) would otherwise hold the writer, and every
+/// write queued behind it, until TCP gives up, minutes later.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Longest a read may take; see [`BATCH_TIMEOUT`].
+pub const READ_TIMEOUT: Duration = Duration::from_secs(12);
+
 /// How many times a batch that lost a race (deadlock, serialization
 /// failure) is run again before its callers hear 503.
 const RACE_RETRIES: u32 = 8;
@@ -66,12 +75,7 @@ pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> 
             Error::Database(e) => Error::Unavailable(e),
             e => e,
         }),
-        Err(_) => Err(Error::Unavailable(std::sync::Arc::new(sqlx::Error::Io(
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no connection within {CONNECT_TIMEOUT:?}"),
-            ),
-        )))),
+        Err(_) => Err(timed_out(CONNECT_TIMEOUT)),
     }
 }
 
@@ -123,7 +127,20 @@ impl WriterConn {
                 Ok(conn) => conn,
                 Err(e) => return Applied::none(e),
             };
-            let mut applied = apply_batch(conn, batch).await;
+            let Ok(mut applied) =
+                tokio::time::timeout(BATCH_TIMEOUT, apply_batch(conn, batch)).await
+            else {
+                // Cut off somewhere between BEGIN and COMMIT's answer: the
+                // batch may have committed.
+                tracing::error!(
+                    timeout = ?BATCH_TIMEOUT,
+                    batch = batch.len(),
+                    "PostgreSQL did not answer the batch in time; dropping the connection, \
+                     its writes' outcome is unknown"
+                );
+                self.drop_connection();
+                return Applied::none(Error::OutcomeUnknown);
+            };
             match &applied.commit {
                 Err(e) if e.is_retryable() && attempt < RACE_RETRIES => {
                     attempt += 1;
@@ -156,7 +173,10 @@ impl WriterConn {
     }
 
     pub async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
-        let r = keys::forget_expired(self.conn().await?).await;
+        let conn = self.conn().await?;
+        let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn))
+            .await
+            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         if let Err(Error::Unavailable(_)) = &r {
             self.drop_connection();
         }
@@ -422,6 +442,20 @@ impl Store for PgConnection {
                 .rows_affected(),
         )
     }
+}
+
+/// `read`, or [`Error::Unavailable`] after [`READ_TIMEOUT`].
+pub async fn bounded<T>(read: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+    tokio::time::timeout(READ_TIMEOUT, read)
+        .await
+        .unwrap_or_else(|_| Err(timed_out(READ_TIMEOUT)))
+}
+
+fn timed_out(after: Duration) -> Error {
+    Error::Unavailable(std::sync::Arc::new(sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("PostgreSQL did not answer within {after:?}"),
+    ))))
 }
 
 /// The named budgets that exist, in one statement.

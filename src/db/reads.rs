@@ -31,7 +31,9 @@ impl Readers {
     async fn counters(&self, names: &[&str]) -> Result<HashMap<String, i64>, Error> {
         let rows = match self {
             Readers::Sqlite(pool) => sqlite::read_counters(pool, names).await?,
-            Readers::Postgres(pool) => postgres::read_counters(pool, names).await?,
+            Readers::Postgres(pool) => {
+                postgres::bounded(postgres::read_counters(pool, names)).await?
+            }
         };
         Ok(rows.into_iter().collect())
     }
@@ -41,7 +43,9 @@ impl Readers {
         let names = [name.as_str()];
         let rows = match self {
             Readers::Sqlite(pool) => sqlite::load_budgets(pool, &names).await?,
-            Readers::Postgres(pool) => postgres::load_budgets(pool, &names).await?,
+            Readers::Postgres(pool) => {
+                postgres::bounded(postgres::load_budgets(pool, &names)).await?
+            }
         };
         budgets::one(rows, name)
     }
@@ -63,7 +67,9 @@ impl Readers {
         );
         let (global_calls, visitor_calls) = match self {
             Readers::Sqlite(pool) => sqlite::usage_counts(pool, b, &d, v).await?,
-            Readers::Postgres(pool) => postgres::usage_counts(pool, b, &d, v).await?,
+            Readers::Postgres(pool) => {
+                postgres::bounded(postgres::usage_counts(pool, b, &d, v)).await?
+            }
         };
         Ok(Usage {
             day,
