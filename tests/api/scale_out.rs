@@ -417,6 +417,53 @@ async fn postgres_stopped_mid_load_loses_nothing_acknowledged_and_recovers() {
     stop_all(bins).await;
 }
 
+/// A server that stops answering without closing connections (a network
+/// partition, a frozen host) does not hold the writer: the batch in flight
+/// is cut off and answered outcome-unknown, later writes answer 503
+/// database-unavailable, and writes commit again once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_that_stops_answering_does_not_hold_writes_forever() {
+    let server = PgServer::start();
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let bins = processes(1, &url, &[("TALLY_REQUEST_TIMEOUT", "60")]);
+    let client = Client::new();
+    let write = || client.post(bins[0].url("/counters/frozen")).send();
+    assert_eq!(write().await.unwrap().status(), StatusCode::OK);
+
+    server.freeze(true);
+    let started = Instant::now();
+    let cut_off = write().await.unwrap();
+    let took = started.elapsed();
+    let p = problem(cut_off, StatusCode::INTERNAL_SERVER_ERROR).await;
+    assert_eq!(p["type"], "/problems/outcome-unknown", "{p}");
+    assert!(took < Duration::from_secs(20), "held for {took:?}");
+    // The connection was dropped; a new one cannot be had while frozen.
+    let started = Instant::now();
+    let r = write().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
+
+    server.freeze(false);
+    let mut value = None;
+    for _ in 0..100 {
+        let r = write().await.unwrap();
+        if r.status() == StatusCode::OK {
+            value = json(r).await["value"].as_i64();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The first write, the one cut off (whichever way it went), this one.
+    let value = value.expect("writes commit again once the server answers");
+    assert!((2..=3).contains(&value), "{value}");
+    stop_all(bins).await;
+}
+
 /// Processes starting together on an empty database migrate it once
 /// between them (sqlx's migration lock) and all serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -154,8 +154,45 @@ impl PgServer {
     }
 }
 
+impl PgServer {
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server and every backend:
+    /// connections stay open and nothing answers, as in a network
+    /// partition.
+    pub fn freeze(&self, frozen: bool) {
+        use nix::sys::signal::{Signal, kill};
+        let pid_file = std::fs::read_to_string(self.data().join("postmaster.pid")).unwrap();
+        let postmaster: i32 = pid_file.lines().next().unwrap().trim().parse().unwrap();
+        let mut pids = vec![postmaster];
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // The parent pid is the second field after the command name.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<i32>().ok());
+            if ppid == Some(postmaster) {
+                pids.push(pid);
+            }
+        }
+        let signal = if frozen {
+            Signal::SIGSTOP
+        } else {
+            Signal::SIGCONT
+        };
+        for pid in pids {
+            let _ = kill(nix::unistd::Pid::from_raw(pid), signal);
+        }
+    }
+}
+
 impl Drop for PgServer {
     fn drop(&mut self) {
+        self.freeze(false);
         let _ = self
             .pg_ctl(&["-m", "immediate", "stop"])
             .stderr(Stdio::null())
