@@ -677,6 +677,61 @@ async fn the_image_runs_tally_alone_when_the_command_is_overridden() {
     assert!(took < Duration::from_secs(25), "stop took {took:?}");
 }
 
+/// The image as the chart runs it with `storage: postgres`: tally alone, a
+/// read-only root filesystem with only a tmpfs, the database a PostgreSQL
+/// URL. Two processes on one database share one counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_serves_from_postgres_as_the_chart_runs_it() {
+    let image = built();
+    let db = crate::postgres::fresh_database().await;
+    let client = Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let mut containers = Vec::new();
+    for n in 0..2 {
+        let c = Container::new(&format!("postgres-{n}"));
+        let port = free_port();
+        let env = [
+            ("TALLY_DATABASE", db.clone()),
+            ("TALLY_LISTEN", format!("127.0.0.1:{port}")),
+            ("TALLY_METRICS_LISTEN", format!("127.0.0.1:{}", free_port())),
+            ("TMPDIR", "/tmp".to_owned()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v));
+        let out = podman(
+            &run_args(
+                image,
+                &c,
+                true,
+                ["--tmpfs", "/tmp:rw,size=64m,mode=1777"],
+                &env,
+                &["tally"],
+            ),
+            Duration::from_secs(60),
+        )
+        .await;
+        assert!(out.status.success(), "{}", text(&out));
+        let url = move |p: &str| format!("http://127.0.0.1:{port}{p}");
+        wait_ready(&c, &url("/ready")).await;
+        containers.push((c, url));
+    }
+    for (c, url) in &containers {
+        let v = post(&client, &url("/counters/shared")).await;
+        assert!(v.is_ok(), "{v:?}: {}", c.logs().await);
+    }
+    for (c, url) in &containers {
+        assert_eq!(value(&client, &url("/counters/shared")).await, 2);
+        let logs = c.logs().await;
+        assert!(logs.contains("PostgreSQL open"), "{logs}");
+    }
+    for (c, _) in &containers {
+        let (code, took) = c.stop().await;
+        assert_eq!(code, 0, "{}", c.logs().await);
+        assert!(took < Duration::from_secs(25), "stop took {took:?}");
+    }
+}
+
 #[test]
 fn the_dockerfile_is_hadolint_clean() {
     let out = Command::new(tool_in("lint/bin", "hadolint"))
