@@ -7,6 +7,12 @@
 //!
 //! Request templates: `{name}` becomes one of `--names` counter names
 //! (`n0`..), `{visitor}` a random visitor id out of a million.
+//!
+//! `--addr` may be given more than once (several servers behind one load):
+//! connection `i` then targets address `i mod n`, so the connections are
+//! spread round-robin, and the output gains `by_addr`, the answers each
+//! address gave, in the order given. With one address the output is
+//! unchanged.
 
 use std::{
     collections::BTreeMap,
@@ -25,9 +31,10 @@ use tokio::net::TcpStream;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
-    /// Target address; must be on loopback.
-    #[arg(long)]
-    addr: SocketAddr,
+    /// Target address; must be on loopback. Repeat it to spread the
+    /// connections over several servers, round-robin.
+    #[arg(long, required = true)]
+    addr: Vec<SocketAddr>,
     #[arg(long, default_value = "GET")]
     method: Method,
     /// Path template, e.g. `/counters/{name}`.
@@ -108,11 +115,11 @@ fn render(template: &str, names: u32, rng: &mut fastrand::Rng) -> String {
     out
 }
 
-async fn connection(args: Args, deadline: Instant, seed: u64) -> Tally {
+async fn connection(args: Args, addr: SocketAddr, deadline: Instant, seed: u64) -> Tally {
     let mut tally = Tally::new();
     let mut rng = fastrand::Rng::with_seed(seed);
     'reconnect: while Instant::now() < deadline {
-        let Ok(stream) = TcpStream::connect(args.addr).await else {
+        let Ok(stream) = TcpStream::connect(addr).await else {
             tally.errors += 1;
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
@@ -169,7 +176,7 @@ fn summary(h: &Histogram<u64>) -> Value {
 fn main() {
     let args = Args::parse();
     assert!(
-        args.addr.ip().is_loopback(),
+        args.addr.iter().all(|a| a.ip().is_loopback()),
         "loadgen only targets loopback addresses"
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -178,21 +185,30 @@ fn main() {
         .build()
         .expect("runtime");
     let started = Instant::now();
-    let total = rt.block_on(async {
+    let (total, by_addr) = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs_f64(args.duration);
         let tasks: Vec<_> = (0..args.connections)
-            .map(|i| tokio::spawn(connection(args.clone(), deadline, i as u64 + 1)))
+            .map(|i| {
+                let addr = args.addr[i % args.addr.len()];
+                (
+                    i % args.addr.len(),
+                    tokio::spawn(connection(args.clone(), addr, deadline, i as u64 + 1)),
+                )
+            })
             .collect();
         let mut total = Tally::new();
-        for t in tasks {
-            total.merge(t.await.expect("connection task"));
+        let mut by_addr = vec![0u64; args.addr.len()];
+        for (slot, t) in tasks {
+            let tally = t.await.expect("connection task");
+            by_addr[slot] += tally.by_status.values().sum::<u64>();
+            total.merge(tally);
         }
-        total
+        (total, by_addr)
     });
     let elapsed = started.elapsed().as_secs_f64();
     let requests: u64 = total.by_status.values().sum();
     let ok = total.by_status.get(&200).copied().unwrap_or(0);
-    let out = json!({
+    let mut out = json!({
         "requests": requests,
         "elapsed_s": elapsed,
         "rps": requests as f64 / elapsed,
@@ -201,5 +217,14 @@ fn main() {
         "errors": total.errors,
         "latency": total.latency.iter().map(|(k, h)| (k.to_string(), summary(h))).collect::<serde_json::Map<_, _>>(),
     });
+    if args.addr.len() > 1 {
+        out["by_addr"] = args
+            .addr
+            .iter()
+            .zip(&by_addr)
+            .map(|(a, n)| json!({"addr": a.to_string(), "answers": n}))
+            .collect::<Vec<_>>()
+            .into();
+    }
     println!("{out}");
 }
