@@ -277,6 +277,9 @@ impl Store for PgConnection {
         Ok(())
     }
 
+    /// Planned anew for its arrays every time (an unnamed statement,
+    /// never cached): a plan cached while the tables were small joins the
+    /// keys against a sequential scan, and keeps doing so as they grow.
     async fn read_usage(
         &mut self,
         visitors: &[(&str, &str, &str)],
@@ -298,6 +301,7 @@ impl Store for PgConnection {
         .bind(column(visitors, |v| v.2))
         .bind(column(globals, |g| g.0))
         .bind(column(globals, |g| g.1))
+        .persistent(false)
         .fetch_all(self)
         .await?)
     }
