@@ -464,6 +464,84 @@ async fn a_server_that_stops_answering_does_not_hold_writes_forever() {
     stop_all(bins).await;
 }
 
+/// A deadlock between tally's batch and another transaction is PostgreSQL's
+/// to break, and its victim here is tally's: the writer runs the batch
+/// again and its callers only see their answers, a little later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
+    use sqlx::Connection;
+    let url = postgres::fresh_database().await;
+    // A slow writer, so that the two increments below share a batch.
+    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "300")]);
+    let client = Client::new();
+    let post = |name: &str| {
+        client
+            .post(bins[0].url(&format!("/counters/{name}")))
+            .send()
+    };
+    for name in ["a", "b"] {
+        assert_eq!(post(name).await.unwrap().status(), StatusCode::OK);
+    }
+    // Another transaction holds `b`.
+    let mut other = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; UPDATE counters SET value = value + 100 WHERE name = 'b'")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    // While the writer sleeps over a batch of `c`, `a` and `b` queue up
+    // and become the next batch, which locks `a`, then waits for `b`.
+    let c = post("c");
+    let c = tokio::spawn(c);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (a, b) = (post("a"), post("b"));
+    let batch = tokio::spawn(async move { futures_util::future::join(a, b).await });
+    // Until tally's writer waits for the lock on `b`.
+    let mut watch = sqlx::PgConnection::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = 'tally' AND wait_event_type = 'Lock'
+               AND datname = current_database()",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tally's batch never waited for `b`"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The other transaction now waits for `a`: a deadlock. tally's backend
+    // has waited longer, so its deadlock check runs first and it is the
+    // one cancelled; the other transaction goes on and commits.
+    sqlx::raw_sql("UPDATE counters SET value = value + 100 WHERE name = 'a'; COMMIT")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let (a, b) = batch.await.unwrap();
+    assert_eq!(c.await.unwrap().unwrap().status(), StatusCode::OK);
+    for r in [a.unwrap(), b.unwrap()] {
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(json(r).await["value"], 102);
+    }
+    let metrics = client
+        .get(bins[0].url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let retries = crate::helpers::sample(&metrics, "tally_write_retries_total").unwrap();
+    assert!(retries >= 1.0, "{retries}");
+    stop_all(bins).await;
+}
+
 /// Processes starting together on an empty database migrate it once
 /// between them (sqlx's migration lock) and all serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
