@@ -122,6 +122,11 @@ impl WriterConn {
     /// process.
     pub async fn apply(&mut self, batch: &[Queued]) -> Applied {
         let mut attempt = 0;
+        // A connection kept from an earlier batch may have died while idle
+        // (a server restart, a proxy's or firewall's idle timeout): a batch
+        // that finds it gone, before COMMIT, committed nothing and runs
+        // once more on a new one.
+        let mut stale = self.conn.is_some();
         loop {
             let conn = match self.conn().await {
                 Ok(conn) => conn,
@@ -156,6 +161,11 @@ impl WriterConn {
                     if let Err(Error::Database(source)) = &applied.commit {
                         applied.commit = Err(Error::Unavailable(source.clone()));
                     }
+                }
+                Err(Error::Unavailable(_)) if stale => {
+                    stale = false;
+                    self.drop_connection();
+                    continue;
                 }
                 Err(Error::Unavailable(_) | Error::OutcomeUnknown) => self.drop_connection(),
                 _ => {}
@@ -448,11 +458,25 @@ impl Store for PgConnection {
     }
 }
 
-/// `read`, or [`Error::Unavailable`] after [`READ_TIMEOUT`].
-pub async fn bounded<T>(read: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-    tokio::time::timeout(READ_TIMEOUT, read)
-        .await
-        .unwrap_or_else(|_| Err(timed_out(READ_TIMEOUT)))
+/// A read, within [`READ_TIMEOUT`] (else [`Error::Unavailable`]). A read
+/// that finds its pooled connection dead (it died while idle) runs once
+/// more: sqlx drops the dead one, and a read changes nothing.
+pub async fn read<T, F>(read: impl Fn() -> F) -> Result<T, Error>
+where
+    F: Future<Output = Result<T, Error>>,
+{
+    let bounded = || async {
+        tokio::time::timeout(READ_TIMEOUT, read())
+            .await
+            .unwrap_or_else(|_| Err(timed_out(READ_TIMEOUT)))
+    };
+    match tokio::time::timeout(READ_TIMEOUT, read()).await {
+        Err(_) => Err(timed_out(READ_TIMEOUT)),
+        // Quickly refused, not timed out: a dead connection, or a server
+        // that is down (then the second try fails as fast).
+        Ok(Err(Error::Unavailable(_))) => bounded().await,
+        Ok(r) => r,
+    }
 }
 
 fn timed_out(after: Duration) -> Error {

@@ -32,7 +32,7 @@ impl Readers {
         let rows = match self {
             Readers::Sqlite(pool) => sqlite::read_counters(pool, names).await?,
             Readers::Postgres(pool) => {
-                postgres::bounded(postgres::read_counters(pool, names)).await?
+                postgres::read(|| postgres::read_counters(pool, names)).await?
             }
         };
         Ok(rows.into_iter().collect())
@@ -44,7 +44,7 @@ impl Readers {
         let rows = match self {
             Readers::Sqlite(pool) => sqlite::load_budgets(pool, &names).await?,
             Readers::Postgres(pool) => {
-                postgres::bounded(postgres::load_budgets(pool, &names)).await?
+                postgres::read(|| postgres::load_budgets(pool, &names)).await?
             }
         };
         budgets::one(rows, name)
@@ -68,7 +68,7 @@ impl Readers {
         let (global_calls, visitor_calls) = match self {
             Readers::Sqlite(pool) => sqlite::usage_counts(pool, b, &d, v).await?,
             Readers::Postgres(pool) => {
-                postgres::bounded(postgres::usage_counts(pool, b, &d, v)).await?
+                postgres::read(|| postgres::usage_counts(pool, b, &d, v)).await?
             }
         };
         Ok(Usage {

@@ -542,6 +542,33 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
     stop_all(bins).await;
 }
 
+/// Connections that die while idle (a server restart, a proxy's idle
+/// timeout, an operator's `pg_terminate_backend`) cost no client an error:
+/// the next write and the next read find theirs dead and use new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_that_died_while_idle_cost_no_client_an_error() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(1, &url, &[]);
+    let client = Client::new();
+    let counter = bins[0].url("/counters/idle");
+    for expected in 1..=3 {
+        let r = client.post(&counter).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["value"], expected);
+        let r = client.get(&counter).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["value"], expected);
+        postgres::sql(
+            &url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop_all(bins).await;
+}
+
 /// Processes starting together on an empty database migrate it once
 /// between them (sqlx's migration lock) and all serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
