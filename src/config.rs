@@ -152,34 +152,28 @@ impl PostgresUrl {
 }
 
 impl fmt::Display for PostgresUrl {
-    /// The URL with the password of its user part and of a `password=`
-    /// parameter replaced by `***`.
+    /// The URL with its password, and every parameter that can hold one,
+    /// replaced by `***`. A URL that does not parse is not shown at all:
+    /// where its password is cannot be told.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let url = &self.0;
-        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(authority_end);
-        let authority = match authority.rsplit_once('@') {
-            Some((user, host)) => match user.split_once(':') {
-                Some((name, _)) => format!("{name}:***@{host}"),
-                None => format!("{user}@{host}"),
-            },
-            None => authority.to_owned(),
+        let Ok(mut url) = url::Url::parse(&self.0) else {
+            return f.write_str("<a PostgreSQL URL that does not parse>");
         };
-        let tail = match tail.split_once('?') {
-            Some((path, query)) => {
-                let query: Vec<String> = query
-                    .split('&')
-                    .map(|p| match p.split_once('=') {
-                        Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
-                        _ => p.to_owned(),
-                    })
-                    .collect();
-                format!("{path}?{}", query.join("&"))
-            }
-            None => tail.to_owned(),
-        };
-        write!(f, "{scheme}://{authority}{tail}")
+        if url.password().is_some() {
+            let _ = url.set_password(Some("***"));
+        }
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| match k.to_ascii_lowercase().contains("password") {
+                true => (k.into_owned(), "***".to_owned()),
+                false => (k.into_owned(), v.into_owned()),
+            })
+            .collect();
+        if !pairs.is_empty() {
+            url.query_pairs_mut().clear().extend_pairs(pairs);
+        }
+        // `***` stays readable rather than percent-encoded.
+        f.write_str(&url.as_str().replace("%2A%2A%2A", "***"))
     }
 }
 
@@ -346,6 +340,25 @@ mod tests {
         assert_eq!(s.database, Storage::Sqlite("./postgres/tally.db".into()));
         assert_eq!(s.database.engine(), "sqlite");
         assert!(parse("").is_err());
+        // Passwords the URL syntax makes hard to find are hidden all the
+        // same, or the URL is not shown.
+        for (url, secret) in [
+            ("postgres://pw:hunter/2@db/x", "hunter"),
+            ("postgres://u:p@ss:w/rd?#%x@db/x", "ss:w"),
+            ("postgres://u@db/x?pass%77ord=hunter2", "hunter2"),
+            (
+                "postgres://u@db/x?sslpassword=keyPassphrase9",
+                "keyPassphrase9",
+            ),
+            ("postgres://u@db/x?PASSWORD=Upper1", "Upper1"),
+            ("postgres://u:s%40cret@db/x", "cret"),
+        ] {
+            let Storage::Postgres(u) = parse(url).unwrap().database else {
+                panic!("{url}")
+            };
+            let shown = u.to_string();
+            assert!(!shown.contains(secret), "{url} -> {shown}");
+        }
     }
 
     #[test]

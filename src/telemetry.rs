@@ -9,7 +9,13 @@ use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 /// (`RUST_LOG` syntax, default `info`); the format from `TALLY_LOG_FORMAT`
 /// (`json` or `text`, default by whether stderr is a terminal).
 pub fn init() {
-    let filter = EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter =
+        EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // sqlx warns of a URL parameter it does not know with the parameter's
+    // value, which can be a password (`sslpassword=...`).
+    if let Ok(quiet) = "sqlx_postgres::options=error".parse() {
+        filter = filter.add_directive(quiet);
+    }
     let json = match std::env::var("TALLY_LOG_FORMAT").as_deref() {
         Ok("json") => true,
         Ok("text") => false,

@@ -41,11 +41,21 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest a statement may run before the server cancels it.
 pub const STATEMENT_TIMEOUT: &str = "10s";
 
-/// Longest a batch may take, all its statements and its COMMIT together. A
+/// Longest a transaction may sit idle before the server ends it. The writer
+/// never waits between the statements of a batch.
+pub const IDLE_IN_TRANSACTION_TIMEOUT: &str = "30s";
+
+/// Longest a batch may take, all its statements and its COMMIT together:
+/// this, plus [`BATCH_TIMEOUT_PER_COMMAND`] for each of its commands. A
 /// server that stops answering without closing the connection (a network
 /// partition, a frozen host) would otherwise hold the writer, and every
 /// write queued behind it, until TCP gives up, minutes later.
 const BATCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What each command adds to [`BATCH_TIMEOUT`]: a batch run command by
+/// command (keyed writes) costs several round trips per command, and a
+/// large one on a distant server must not be cut off while it progresses.
+const BATCH_TIMEOUT_PER_COMMAND: Duration = Duration::from_millis(40);
 
 /// Longest a read may take; see [`BATCH_TIMEOUT`].
 pub const READ_TIMEOUT: Duration = Duration::from_secs(12);
@@ -59,9 +69,16 @@ const RACE_RETRIES: u32 = 8;
 /// `pg_stat_activity`).
 pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
     let options: PgConnectOptions = url.parse()?;
-    Ok(options
-        .application_name("tally")
-        .options([("statement_timeout", STATEMENT_TIMEOUT)]))
+    Ok(options.application_name("tally").options([
+        ("statement_timeout", STATEMENT_TIMEOUT),
+        // A transaction whose client vanished (a partition that lost the
+        // close) would otherwise keep its row locks for hours, and every
+        // process's writes to those rows would time out behind it.
+        (
+            "idle_in_transaction_session_timeout",
+            IDLE_IN_TRANSACTION_TIMEOUT,
+        ),
+    ]))
 }
 
 /// One connection, or [`Error::Unavailable`] within [`CONNECT_TIMEOUT`].
@@ -103,7 +120,8 @@ pub struct WriterConn {
 impl WriterConn {
     pub fn new(options: PgConnectOptions) -> Self {
         WriterConn {
-            options,
+            // Told apart from the readers in `pg_stat_activity`.
+            options: options.application_name("tally-writer"),
             conn: None,
         }
     }
@@ -132,13 +150,15 @@ impl WriterConn {
                 Ok(conn) => conn,
                 Err(e) => return Applied::none(e),
             };
-            let Ok(mut applied) =
-                tokio::time::timeout(BATCH_TIMEOUT, apply_batch(conn, batch)).await
+            let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
+            let limit =
+                BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
+            let Ok(mut applied) = tokio::time::timeout(limit, apply_batch(conn, batch)).await
             else {
                 // Cut off somewhere between BEGIN and COMMIT's answer: the
                 // batch may have committed.
                 tracing::error!(
-                    timeout = ?BATCH_TIMEOUT,
+                    timeout = ?limit,
                     batch = batch.len(),
                     "PostgreSQL did not answer the batch in time; dropping the connection, \
                      its writes' outcome is unknown"
@@ -151,10 +171,11 @@ impl WriterConn {
                     attempt += 1;
                     metrics::counter!("tally_write_retries_total").increment(1);
                     tracing::debug!(error = %e, attempt, "batch lost a race; running it again");
-                    // Back off a little, with jitter, so two processes
-                    // that deadlocked do not meet again at once.
-                    let jitter = u64::from(std::process::id() % 7 + attempt);
-                    tokio::time::sleep(Duration::from_millis(jitter * 2)).await;
+                    // Back off a little, at random (every pod's tally is PID
+                    // 1, so nothing about the process tells them apart), so
+                    // that two processes that deadlocked do not meet again
+                    // at once.
+                    tokio::time::sleep(backoff(attempt)).await;
                     continue;
                 }
                 Err(e) if e.is_retryable() => {
@@ -200,6 +221,16 @@ impl WriterConn {
             tracing::warn!(error = %e, "closing the writer's PostgreSQL connection failed");
         }
     }
+}
+
+/// A random wait of up to 2^attempt ms (at most 256 ms).
+fn backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let ceiling = 1u64 << attempt.min(8);
+    Duration::from_micros(random % (ceiling * 1000))
 }
 
 /// SQLSTATE 22003, numeric_value_out_of_range: a counter left `bigint`.
@@ -266,8 +297,19 @@ impl Store for PgConnection {
         Ok(())
     }
 
+    /// With a share lock on each budget until COMMIT: a check decides with
+    /// the limits that hold when it commits. A `PUT` committed on another
+    /// process while this one waited for a day's lock is seen (the lock
+    /// waits for it, then reads its row), and a later `PUT` waits for this
+    /// transaction.
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
-        load_budgets(self, names).await
+        Ok(sqlx::query_as(
+            "SELECT name, visitor_limit, global_limit, retention_days, timezone
+             FROM budgets WHERE name = ANY($1) ORDER BY name FOR SHARE",
+        )
+        .bind(names)
+        .fetch_all(self)
+        .await?)
     }
 
     /// Creates each day's global row if missing and locks it: the no-op
@@ -381,19 +423,24 @@ impl Store for PgConnection {
             .await?;
             return Ok(r.rows_affected());
         }
-        let mut deleted = 0;
-        for sql in [
-            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2",
-            "DELETE FROM budget_global_usage WHERE budget = $1 AND day = $2",
-        ] {
-            let r = sqlx::query(sql)
+        let visitors =
+            sqlx::query("DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2")
                 .bind(budget)
                 .bind(day)
                 .execute(&mut *self)
-                .await?;
-            deleted += r.rows_affected();
-        }
-        Ok(deleted)
+                .await?
+                .rows_affected();
+        // The day's lock may have created its global row at 0 calls: that
+        // one held no usage, and is not counted as deleted.
+        let globals: i64 = sqlx::query_scalar(
+            "WITH d AS (DELETE FROM budget_global_usage WHERE budget = $1 AND day = $2 RETURNING calls)
+             SELECT count(*) FROM d WHERE calls > 0",
+        )
+        .bind(budget)
+        .bind(day)
+        .fetch_one(self)
+        .await?;
+        Ok(visitors + u64::try_from(globals).unwrap_or(0))
     }
 
     /// Inserts the key with an empty answer. If another transaction holds
@@ -426,7 +473,8 @@ impl Store for PgConnection {
                 .fetch_optional(self)
                 .await?;
         // Gone between the two statements (forgotten as expired by another
-        // process): a race lost, worth the batch's retry.
+        // process, which only forgets keys a day old): the caller hears an
+        // error and may retry.
         stored
             .map(Some)
             .ok_or_else(|| Error::Internal("an idempotency key vanished while claimed".into()))
@@ -449,11 +497,17 @@ impl Store for PgConnection {
 
     async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error> {
         Ok(
-            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
-                .bind(cutoff)
-                .execute(self)
-                .await?
-                .rows_affected(),
+            // A bounded share at a time, so that a backlog of millions
+            // never runs into the statement timeout; the rest goes next
+            // time (once a minute).
+            sqlx::query(
+                "DELETE FROM idempotency_keys WHERE key IN
+                   (SELECT key FROM idempotency_keys WHERE created_at < $1 LIMIT 10000)",
+            )
+            .bind(cutoff)
+            .execute(self)
+            .await?
+            .rows_affected(),
         )
     }
 }

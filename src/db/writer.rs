@@ -342,9 +342,6 @@ impl Writer {
             None => commit,
         };
         self.log_commit(&commit, size);
-        if keyed && lost.is_none() {
-            self.forget_expired_keys().await;
-        }
         let took = started.elapsed();
         self.stats.record_batch(size, took);
         metrics::histogram!("tally_commit_batch_size").record(size as f64);
@@ -360,6 +357,10 @@ impl Writer {
         });
         for (q, reply) in batch.drain(..).zip(replies.into_iter().chain(missing)) {
             answer(q, reply, &commit);
+        }
+        // After the answers: nobody waits for the clean-up.
+        if keyed && lost.is_none() {
+            self.forget_expired_keys().await;
         }
         match lost {
             Some(lost) => Err(lost),
@@ -381,6 +382,10 @@ impl Writer {
                 "the database cannot be reached: writes fail (503) until it answers again",
                 "the database answers again: writes commit again",
             ),
+            Err(e @ Error::OutcomeUnknown) => {
+                tracing::error!(error = %e, batch = size, "the batch's COMMIT may or may not have happened; every caller in it hears outcome-unknown");
+                return;
+            }
             Err(e) => {
                 tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
                 return;
@@ -517,17 +522,20 @@ async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Appl
 /// as it does on some I/O errors), the commands after it do not run and
 /// every caller gets the error.
 async fn apply_one_by_one(conn: &mut impl Store, batch: &[Queued]) -> Applied {
-    let mut replies = Vec::with_capacity(batch.len());
+    let mut replies: Vec<Option<Reply>> =
+        std::iter::repeat_with(|| None).take(batch.len()).collect();
     let mut broken = begin(conn).await.err();
     let began = broken.is_none();
-    for q in batch {
-        if let Some(e) = &broken {
-            replies.push(Reply::new(Err(e.clone())));
-            continue;
-        }
-        let (reply, end) = apply_in_savepoint(conn, q).await;
-        replies.push(reply);
-        broken = end.err();
+    for i in lock_order(batch) {
+        let reply = match &broken {
+            Some(e) => Reply::new(Err(e.clone())),
+            None => {
+                let (reply, end) = apply_in_savepoint(conn, &batch[i]).await;
+                broken = end.err();
+                reply
+            }
+        };
+        replies[i] = Some(reply);
     }
     let commit = match broken {
         Some(e) => {
@@ -538,7 +546,32 @@ async fn apply_one_by_one(conn: &mut impl Store, batch: &[Queued]) -> Applied {
         }
         None => commit(conn).await,
     };
+    let missing = || {
+        Reply::new(Err(Error::Internal(
+            "a command of the batch was never applied".into(),
+        )))
+    };
+    let replies = replies
+        .into_iter()
+        .map(|r| r.unwrap_or_else(missing))
+        .collect();
     Applied { replies, commit }
+}
+
+/// The order a batch is applied in: counters before budgets, each by name,
+/// commands on one name in queue order (a stable sort). Commands on
+/// different names touch different rows and commute, so every caller's
+/// answer is one it could have had in queue order; and every tally process
+/// takes its row locks in the same order, so two batches with the same
+/// names cannot deadlock on them.
+fn lock_order(batch: &[Queued]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by_key(|&i| match &batch[i].command {
+        Command::Increment { name, .. } => (0, name.as_str()),
+        Command::PutBudget { name, .. } => (1, name.as_str()),
+        Command::Check { budget, .. } | Command::Reset { budget, .. } => (1, budget.as_str()),
+    });
+    order
 }
 
 /// Applies one command inside a savepoint. A command that fails is
