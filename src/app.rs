@@ -323,7 +323,7 @@ pub enum StopReason {
 /// gate that succeeds proves Litestream outlived that read, so the pid read
 /// was Litestream's. This holds only when tally is Litestream's direct child
 /// (a wrapper script must `exec` tally), which is logged at start.
-pub async fn stop_requested(parent: Option<u32>) -> StopReason {
+pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()>) -> StopReason {
     let orphaned = async {
         let Some(pid) = parent else {
             return std::future::pending().await;
@@ -360,35 +360,38 @@ pub async fn stop_requested(parent: Option<u32>) -> StopReason {
         }
     };
     tokio::select! {
-        () = shutdown_signal() => StopReason::Signal,
+        () = signal => StopReason::Signal,
         why = orphaned => why,
     }
 }
 
-/// Resolves on SIGTERM or ctrl-c.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for ctrl-c");
-            std::future::pending::<()>().await;
+/// Listens for SIGTERM and ctrl-c (SIGINT) from the moment it is called,
+/// and resolves on the first. Call it before serving: until a handler is
+/// installed, SIGTERM's default action kills the process, and an
+/// orchestrator may send it right after the first answer.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let listen = |kind: SignalKind, name: &'static str| {
+        let stream = signal(kind);
+        async move {
+            match stream {
+                Ok(mut s) => {
+                    s.recv().await;
+                    tracing::info!("{name} received, shutting down");
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for {name}");
+                    std::future::pending::<()>().await;
+                }
+            }
         }
     };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
+    let term = listen(SignalKind::terminate(), "SIGTERM");
+    let int = listen(SignalKind::interrupt(), "ctrl-c");
+    async move {
+        tokio::select! {
+            () = term => {}
+            () = int => {}
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => tracing::info!("ctrl-c received, shutting down"),
-        () = term => tracing::info!("SIGTERM received, shutting down"),
     }
 }

@@ -40,10 +40,12 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
     // Under Litestream, tally stops with its parent.
     let parent = settings.litestream_socket.is_some().then_some(parent);
+    // Before anything is served: a SIGTERM from then on drains.
+    let signal = tally::app::shutdown_signal();
     let app = Application::build(settings).await?;
     let (why_tx, why) = tokio::sync::oneshot::channel();
     app.run_until_stopped(async move {
-        let _ = why_tx.send(stop_requested(parent).await);
+        let _ = why_tx.send(stop_requested(parent, signal).await);
     })
     .await?;
     // Drained cleanly, but without Litestream nothing replicates: exit
