@@ -132,7 +132,9 @@ impl From<sqlx::Error> for Error {
 /// it refused a statement: no connection, a connection lost, a pool with
 /// no connection to give in time, or PostgreSQL's own words for the same
 /// (SQLSTATE class 08, connection exceptions; 57P01-57P03, shutting down
-/// or starting; 53300, out of connection slots).
+/// or starting; 53300, out of connection slots; 57014, a statement
+/// cancelled by `statement_timeout`, and 55P03, a lock not had in time:
+/// the server did not get to it, and a retry later can succeed).
 fn is_unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut => true,
@@ -140,7 +142,11 @@ fn is_unreachable(e: &sqlx::Error) -> bool {
             .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
             .is_some_and(|pg| {
                 let code = pg.code();
-                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300")
+                code.starts_with("08")
+                    || matches!(
+                        code,
+                        "57P01" | "57P02" | "57P03" | "53300" | "57014" | "55P03"
+                    )
             }),
         _ => false,
     }
