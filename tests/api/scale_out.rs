@@ -183,7 +183,9 @@ async fn a_key_retried_on_other_processes_has_one_effect() {
             async move {
                 // Retries of one key racing on several processes can
                 // deadlock each other; a batch that loses 8 times in a row
-                // is answered 503, and the client retries as told.
+                // is answered 503 (nothing written), a request that takes
+                // longer than the request timeout 503 too (outcome
+                // unknown): the client retries with its key, as told.
                 let mut r;
                 let mut tries = 0;
                 loop {
@@ -212,9 +214,12 @@ async fn a_key_retried_on_other_processes_has_one_effect() {
         }
         for (k, tries) in &by_key {
             let first = tries.iter().filter(|(_, replayed)| !replayed).count();
-            // In the first round exactly one try per key did it; in the
-            // second every try is a replay.
-            assert_eq!(first, usize::from(round == 0), "key {k}: {tries:?}");
+            // In the first round at most one try per key did it (none was
+            // answered so when the one that did timed out: its client's
+            // retry was a replay); in the second every try is a replay.
+            // One effect per key either way: one value per key, and the
+            // total below.
+            assert!(first <= usize::from(round == 0), "key {k}: {tries:?}");
             assert!(
                 tries.iter().all(|(v, _)| *v == tries[0].0),
                 "key {k}: {tries:?}"
