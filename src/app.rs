@@ -49,6 +49,7 @@ impl Application {
             // Litestream must see every WAL frame before it is checkpointed
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,
+            lock_timeout: settings.postgres_lock_timeout,
             writer_delay: settings
                 .test_writer_delay_ms
                 .map(std::time::Duration::from_millis),

@@ -81,6 +81,14 @@ pub struct Settings {
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub readers: u32,
 
+    /// PostgreSQL only: longest a write waits, in seconds, for a row that
+    /// another transaction holds (an operator's open session, say); then
+    /// that write alone is answered 503 row-busy, and the rest of its batch
+    /// commits. At most 9 s: below the statement timeout.
+    #[arg(long, env = "TALLY_POSTGRES_LOCK_TIMEOUT", default_value = "2",
+          value_parser = parse_lock_timeout)]
+    pub postgres_lock_timeout: Duration,
+
     /// Bearer token for the admin endpoints; admin is disabled (403) when unset.
     #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -236,6 +244,17 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_positive_seconds(s)?;
+    if d > Duration::from_secs(9) {
+        return Err(format!(
+            "`{s}` must be at most 9 seconds: a longer wait would be cut off by the \
+             statement timeout (10 s) and answered as an unreachable database"
+        ));
+    }
+    Ok(d)
+}
+
 fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
     let d = parse_seconds(s)?;
     if d < Duration::from_millis(1) {
@@ -270,6 +289,7 @@ impl fmt::Debug for Settings {
             .field("max_batch", &self.max_batch)
             .field("synchronous", &self.synchronous)
             .field("readers", &self.readers)
+            .field("postgres_lock_timeout", &self.postgres_lock_timeout)
             .field(
                 "admin_token",
                 &self.admin_token.as_ref().map(|_| "<redacted>"),

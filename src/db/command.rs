@@ -79,21 +79,23 @@ pub struct Queued {
 /// Every `result` label `tally_write_commands_total` can carry, per command
 /// kind ([`Command::kind`]): `ok`, the refusals a command can meet
 /// ([`Error::kind`]), the storage's failures (a full disk, a lost file, a
-/// database server out of reach, a COMMIT whose outcome is unknown), and
+/// database server out of reach, a row locked elsewhere past the lock
+/// timeout, a COMMIT whose outcome is unknown), and
 /// `not_committed` for a batch whose COMMIT failed for another reason.
 /// Exported at 0 from the start so that a first failure is an increase an
 /// alert can see.
 #[rustfmt::skip]
 pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
-    ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
-    ("put_budget", &["ok", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
-    ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
-    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DOWN, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("put_budget", &["ok", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
 ];
 
 const FULL: &str = "storage_full";
 const LOST: &str = "storage_lost";
 const DOWN: &str = "unavailable";
+const BUSY: &str = "busy";
 const UNKNOWN: &str = "outcome_unknown";
 const DATABASE: &str = "database_error";
 pub const NOT_COMMITTED: &str = "not_committed";
@@ -106,6 +108,15 @@ impl Command {
             Command::PutBudget { .. } => "put_budget",
             Command::Check { .. } => "check",
             Command::Reset { .. } => "reset",
+        }
+    }
+
+    /// Whether what it does depends on the time: the day a check counts
+    /// on or a reset clears, and the days a budget keeps.
+    pub fn goes_by_the_time(&self) -> bool {
+        match self {
+            Command::Check { .. } | Command::Reset { .. } => true,
+            Command::Increment { .. } | Command::PutBudget { .. } => false,
         }
     }
 
@@ -180,6 +191,7 @@ mod tests {
             Error::StorageFull(db()),
             Error::StorageLost(Arc::from(std::path::Path::new("x"))),
             Error::Unavailable(db()),
+            Error::Busy(db()),
             Error::OutcomeUnknown,
             Error::Database(db()),
         ]

@@ -31,9 +31,7 @@ pub async fn claim(
     key: &IdempotencyKey,
     fingerprint: &str,
 ) -> Result<Option<Stored>, Error> {
-    let stored = conn
-        .claim_key(key.as_str(), fingerprint, unix_now())
-        .await?;
+    let stored = conn.claim_key(key.as_str(), fingerprint).await?;
     Ok(stored.map(|(fingerprint, result)| Stored {
         fingerprint,
         result,
@@ -54,8 +52,7 @@ pub async fn remember(
         Outcome::Decision(d) => encode_decision(d),
         Outcome::Budget(_) | Outcome::Reset { .. } => return Ok(()),
     };
-    conn.remember_key(key.as_str(), fingerprint, &result, unix_now())
-        .await
+    conn.remember_key(key.as_str(), fingerprint, &result).await
 }
 
 /// The answer stored for `command`'s key, as that command answers.
@@ -78,11 +75,12 @@ pub fn replay(command: &Command, stored: &Stored) -> Result<Outcome, Error> {
 
 /// Forgets keys older than [`KEY_TTL`]; returns how many.
 pub async fn forget_expired(conn: &mut impl Store) -> Result<u64, Error> {
-    conn.forget_keys_before(unix_now() - KEY_TTL.as_secs() as i64)
-        .await
+    conn.forget_keys_older_than(KEY_TTL).await
 }
 
-fn unix_now() -> i64 {
+/// This process's clock in unix seconds: the keys' clock on SQLite, where
+/// one process is the only writer.
+pub(super) fn unix_now() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)

@@ -62,6 +62,9 @@ pub struct DbOptions {
     /// Whether tally checkpoints the WAL (automatically, and once more when it
     /// closes). Off when Litestream owns checkpointing.
     pub checkpoints: bool,
+    /// PostgreSQL: longest a command waits for a row another transaction
+    /// holds, before it is answered busy.
+    pub lock_timeout: Duration,
     /// Test hook: the writer sleeps this long before each batch.
     pub writer_delay: Option<Duration>,
     /// Test hook: the writer panics on taking batch number N+1.
@@ -103,6 +106,13 @@ pub enum Error {
     /// answers again.
     #[error("the database cannot be reached: {0}")]
     Unavailable(#[source] Arc<sqlx::Error>),
+    /// A row the command needs was held by another transaction (another
+    /// process's batch, an operator's open transaction) for longer than
+    /// the lock timeout: this command wrote nothing, and the same write
+    /// succeeds once the row is released. The batch's other commands are
+    /// not held up by it.
+    #[error("a row it needs was locked by another transaction past the lock timeout: {0}")]
+    Busy(#[source] Arc<sqlx::Error>),
     /// The database failed. Shared, because one failed COMMIT is every
     /// caller's answer in a batch.
     #[error("database error: {0}")]
@@ -120,6 +130,8 @@ impl From<sqlx::Error> for Error {
             Error::Closed
         } else if is_storage_full(&e) {
             Error::StorageFull(Arc::new(e))
+        } else if is_lock_timeout(&e) {
+            Error::Busy(Arc::new(e))
         } else if is_unreachable(&e) {
             Error::Unavailable(Arc::new(e))
         } else {
@@ -128,36 +140,46 @@ impl From<sqlx::Error> for Error {
     }
 }
 
-/// Whether `e` says the database server is out of reach, rather than that
-/// it refused a statement: no connection, a connection lost, a pool with
-/// no connection to give in time, or PostgreSQL's own words for the same
-/// (SQLSTATE class 08, connection exceptions; 57P01-57P03, shutting down
-/// or starting; 53300, out of connection slots; 57014, a statement
-/// cancelled by `statement_timeout`, and 55P03, a lock not had in time:
-/// the server did not get to it, and a retry later can succeed).
+/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
+fn pg_code(e: &sqlx::Error) -> Option<&str> {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .map(|pg| pg.code())
+}
+
+/// Whether `e` says the database server is out of reach or cannot take
+/// writes now, rather than that it refused a statement: no connection, a
+/// connection lost, a pool with no connection to give in time, or
+/// PostgreSQL's own words for the same: SQLSTATE class 08, connection
+/// exceptions; 57P01-57P03, shutting down or starting; 53300, out of
+/// connection slots; 57014, a statement cancelled by `statement_timeout`;
+/// and 25006, a read-only transaction: a standby, or a primary demoted by
+/// a switchover, that a connection still reaches. In every case the server
+/// did not do it, and a retry later (on a new connection, see
+/// [`Error::needs_new_connection`]) can succeed.
 fn is_unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut => true,
-        sqlx::Error::Database(db) => db
-            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-            .is_some_and(|pg| {
-                let code = pg.code();
-                code.starts_with("08")
-                    || matches!(
-                        code,
-                        "57P01" | "57P02" | "57P03" | "53300" | "57014" | "55P03"
-                    )
-            }),
-        _ => false,
+        _ => pg_code(e).is_some_and(|code| {
+            code.starts_with("08")
+                || matches!(
+                    code,
+                    "57P01" | "57P02" | "57P03" | "53300" | "57014" | "25006"
+                )
+        }),
     }
+}
+
+/// PostgreSQL's lock_not_available (55P03): a lock not had within
+/// `lock_timeout`.
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    pg_code(e) == Some("55P03")
 }
 
 /// PostgreSQL's serialization failure and deadlock: the transaction lost a
 /// race with another and is worth running again.
 fn is_retryable(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .is_some_and(|pg| matches!(pg.code(), "40001" | "40P01"))
+    matches!(pg_code(e), Some("40001" | "40P01"))
 }
 
 /// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
@@ -202,6 +224,7 @@ impl Error {
             Error::StorageFull(_) => "storage_full",
             Error::StorageLost(_) => "storage_lost",
             Error::Unavailable(_) => "unavailable",
+            Error::Busy(_) => "busy",
             Error::Database(_) | Error::Internal(_) => "database_error",
         }
     }
@@ -211,6 +234,22 @@ impl Error {
     /// ([`Self::is_retryable`]). Then no command of the batch can commit.
     pub(crate) fn breaks_transaction(&self) -> bool {
         matches!(self, Error::Unavailable(_)) || self.is_retryable()
+    }
+
+    /// Whether the connection that gave this error is of no more use: it
+    /// broke, the server ended it, or the server it reaches cannot take
+    /// writes (a standby, a demoted primary). A new connection, resolving
+    /// the host name again, may reach the server that can.
+    pub(crate) fn needs_new_connection(&self) -> bool {
+        let Error::Unavailable(e) = self else {
+            return false;
+        };
+        match &**e {
+            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+            e => pg_code(e).is_some_and(|code| {
+                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
+            }),
+        }
     }
 
     /// A serialization failure or deadlock: the same transaction run again
@@ -237,6 +276,7 @@ impl Error {
             Error::StorageFull(_)
                 | Error::StorageLost(_)
                 | Error::Unavailable(_)
+                | Error::Busy(_)
                 | Error::Database(_)
                 | Error::Internal(_)
         )

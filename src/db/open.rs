@@ -99,7 +99,7 @@ async fn open_postgres(url: &PostgresUrl, opts: &DbOptions) -> Result<(Handle, W
         url: url.to_string(),
         reason,
     };
-    let options = postgres::connect_options(url.expose())
+    let options = postgres::connect_options(url.expose(), opts.lock_timeout)
         .map_err(|e| fail(format!("not a usable URL: {e}")))?;
     let mut conn = postgres::connect(&options)
         .await
@@ -110,7 +110,10 @@ async fn open_postgres(url: &PostgresUrl, opts: &DbOptions) -> Result<(Handle, W
         .map_err(|e| fail(format!("cannot migrate: {e}")))?;
     let _ = sqlx::Connection::close(conn).await;
     tracing::info!(url = %url, readers = opts.readers, "PostgreSQL open");
-    let readers = Readers::Postgres(postgres::readers(options.clone(), opts.readers));
+    let readers = Readers::Postgres(Arc::new(postgres::Readers::new(
+        options.clone(),
+        opts.readers,
+    )));
     let backend = Backend::Postgres(postgres::WriterConn::new(options));
     Ok(assemble(readers, backend, opts))
 }

@@ -15,16 +15,37 @@
 //! at once, and the first batch after it answers again reconnects. A COMMIT
 //! whose connection broke has an unknown outcome and is answered so.
 //!
+//! One clock decides for every process: the database server's. The day a
+//! check counts on, a day's window and an idempotency key's age are read
+//! from `now()` inside the transaction, never from the clock of the
+//! process that happens to run it.
+//!
+//! A row held by a transaction outside tally (an operator's session left
+//! open) is waited for at most the lock timeout: then only the commands on
+//! that row are answered busy, and the rest of their batch commits.
+//!
+//! A connection that reaches a server which cannot take writes (a standby,
+//! or a primary demoted by a switchover that a Service or DNS name still
+//! points to) is of no use: it is dropped, and the next batch or read
+//! connects anew. Readers go to the primary too, so that a read after a
+//! `200` sees that write.
+//!
 //! The SQL stays within what PostgreSQL 15 and CockroachDB both accept:
-//! `ON CONFLICT`, `RETURNING`, `unnest` of arrays, `= ANY`.
+//! `ON CONFLICT`, `RETURNING`, `unnest` of arrays, `= ANY`. Names are
+//! compared and ordered byte by byte (`COLLATE "C"`, as Rust orders
+//! strings), whatever the database's default collation.
 
-use std::time::Duration;
-
-use jiff::Timestamp;
-use sqlx::{
-    Connection, Executor, PgConnection, PgPool, Postgres,
-    postgres::{PgConnectOptions, PgPoolOptions},
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
 };
+
+use deadpool::managed::{self, Object, PoolError, RecycleError};
+use jiff::Timestamp;
+use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 
 use super::{
     Error,
@@ -34,6 +55,9 @@ use super::{
     writer::{Applied, apply_batch},
 };
 use crate::meter::BudgetSpec;
+
+/// A boxed future, as a read hands it over.
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Longest wait for a connection to the server, the writer's or a reader's.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -64,13 +88,22 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(12);
 /// failure) is run again before its callers hear 503.
 const RACE_RETRIES: u32 = 8;
 
+/// Longest an idle read connection is kept.
+const READER_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The connection options every connection of the process uses: the URL's,
-/// plus a statement timeout and the application's name (seen in
-/// `pg_stat_activity`).
-pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
+/// plus the statement, lock and idle-transaction timeouts and the
+/// application's name (seen in `pg_stat_activity`).
+pub fn connect_options(url: &str, lock_timeout: Duration) -> Result<PgConnectOptions, sqlx::Error> {
     let options: PgConnectOptions = url.parse()?;
+    let lock_timeout = format!("{}ms", lock_timeout.as_millis().max(1));
     Ok(options.application_name("tally").options([
         ("statement_timeout", STATEMENT_TIMEOUT),
+        // A row held by a session outside tally (an operator's open
+        // transaction) is waited for this long, no more: then the command
+        // that needs it is answered busy, and the rest of its batch goes
+        // on without it.
+        ("lock_timeout", lock_timeout.as_str()),
         // A transaction whose client vanished (a partition that lost the
         // close) would otherwise keep its row locks for hours, and every
         // process's writes to those rows would time out behind it.
@@ -81,10 +114,33 @@ pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
     ]))
 }
 
-/// One connection, or [`Error::Unavailable`] within [`CONNECT_TIMEOUT`].
+/// One connection to a server that takes writes, or
+/// [`Error::Unavailable`] within [`CONNECT_TIMEOUT`], at the server's first
+/// refusal: the host name is resolved anew every time.
 pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> {
-    match tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(options)).await {
-        Ok(Ok(conn)) => Ok(conn),
+    let connected = async {
+        let mut conn = PgConnection::connect_with(options).await?;
+        // What libpq's `target_session_attrs=read-write` asks: a standby,
+        // or a database whose sessions start read-only, cannot take a
+        // write, and a read there may not see the last one.
+        let read_only: bool = sqlx::query_scalar(
+            "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool",
+        )
+        .fetch_one(&mut conn)
+        .await?;
+        Ok::<_, sqlx::Error>((conn, read_only))
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, connected).await {
+        Ok(Ok((conn, false))) => Ok(conn),
+        Ok(Ok((conn, true))) => {
+            let _ = conn.close().await;
+            Err(Error::Unavailable(Arc::new(sqlx::Error::Io(
+                std::io::Error::other(
+                    "the server takes no writes (a standby, or read-only): \
+                     tally needs the primary",
+                ),
+            ))))
+        }
         Ok(Err(e)) => Err(match Error::from(e) {
             // Refused credentials or an unknown database are not a
             // passing outage, but they are the server's answer all the
@@ -96,18 +152,138 @@ pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> 
     }
 }
 
-/// The read pool: at most `readers` connections, opened on demand.
-pub fn readers(options: PgConnectOptions, readers: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(readers.max(1))
-        .min_connections(0)
-        .acquire_timeout(CONNECT_TIMEOUT)
-        // sqlx pings a connection when it is released and drops it if the
-        // ping fails; a second ping before every read would double the
-        // round trips.
-        .test_before_acquire(false)
-        .idle_timeout(Duration::from_secs(60))
-        .connect_lazy_with(options)
+/// The read connections: at most `readers`, opened on demand.
+///
+/// Not sqlx's pool: it keeps trying to connect until its acquire timeout
+/// while the server refuses (down, or out of connection slots), so a read
+/// took seconds to be answered 503; and it hands out one idle connection
+/// after another that a server restart had killed. Here a refused
+/// connection is answered at once, and a read that finds its pooled
+/// connection dead drops every idle one and runs once more on a new one.
+pub struct Readers {
+    pool: managed::Pool<ReaderConnections>,
+    /// Whether reads fail for an unreachable server now: its start and end
+    /// are logged once, not once per failed read.
+    failing: AtomicBool,
+}
+
+struct ReaderConnections {
+    options: PgConnectOptions,
+}
+
+impl managed::Manager for ReaderConnections {
+    type Type = PgConnection;
+    type Error = Error;
+
+    async fn create(&self) -> Result<PgConnection, Error> {
+        connect(&self.options).await
+    }
+
+    async fn recycle(
+        &self,
+        _: &mut PgConnection,
+        metrics: &managed::Metrics,
+    ) -> managed::RecycleResult<Error> {
+        // No ping: it would double every read's round trips. A dead
+        // connection is found by the read itself (see `Readers::read`).
+        match metrics.last_used() > READER_IDLE_TIMEOUT {
+            true => Err(RecycleError::message("idle too long")),
+            false => Ok(()),
+        }
+    }
+}
+
+impl Readers {
+    pub fn new(options: PgConnectOptions, readers: u32) -> Self {
+        let pool = managed::Pool::builder(ReaderConnections { options })
+            .max_size(usize::try_from(readers.max(1)).unwrap_or(1))
+            .wait_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(deadpool::Runtime::Tokio1)
+            .build();
+        let pool = match pool {
+            Ok(pool) => pool,
+            // Only a missing runtime fails a build, and one is given.
+            Err(e) => unreachable!("the read pool cannot be built: {e}"),
+        };
+        Readers {
+            pool,
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// Runs `read` on a connection, within [`READ_TIMEOUT`]. A connection
+    /// found dead (it died while idle: a server restart, a proxy's idle
+    /// timeout) is dropped with every idle one, which died with it most
+    /// likely, and the read runs once more on a new connection: a read
+    /// changes nothing.
+    ///
+    /// `read` is called once per try with the connection; what it reads
+    /// with is owned by its future (async closures borrowing both would not
+    /// be `Send` for every lifetime, which a spawned task needs).
+    pub async fn read<T>(
+        &self,
+        read: impl Fn(&mut PgConnection) -> BoxFuture<'_, Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let mut again = true;
+        let result = loop {
+            let mut conn = match self.pool.get().await {
+                Ok(conn) => conn,
+                Err(PoolError::Backend(e)) => break Err(e),
+                Err(PoolError::Closed) => break Err(Error::Closed),
+                Err(PoolError::Timeout(_)) => break Err(timed_out(CONNECT_TIMEOUT)),
+                Err(e) => break Err(Error::Internal(format!("read pool: {e}").into())),
+            };
+            let pooled = Object::metrics(&conn).recycle_count > 0;
+            let Ok(r) = tokio::time::timeout(READ_TIMEOUT, read(&mut conn)).await else {
+                // Left in the middle of a statement: of no more use.
+                drop(Object::take(conn));
+                break Err(timed_out(READ_TIMEOUT));
+            };
+            match r {
+                Err(e) if e.needs_new_connection() => {
+                    drop(Object::take(conn));
+                    if pooled && again {
+                        again = false;
+                        self.pool.retain(|_, _| false);
+                        continue;
+                    }
+                    break Err(e);
+                }
+                r => break r,
+            }
+        };
+        self.note_outage(&result);
+        result
+    }
+
+    /// Logs when reads start failing for an unreachable server, and when
+    /// they stop: once each, however many reads fail in between (each is
+    /// counted by route and status in the HTTP metrics).
+    fn note_outage<T>(&self, result: &Result<T, Error>) {
+        let failing = matches!(result, Err(Error::Unavailable(_)));
+        if self.failing.swap(failing, Ordering::Relaxed) == failing {
+            return;
+        }
+        match result {
+            Err(e) if failing => {
+                tracing::error!(error = %e, "reads: the database cannot be reached")
+            }
+            _ => tracing::warn!("reads: the database answers again"),
+        }
+    }
+
+    /// Connections open, and how many of them are idle.
+    pub fn size_and_idle(&self) -> (u32, usize) {
+        let status = self.pool.status();
+        (
+            u32::try_from(status.size).unwrap_or(u32::MAX),
+            status.available,
+        )
+    }
+
+    pub fn close(&self) {
+        self.pool.close();
+    }
 }
 
 /// The writer's connection: opened when a batch needs one, dropped when it
@@ -163,7 +339,7 @@ impl WriterConn {
                     "PostgreSQL did not answer the batch in time; dropping the connection, \
                      its writes' outcome is unknown"
                 );
-                self.drop_connection();
+                self.conn = None;
                 return Applied::none(Error::OutcomeUnknown);
             };
             match &applied.commit {
@@ -183,22 +359,30 @@ impl WriterConn {
                         applied.commit = Err(Error::Unavailable(source.clone()));
                     }
                 }
-                Err(Error::Unavailable(_)) if stale => {
+                Err(e) if e.needs_new_connection() && stale => {
                     stale = false;
-                    self.drop_connection();
+                    let e = e.clone();
+                    self.drop_connection(&e);
                     continue;
                 }
-                Err(Error::Unavailable(_) | Error::OutcomeUnknown) => self.drop_connection(),
+                Err(e) if e.needs_new_connection() => {
+                    let e = e.clone();
+                    self.drop_connection(&e);
+                }
+                Err(Error::OutcomeUnknown) => self.drop_connection(&Error::OutcomeUnknown),
                 _ => {}
             }
+            log_busy(batch, &applied);
             return applied;
         }
     }
 
-    fn drop_connection(&mut self) {
+    /// Forgets the connection: the next batch connects anew.
+    fn drop_connection(&mut self, why: &Error) {
         if self.conn.take().is_some() {
             tracing::warn!(
-                "writer lost its PostgreSQL connection; reconnecting for the next batch"
+                error = %why,
+                "writer dropped its PostgreSQL connection; the next batch connects anew"
             );
         }
     }
@@ -208,8 +392,10 @@ impl WriterConn {
         let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
-        if let Err(Error::Unavailable(_)) = &r {
-            self.drop_connection();
+        if let Err(e) = &r
+            && e.needs_new_connection()
+        {
+            self.drop_connection(e);
         }
         r
     }
@@ -220,6 +406,30 @@ impl WriterConn {
         {
             tracing::warn!(error = %e, "closing the writer's PostgreSQL connection failed");
         }
+    }
+}
+
+/// Names the commands of a committed batch that found their row held by
+/// another transaction past the lock timeout: one line per batch, and a
+/// batch that meets a held row waits the lock timeout, so a row held for
+/// long is not one line per request.
+fn log_busy(batch: &[Queued], applied: &Applied) {
+    if applied.commit.is_err() {
+        return;
+    }
+    let busy: Vec<String> = batch
+        .iter()
+        .zip(&applied.replies)
+        .filter(|(_, r)| matches!(r.outcome, Err(Error::Busy(_))))
+        .map(|(q, _)| q.command.to_string())
+        .collect();
+    if let Some(first) = busy.first() {
+        tracing::warn!(
+            commands = busy.len(),
+            first = %first,
+            "rows held by another transaction past the lock timeout (a session outside \
+             tally?): those commands were answered row-busy, the rest of the batch committed"
+        );
     }
 }
 
@@ -245,8 +455,36 @@ fn column<T, U>(rows: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
     rows.iter().map(f).collect()
 }
 
+/// `now()` (the transaction's start) as a timestamp: microseconds since
+/// the epoch, which every PostgreSQL keeps.
+macro_rules! now_micros {
+    () => {
+        "(extract(epoch FROM now()) * 1000000)::int8"
+    };
+}
+
+fn timestamp(micros: i64) -> Result<Timestamp, Error> {
+    Timestamp::from_microsecond(micros)
+        .map_err(|e| Error::Internal(format!("the server's clock reads {micros} us: {e}").into()))
+}
+
 impl Store for PgConnection {
     const BEGIN: &'static str = "BEGIN";
+
+    /// A row lock is waited for 250 ms at most: past that the batch runs
+    /// again command by command, where only the commands on the busy row
+    /// wait for it (up to the configured lock timeout). Batches of other
+    /// tally processes hold their rows for milliseconds.
+    const BEGIN_SET_BASED: &'static str = "BEGIN; SET LOCAL lock_timeout = '250ms'";
+
+    /// The server's clock, at the transaction's start: the same for every
+    /// process, however far their own clocks drift.
+    async fn now(&mut self) -> Result<Timestamp, Error> {
+        let micros: i64 = sqlx::query_scalar(concat!("SELECT ", now_micros!()))
+            .fetch_one(self)
+            .await?;
+        timestamp(micros)
+    }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
         sqlx::raw_sql(sql).execute(self).await?;
@@ -260,7 +498,7 @@ impl Store for PgConnection {
         let rows = sqlx::query_as(
             "INSERT INTO counters AS c (name, value)
              SELECT name, value FROM unnest($1::text[], $2::int8[]) AS t (name, value)
-             ORDER BY name
+             ORDER BY name COLLATE \"C\"
              ON CONFLICT (name) DO UPDATE SET value = c.value + excluded.value
              RETURNING name, value",
         )
@@ -278,7 +516,8 @@ impl Store for PgConnection {
     async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6)
+             VALUES ($1, $2, $3, $4, $5,
+                     to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'))
              ON CONFLICT (name) DO UPDATE SET
                  visitor_limit = excluded.visitor_limit,
                  global_limit = excluded.global_limit,
@@ -291,7 +530,6 @@ impl Store for PgConnection {
         .bind(i64::from(spec.global_limit))
         .bind(i64::from(spec.retention_days))
         .bind(&spec.timezone_name)
-        .bind(Timestamp::now().to_string())
         .execute(self)
         .await?;
         Ok(())
@@ -305,7 +543,7 @@ impl Store for PgConnection {
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
         Ok(sqlx::query_as(
             "SELECT name, visitor_limit, global_limit, retention_days, timezone
-             FROM budgets WHERE name = ANY($1) ORDER BY name FOR SHARE",
+             FROM budgets WHERE name = ANY($1) ORDER BY name COLLATE \"C\" FOR SHARE",
         )
         .bind(names)
         .fetch_all(self)
@@ -319,7 +557,7 @@ impl Store for PgConnection {
         sqlx::query(
             "INSERT INTO budget_global_usage AS g (budget, day, calls)
              SELECT budget, day, 0 FROM unnest($1::text[], $2::text[]) AS t (budget, day)
-             ORDER BY budget, day
+             ORDER BY budget COLLATE \"C\", day COLLATE \"C\"
              ON CONFLICT (budget, day) DO UPDATE SET calls = g.calls",
         )
         .bind(column(days, |d| d.0))
@@ -451,16 +689,14 @@ impl Store for PgConnection {
         &mut self,
         key: &str,
         fingerprint: &str,
-        now: i64,
     ) -> Result<Option<StoredKey>, Error> {
         let claimed = sqlx::query(
             "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-             VALUES ($1, $2, '', $3)
+             VALUES ($1, $2, '', extract(epoch FROM now())::int8)
              ON CONFLICT (key) DO NOTHING",
         )
         .bind(key)
         .bind(fingerprint)
-        .bind(now)
         .execute(&mut *self)
         .await?
         .rows_affected();
@@ -485,7 +721,6 @@ impl Store for PgConnection {
         key: &str,
         _fingerprint: &str,
         result: &str,
-        _now: i64,
     ) -> Result<(), Error> {
         sqlx::query("UPDATE idempotency_keys SET result = $2 WHERE key = $1")
             .bind(key)
@@ -495,41 +730,23 @@ impl Store for PgConnection {
         Ok(())
     }
 
-    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error> {
+    /// By the server's clock: a process whose own clock runs a day ahead
+    /// must not forget a key another process has just stored.
+    async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
         Ok(
             // A bounded share at a time, so that a backlog of millions
             // never runs into the statement timeout; the rest goes next
             // time (once a minute).
             sqlx::query(
                 "DELETE FROM idempotency_keys WHERE key IN
-                   (SELECT key FROM idempotency_keys WHERE created_at < $1 LIMIT 10000)",
+                   (SELECT key FROM idempotency_keys
+                    WHERE created_at < extract(epoch FROM now())::int8 - $1 LIMIT 10000)",
             )
-            .bind(cutoff)
+            .bind(i64::try_from(age.as_secs()).unwrap_or(i64::MAX))
             .execute(self)
             .await?
             .rows_affected(),
         )
-    }
-}
-
-/// A read, within [`READ_TIMEOUT`] (else [`Error::Unavailable`]). A read
-/// that finds its pooled connection dead (it died while idle) runs once
-/// more: sqlx drops the dead one, and a read changes nothing.
-pub async fn read<T, F>(read: impl Fn() -> F) -> Result<T, Error>
-where
-    F: Future<Output = Result<T, Error>>,
-{
-    let bounded = || async {
-        tokio::time::timeout(READ_TIMEOUT, read())
-            .await
-            .unwrap_or_else(|_| Err(timed_out(READ_TIMEOUT)))
-    };
-    match tokio::time::timeout(READ_TIMEOUT, read()).await {
-        Err(_) => Err(timed_out(READ_TIMEOUT)),
-        // Quickly refused, not timed out: a dead connection, or a server
-        // that is down (then the second try fails as fast).
-        Ok(Err(Error::Unavailable(_))) => bounded().await,
-        Ok(r) => r,
     }
 }
 
@@ -540,27 +757,43 @@ fn timed_out(after: Duration) -> Error {
     ))))
 }
 
-/// The named budgets that exist, in one statement.
-pub async fn load_budgets<'c>(
-    db: impl Executor<'c, Database = Postgres>,
-    names: &[&str],
-) -> Result<Vec<BudgetRow>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT name, visitor_limit, global_limit, retention_days, timezone
-         FROM budgets WHERE name = ANY($1)",
-    )
+/// The named budgets that exist, in one statement, and the server's clock.
+pub async fn load_budgets(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<(Vec<BudgetRow>, Timestamp), Error> {
+    let rows: Vec<(String, i64, i64, i64, String, i64)> = sqlx::query_as(concat!(
+        "SELECT name, visitor_limit, global_limit, retention_days, timezone, ",
+        now_micros!(),
+        " FROM budgets WHERE name = ANY($1)"
+    ))
     .bind(names)
-    .fetch_all(db)
-    .await?)
+    .fetch_all(conn)
+    .await?;
+    // No budget, no day to tell: this process's clock does as well.
+    let now = match rows.first() {
+        Some(row) => timestamp(row.5)?,
+        None => Timestamp::now(),
+    };
+    let rows = rows
+        .into_iter()
+        .map(|(name, visitor, global, retention, timezone, _)| {
+            (name, visitor, global, retention, timezone)
+        })
+        .collect();
+    Ok((rows, now))
 }
 
 /// The current values of many counters in one statement; names never
 /// written are absent.
-pub async fn read_counters(pool: &PgPool, names: &[&str]) -> Result<Vec<(String, i64)>, Error> {
+pub async fn read_counters(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<Vec<(String, i64)>, Error> {
     Ok(
         sqlx::query_as("SELECT name, value FROM counters WHERE name = ANY($1)")
             .bind(names)
-            .fetch_all(pool)
+            .fetch_all(conn)
             .await?,
     )
 }
@@ -568,10 +801,10 @@ pub async fn read_counters(pool: &PgPool, names: &[&str]) -> Result<Vec<(String,
 /// A day's global calls of a budget and, if asked, one visitor's, in one
 /// statement (one snapshot); absent rows read as 0.
 pub async fn usage_counts(
-    pool: &PgPool,
-    budget: &str,
-    day: &str,
-    visitor: Option<&str>,
+    conn: &mut PgConnection,
+    budget: String,
+    day: String,
+    visitor: Option<String>,
 ) -> Result<(i64, Option<i64>), Error> {
     Ok(sqlx::query_as(
         "SELECT
@@ -582,6 +815,6 @@ pub async fn usage_counts(
     .bind(budget)
     .bind(day)
     .bind(visitor)
-    .fetch_one(pool)
+    .fetch_one(conn)
     .await?)
 }

@@ -13,7 +13,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use jiff::Timestamp;
-use sqlx::{PgPool, SqlitePool};
+use sqlx::SqlitePool;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::{Error, budgets, postgres, sqlite};
@@ -23,7 +23,7 @@ use crate::meter::{Budget, Day, Name, Usage, VisitorId};
 #[derive(Clone)]
 pub(super) enum Readers {
     Sqlite(SqlitePool),
-    Postgres(PgPool),
+    Postgres(Arc<postgres::Readers>),
 }
 
 impl Readers {
@@ -32,7 +32,12 @@ impl Readers {
         let rows = match self {
             Readers::Sqlite(pool) => sqlite::read_counters(pool, names).await?,
             Readers::Postgres(pool) => {
-                postgres::read(|| postgres::read_counters(pool, names)).await?
+                let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+                pool.read(|conn| {
+                    let names = names.clone();
+                    Box::pin(async move { postgres::read_counters(conn, &names).await })
+                })
+                .await?
             }
         };
         Ok(rows.into_iter().collect())
@@ -40,14 +45,26 @@ impl Readers {
 
     /// One budget, or [`crate::meter::Refusal::UnknownBudget`].
     pub async fn budget(&self, name: &Name) -> Result<Budget, Error> {
-        let names = [name.as_str()];
-        let rows = match self {
-            Readers::Sqlite(pool) => sqlite::load_budgets(pool, &names).await?,
+        self.budget_and_now(name).await.map(|(budget, _)| budget)
+    }
+
+    /// One budget, and the time its days go by: the server's clock on
+    /// PostgreSQL, the one every process's writer goes by too.
+    async fn budget_and_now(&self, name: &Name) -> Result<(Budget, Timestamp), Error> {
+        let (rows, now) = match self {
+            Readers::Sqlite(pool) => (
+                sqlite::load_budgets(pool, &[name.as_str()]).await?,
+                Timestamp::now(),
+            ),
             Readers::Postgres(pool) => {
-                postgres::read(|| postgres::load_budgets(pool, &names)).await?
+                pool.read(|conn| {
+                    let names = [name.as_str().to_owned()];
+                    Box::pin(async move { postgres::load_budgets(conn, &names).await })
+                })
+                .await?
             }
         };
-        budgets::one(rows, name)
+        Ok((budgets::one(rows, name)?, now))
     }
 
     /// A budget's usage on a day it keeps (its today by default); the two
@@ -59,7 +76,8 @@ impl Readers {
         day: Option<Day>,
         visitor: Option<&VisitorId>,
     ) -> Result<Usage, Error> {
-        let day = self.budget(budget).await?.day(day, Timestamp::now())?;
+        let (found, now) = self.budget_and_now(budget).await?;
+        let day = found.day(day, now)?;
         let (b, d, v) = (
             budget.as_str(),
             day.to_string(),
@@ -68,7 +86,11 @@ impl Readers {
         let (global_calls, visitor_calls) = match self {
             Readers::Sqlite(pool) => sqlite::usage_counts(pool, b, &d, v).await?,
             Readers::Postgres(pool) => {
-                postgres::read(|| postgres::usage_counts(pool, b, &d, v)).await?
+                pool.read(|conn| {
+                    let (b, d, v) = (b.to_owned(), d.clone(), v.map(str::to_owned));
+                    Box::pin(postgres::usage_counts(conn, b, d, v))
+                })
+                .await?
             }
         };
         Ok(Usage {
@@ -82,14 +104,14 @@ impl Readers {
     pub fn size_and_idle(&self) -> (u32, usize) {
         match self {
             Readers::Sqlite(pool) => (pool.size(), pool.num_idle()),
-            Readers::Postgres(pool) => (pool.size(), pool.num_idle()),
+            Readers::Postgres(pool) => pool.size_and_idle(),
         }
     }
 
     pub async fn close(&self) {
         match self {
             Readers::Sqlite(pool) => pool.close().await,
-            Readers::Postgres(pool) => pool.close().await,
+            Readers::Postgres(pool) => pool.close(),
         }
     }
 }

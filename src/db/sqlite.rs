@@ -7,11 +7,13 @@
 //! are `BEGIN IMMEDIATE`: nothing else can write between two statements, so
 //! [`Store::lock_days`] has nothing to do.
 
+use std::time::Duration;
+
 use jiff::Timestamp;
 use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
 use super::{
-    Error,
+    Error, keys,
     store::{BudgetRow, Store, StoredKey, UsageRow},
     to_json,
 };
@@ -52,6 +54,11 @@ fn totals_json(totals: &[(&str, i64)]) -> String {
 
 impl Store for SqliteConnection {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
+
+    /// This process's clock: it is the database's only writer.
+    async fn now(&mut self) -> Result<Timestamp, Error> {
+        Ok(Timestamp::now())
+    }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
         sqlx::raw_sql(sql).execute(self).await?;
@@ -209,7 +216,6 @@ impl Store for SqliteConnection {
         &mut self,
         key: &str,
         _fingerprint: &str,
-        _now: i64,
     ) -> Result<Option<StoredKey>, Error> {
         let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
         Ok(q.bind(key).fetch_optional(self).await?)
@@ -220,7 +226,6 @@ impl Store for SqliteConnection {
         key: &str,
         fingerprint: &str,
         result: &str,
-        now: i64,
     ) -> Result<(), Error> {
         sqlx::query(
             "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
@@ -229,13 +234,14 @@ impl Store for SqliteConnection {
         .bind(key)
         .bind(fingerprint)
         .bind(result)
-        .bind(now)
+        .bind(keys::unix_now())
         .execute(self)
         .await?;
         Ok(())
     }
 
-    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error> {
+    async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
+        let cutoff = keys::unix_now() - i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
         Ok(
             sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
                 .bind(cutoff)

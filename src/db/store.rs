@@ -29,6 +29,17 @@ pub(super) trait Store {
     /// Opens the writer's transaction.
     const BEGIN: &'static str;
 
+    /// Opens a transaction for a batch applied set-based: one whose
+    /// statements each touch many rows. It may wait for a row lock for
+    /// less than [`Self::BEGIN`]'s would: a batch held up by one row
+    /// locked elsewhere is run again command by command, where only the
+    /// commands on that row wait for it.
+    const BEGIN_SET_BASED: &'static str = Self::BEGIN;
+
+    /// The time the transaction's rules go by (today, a day's window):
+    /// the one clock every process writing the database shares.
+    async fn now(&mut self) -> Result<jiff::Timestamp, Error>;
+
     /// A statement without parameters or rows (transaction control).
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error>;
 
@@ -48,7 +59,7 @@ pub(super) trait Store {
         &mut self,
         totals: &[(&str, i64)],
     ) -> Result<Option<Vec<(String, i64)>>, Error> {
-        self.exec(Self::BEGIN).await?;
+        self.exec(Self::BEGIN_SET_BASED).await?;
         match self.upsert_counters(totals).await? {
             Some(rows) => {
                 self.exec("COMMIT").await.map_err(Error::at_commit)?;
@@ -103,12 +114,9 @@ pub(super) trait Store {
     /// transaction's until it ends, and [`Self::remember_key`] stores the
     /// answer. A concurrent transaction claiming the same key waits for
     /// this one and then sees its answer.
-    async fn claim_key(
-        &mut self,
-        key: &str,
-        fingerprint: &str,
-        now: i64,
-    ) -> Result<Option<StoredKey>, Error>;
+    /// A key is stamped with the time of [`Self::now`]'s clock.
+    async fn claim_key(&mut self, key: &str, fingerprint: &str)
+    -> Result<Option<StoredKey>, Error>;
 
     /// Stores the answer for a key this transaction claimed.
     async fn remember_key(
@@ -116,9 +124,9 @@ pub(super) trait Store {
         key: &str,
         fingerprint: &str,
         result: &str,
-        now: i64,
     ) -> Result<(), Error>;
 
-    /// Forgets keys created before `cutoff` (unix seconds); returns how many.
-    async fn forget_keys_before(&mut self, cutoff: i64) -> Result<u64, Error>;
+    /// Forgets keys stored longer ago than `age` by [`Self::now`]'s clock
+    /// (some of them, if there are very many); returns how many.
+    async fn forget_keys_older_than(&mut self, age: std::time::Duration) -> Result<u64, Error>;
 }

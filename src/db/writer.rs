@@ -446,7 +446,7 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &[Queued]) -> Appl
 /// of command, a statement failed, or a counter would overflow. An error
 /// that breaks the transaction ([`Error::breaks_transaction`]) is the
 /// whole batch's answer.
-async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Applied> {
+async fn apply_set_based<S: Store>(conn: &mut S, batch: &[Queued]) -> Option<Applied> {
     let mut increments = Vec::new();
     let mut checks = Vec::new();
     for q in batch {
@@ -472,6 +472,11 @@ async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Appl
         let (values, commit) = match applied {
             Ok(Some(values)) => (values, Ok(())),
             Ok(None) => return None,
+            // One row held elsewhere: one by one, only its commands wait.
+            Err(Error::Busy(_)) => {
+                let _ = conn.exec("ROLLBACK").await;
+                return None;
+            }
             Err(e) => {
                 let _ = conn.exec("ROLLBACK").await;
                 (Vec::new(), Err(e))
@@ -482,10 +487,11 @@ async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Appl
         let replies = in_queue_order(batch, values, Vec::new());
         return Some(Applied { replies, commit });
     }
-    if let Err(e) = begin(conn).await {
+    if let Err(e) = begin(conn, S::BEGIN_SET_BASED).await {
         return e.breaks_transaction().then(|| Applied::none(e));
     }
     let applied = async {
+        let now = conn.now().await?;
         let values = match increments.is_empty() {
             true => Some(Vec::new()),
             false => counters::increment_many(conn, &increments).await?,
@@ -493,7 +499,7 @@ async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Appl
         let Some(values) = values else {
             return Ok(None);
         };
-        let decisions = budgets::check_many(conn, &checks, Timestamp::now()).await?;
+        let decisions = budgets::check_many(conn, &checks, now).await?;
         Ok::<_, Error>(Some((values, decisions)))
     }
     .await;
@@ -521,19 +527,37 @@ async fn apply_set_based(conn: &mut impl Store, batch: &[Queued]) -> Option<Appl
 /// cannot be rolled back because SQLite already rolled everything back,
 /// as it does on some I/O errors), the commands after it do not run and
 /// every caller gets the error.
-async fn apply_one_by_one(conn: &mut impl Store, batch: &[Queued]) -> Applied {
+async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &[Queued]) -> Applied {
     let mut replies: Vec<Option<Reply>> =
         std::iter::repeat_with(|| None).take(batch.len()).collect();
-    let mut broken = begin(conn).await.err();
+    let mut broken = begin(conn, S::BEGIN).await.err();
     let began = broken.is_none();
+    // Read once per batch, from the database's clock on PostgreSQL (a
+    // round trip): only if a command of the batch goes by the time.
+    let mut now = Timestamp::UNIX_EPOCH;
+    if broken.is_none() && batch.iter().any(|q| q.command.goes_by_the_time()) {
+        match conn.now().await {
+            Ok(t) => now = t,
+            Err(e) => broken = Some(e),
+        }
+    }
+    // A row that a command of this batch found locked past the lock
+    // timeout: the commands after it on the same row (they come next, in
+    // lock order) are answered busy at once, not after a wait each.
+    let mut busy: Option<(Error, LockKey)> = None;
     for i in lock_order(batch) {
-        let reply = match &broken {
-            Some(e) => Reply::new(Err(e.clone())),
-            None => {
-                let (reply, end) = apply_in_savepoint(conn, &batch[i]).await;
-                broken = end.err();
-                reply
+        let q = &batch[i];
+        let reply = if let Some(e) = &broken {
+            Reply::new(Err(e.clone()))
+        } else if let Some((e, _)) = busy.as_ref().filter(|(_, row)| *row == lock_key(q)) {
+            Reply::new(Err(e.clone()))
+        } else {
+            let (reply, end) = apply_in_savepoint(conn, q, now).await;
+            broken = end.err();
+            if let Err(e @ Error::Busy(_)) = &reply.outcome {
+                busy = Some((e.clone(), lock_key(q)));
             }
+            reply
         };
         replies[i] = Some(reply);
     }
@@ -566,25 +590,39 @@ async fn apply_one_by_one(conn: &mut impl Store, batch: &[Queued]) -> Applied {
 /// names cannot deadlock on them.
 fn lock_order(batch: &[Queued]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..batch.len()).collect();
-    order.sort_by_key(|&i| match &batch[i].command {
+    order.sort_by_key(|&i| lock_key(&batch[i]));
+    order
+}
+
+/// What a command locks first, in the order [`lock_order`] sorts by:
+/// counters (0) before budgets (1), then the name's bytes. Names compare
+/// as Rust strings, byte by byte, as PostgreSQL's `C` collation does: the
+/// order of the set-based statements too (`migrations/postgres`).
+type LockKey<'a> = (u8, &'a str);
+
+fn lock_key(q: &Queued) -> LockKey<'_> {
+    match &q.command {
         Command::Increment { name, .. } => (0, name.as_str()),
         Command::PutBudget { name, .. } => (1, name.as_str()),
         Command::Check { budget, .. } | Command::Reset { budget, .. } => (1, budget.as_str()),
-    });
-    order
+    }
 }
 
 /// Applies one command inside a savepoint. A command that fails is
 /// rolled back to its savepoint and answers its own error; the others in
 /// the batch are untouched. The second value is an error if the
 /// savepoint could not be taken or ended: then the batch is broken.
-async fn apply_in_savepoint(conn: &mut impl Store, q: &Queued) -> (Reply, Result<(), Error>) {
+async fn apply_in_savepoint(
+    conn: &mut impl Store,
+    q: &Queued,
+    now: Timestamp,
+) -> (Reply, Result<(), Error>) {
     if let Err(e) = conn.exec("SAVEPOINT cmd").await {
         return (Reply::new(Err(e.clone())), Err(e));
     }
     let reply = match &q.key {
-        None => Reply::new(apply(conn, &q.command).await),
-        Some(key) => apply_once(conn, &q.command, key).await,
+        None => Reply::new(apply(conn, &q.command, now).await),
+        Some(key) => apply_once(conn, &q.command, key, now).await,
     };
     // A lost connection, a deadlock or a serialization failure is the
     // whole transaction's, not this command's: the batch is retried or
@@ -605,8 +643,9 @@ async fn apply_in_savepoint(conn: &mut impl Store, q: &Queued) -> (Reply, Result
     (reply, end)
 }
 
-/// Applies one command.
-async fn apply(conn: &mut impl Store, command: &Command) -> Result<Outcome, Error> {
+/// Applies one command; `now` is the batch's time
+/// ([`Command::goes_by_the_time`]).
+async fn apply(conn: &mut impl Store, command: &Command, now: Timestamp) -> Result<Outcome, Error> {
     match command {
         Command::Increment { name, by } => counters::increment(conn, name, *by)
             .await
@@ -624,15 +663,13 @@ async fn apply(conn: &mut impl Store, command: &Command) -> Result<Outcome, Erro
                 visitor,
                 day: *day,
             };
-            budgets::check(conn, item, Timestamp::now())
-                .await
-                .map(Outcome::Decision)
+            budgets::check(conn, item, now).await.map(Outcome::Decision)
         }
         Command::Reset {
             budget,
             day,
             visitor,
-        } => budgets::reset(conn, budget, *day, visitor.as_ref(), Timestamp::now())
+        } => budgets::reset(conn, budget, *day, visitor.as_ref(), now)
             .await
             .map(|(day, deleted_rows)| Outcome::Reset { day, deleted_rows }),
     }
@@ -642,7 +679,12 @@ async fn apply(conn: &mut impl Store, command: &Command) -> Result<Outcome, Erro
 /// stored for it (or refuses a different command reusing the key);
 /// otherwise applies the command and stores its outcome under the key, in
 /// the same savepoint.
-async fn apply_once(conn: &mut impl Store, command: &Command, key: &IdempotencyKey) -> Reply {
+async fn apply_once(
+    conn: &mut impl Store,
+    command: &Command,
+    key: &IdempotencyKey,
+    now: Timestamp,
+) -> Reply {
     let fingerprint = command.fingerprint();
     let outcome = match keys::claim(conn, key, &fingerprint).await {
         Err(e) => Err(e),
@@ -653,7 +695,7 @@ async fn apply_once(conn: &mut impl Store, command: &Command, key: &IdempotencyK
                 replayed: true,
             };
         }
-        Ok(None) => match apply(conn, command).await {
+        Ok(None) => match apply(conn, command, now).await {
             Ok(outcome) => keys::remember(conn, key, &fingerprint, &outcome)
                 .await
                 .map(|()| outcome),
@@ -720,18 +762,20 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
     }
 }
 
-/// BEGIN IMMEDIATE. If it fails, a transaction may have been left open by a
-/// ROLLBACK that failed earlier; then every later BEGIN would fail too,
-/// for good, so it is rolled back and BEGIN is tried once more.
-async fn begin<S: Store>(conn: &mut S) -> Result<(), Error> {
-    match conn.exec(S::BEGIN).await {
+/// Opens the batch's transaction with `begin` ([`Store::BEGIN`] or
+/// [`Store::BEGIN_SET_BASED`]). If it fails, a transaction may have been
+/// left open by a ROLLBACK that failed earlier; then every later BEGIN
+/// would fail too, for good, so it is rolled back and BEGIN is tried once
+/// more.
+async fn begin<S: Store>(conn: &mut S, begin: &'static str) -> Result<(), Error> {
+    match conn.exec(begin).await {
         Ok(()) => return Ok(()),
         // A lost connection stays lost: no second try on it.
         Err(e) if e.breaks_transaction() => return Err(e),
         Err(_) => {}
     }
     let _ = conn.exec("ROLLBACK").await;
-    conn.exec(S::BEGIN).await
+    conn.exec(begin).await
 }
 
 /// COMMIT, timed: its fsync is most of what a durable write waits for.

@@ -194,7 +194,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     .increment(1);
     // An unreachable server is logged by the writer when it goes and when
     // it comes back, not once per denied check.
-    if !matches!(err, db::Error::Unavailable(_)) {
+    if !matches!(err, db::Error::Unavailable(_) | db::Error::Busy(_)) {
         tracing::error!(error = %err, "budget check failed; denying");
     }
     let denied = Problem::new(
@@ -208,7 +208,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     // A full or lost disk is not over at once, an unreachable server may
     // be: say when to try again.
     denied.retry_after(match err {
-        db::Error::Unavailable(_) => super::problem::UNAVAILABLE_RETRY_AFTER,
+        db::Error::Unavailable(_) | db::Error::Busy(_) => super::problem::UNAVAILABLE_RETRY_AFTER,
         _ => super::problem::STORAGE_RETRY_AFTER,
     })
 }

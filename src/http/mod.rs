@@ -121,14 +121,22 @@ pub fn router(
         ))
         .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
         .layer(
-            TraceLayer::new_for_http().make_span_with(|req: &axum::extract::Request| {
-                let id = req
-                    .headers()
-                    .get(&observe::REQUEST_ID)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                tracing::info_span!("request", method = %req.method(), request_id = %id)
-            }),
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &axum::extract::Request| {
+                    let id = req
+                        .headers()
+                        .get(&observe::REQUEST_ID)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    tracing::info_span!("request", method = %req.method(), request_id = %id)
+                })
+                // Not one ERROR line per failed request: during an outage that
+                // is thousands a second. What failed is counted by route and
+                // status in the metrics; what broke is logged where it broke
+                // (the writer and the readers log an outage's start and end).
+                .on_failure(
+                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
+                ),
         )
         .layer(middleware::from_fn(observe::observe))
         .layer(HandleErrorLayer::new(timed_out))

@@ -233,6 +233,18 @@ impl From<db::Error> for Problem {
             )
             .with("reason", "database_unavailable")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
+            // The writer logs the rows it found busy, once per batch.
+            db::Error::Busy(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "row-busy",
+                "Row busy",
+            )
+            .detail(
+                "another transaction held a row this request needs for longer than the lock \
+                 timeout; nothing was written. Retrying is safe and succeeds once it is released",
+            )
+            .with("reason", "row_busy")
+            .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Database(_) | db::Error::Internal(_)) => {
                 tracing::error!(error = %e, "database error");
                 Self::internal("the database failed; nothing was written")
