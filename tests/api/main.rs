@@ -7,6 +7,7 @@ mod budgets;
 mod clients;
 mod contention;
 mod counters;
+mod failover;
 mod group_commit;
 mod helpers;
 mod hostile_connections;
@@ -17,6 +18,7 @@ mod lifecycle;
 mod loopback;
 mod observability;
 mod openapi;
+mod pg_operations;
 #[path = "../common/postgres.rs"]
 mod postgres;
 mod replica_env;

@@ -224,3 +224,143 @@ pub async fn wait_until_up(url: &str, limit: Duration) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Replication: a primary, its streaming standby, and a failover, as an HA
+/// manager (Patroni, CloudNativePG) runs them.
+impl PgServer {
+    /// A streaming standby of `primary` on a port of its own: a base backup
+    /// (`pg_basebackup -R -X stream`, which writes `standby.signal` and
+    /// `primary_conninfo`), started. Read-only until [`Self::promote`].
+    /// initdb's `-A trust` pg_hba already lets loopback connect for
+    /// replication.
+    pub fn standby_of(primary: &PgServer) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        if is_root() {
+            run(Command::new("chown").arg("postgres").arg(dir.path()));
+        }
+        let port = super::loopback::free_port();
+        let standby = PgServer {
+            dir,
+            bin: primary.bin.clone(),
+            port,
+        };
+        run(standby
+            .as_postgres("pg_basebackup")
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args(["-U", "tally", "-D"])
+            .arg(standby.data())
+            // A spread checkpoint would make the backup wait minutes on a
+            // server that has just copied a template database.
+            .args(["-R", "-X", "stream", "--checkpoint=fast", "--no-sync"]));
+        standby.start_again();
+        standby
+    }
+
+    /// Makes every COMMIT here wait until a standby has flushed it, and
+    /// waits until a standby is synchronous. Set with `ALTER SYSTEM` after
+    /// the base backup, so the standby does not inherit it: promoted, it
+    /// would wait for a standby of its own that does not exist.
+    pub async fn replicate_synchronously(&self) {
+        sql(
+            &self.url(),
+            "ALTER SYSTEM SET synchronous_standby_names = '*'",
+        )
+        .await;
+        sql(&self.url(), "SELECT pg_reload_conf()").await;
+        self.until(
+            "SELECT count(*) > 0 FROM pg_stat_replication WHERE sync_state = 'sync'",
+            "no standby became synchronous",
+        )
+        .await;
+    }
+
+    /// Waits until a standby streams from this server.
+    pub async fn wait_for_streaming_standby(&self) {
+        self.until(
+            "SELECT count(*) > 0 FROM pg_stat_replication WHERE state = 'streaming'",
+            "no standby streams from this server",
+        )
+        .await;
+    }
+
+    /// Waits until this standby has replayed all that `primary` has
+    /// written so far: a read here sees every commit made there before.
+    pub async fn wait_to_replay(&self, primary: &PgServer) {
+        let mut conn = PgConnection::connect(&primary.url()).await.unwrap();
+        let written: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        let _ = conn.close().await;
+        let mut conn = PgConnection::connect(&self.url()).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let replayed: Option<bool> =
+                sqlx::query_scalar("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+                    .bind(&written)
+                    .fetch_one(&mut conn)
+                    .await
+                    .unwrap();
+            if replayed == Some(true) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the standby did not replay up to {written}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = conn.close().await;
+    }
+
+    /// Polls `query` (one boolean) here until it is true, at most 20 s.
+    async fn until(&self, query: &'static str, failure: &str) {
+        let mut conn = PgConnection::connect(&self.url()).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !sqlx::query_scalar::<_, bool>(query)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+        {
+            assert!(std::time::Instant::now() < deadline, "{failure}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = conn.close().await;
+    }
+
+    /// Commits without waiting for any standby: what an HA manager sets on
+    /// a promoted standby that has none yet, or whose standby is gone.
+    pub async fn replicate_asynchronously(&self) {
+        sql(
+            &self.url(),
+            "ALTER SYSTEM SET synchronous_standby_names = ''",
+        )
+        .await;
+        sql(&self.url(), "SELECT pg_reload_conf()").await;
+    }
+
+    /// Promotes this standby, returning once it takes writes.
+    pub fn promote(&self) {
+        run(&mut self.pg_ctl(&["-w", "-t", "30", "promote"]));
+    }
+
+    /// Starts this stopped former primary again as a standby of `primary`
+    /// (the new one), as an HA manager demotes it after a failover: never a
+    /// second primary.
+    pub fn start_as_standby_of(&self, primary: &PgServer) {
+        let conninfo = format!(
+            "\nprimary_conninfo = 'host=127.0.0.1 port={} user=tally'\n",
+            primary.port
+        );
+        let auto_conf = self.data().join("postgresql.auto.conf");
+        let mut conf = std::fs::read_to_string(&auto_conf).unwrap();
+        conf.push_str(&conninfo);
+        std::fs::write(&auto_conf, conf).unwrap();
+        let signal = self.data().join("standby.signal");
+        std::fs::write(&signal, "").unwrap();
+        if is_root() {
+            run(Command::new("chown").arg("postgres").arg(&signal));
+        }
+        self.start_again();
+    }
+}

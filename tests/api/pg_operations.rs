@@ -1,0 +1,519 @@
+//! PostgreSQL as operators run it, on the days that are not quiet: a
+//! database that turns read-only (a switchover's demoted primary), a
+//! default collation that is not byte order, processes whose clocks
+//! disagree, a row an operator's session keeps locked, a restart under a
+//! full read pool, and a server that refuses connection slots. Every
+//! process is the real binary; the server is the test command's (a fresh
+//! database per test) or one the test stops and starts itself.
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use futures_util::future::join_all;
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+use sqlx::{Connection, PgConnection};
+
+use crate::{
+    helpers::{ADMIN, Binary, problem},
+    postgres::{self, PgServer},
+    scale_out::{json, metric, processes, put_budget, stop_all},
+};
+
+/// A name for a role or database of the test's own on the shared server,
+/// where names outlive processes (and process ids come round again).
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}_{}_{nanos}", std::process::id())
+}
+
+/// The database name at the end of `url`.
+fn database_name(url: &str) -> &str {
+    url.rsplit('/').next().unwrap()
+}
+
+/// Runs `sql` (made in the test, never of input) on `url`.
+async fn run_sql(url: &str, sql: String) {
+    let mut conn = PgConnection::connect(url).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
+}
+
+/// Ends every session on `db` but the caller's, as a switchover or a
+/// server restart does.
+async fn terminate_sessions(server: &str, db: &str) {
+    run_sql(
+        server,
+        format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = '{db}' AND pid <> pg_backend_pid()"
+        ),
+    )
+    .await;
+}
+
+/// Posts to `url` until it answers 200, at most `limit`; how long it took.
+async fn until_ok(client: &Client, url: &str, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let r = client.post(url).send().await.unwrap();
+        if r.status() == StatusCode::OK {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "still {} after {limit:?}: {:?}",
+            r.status(),
+            r.text().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A database whose sessions start read-only, as a primary demoted by a
+/// switchover (or a standby) is to a connection that still reaches it:
+/// writes answer 503 database-unavailable with Retry-After and write
+/// nothing, checks deny with meter_error, reads refuse it too (a read
+/// there may not see the last write), `/ready` stays 200; and once the
+/// database takes writes again, so does tally, within seconds, with no
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_that_turns_read_only_is_unavailable_and_then_writable_again() {
+    let server = postgres::server_url();
+    let url = postgres::fresh_database().await;
+    let db = database_name(&url).to_owned();
+    let bins = processes(1, &url, &[]);
+    let client = Client::new();
+    let counter = bins[0].url("/counters/rw");
+    put_budget(
+        &client,
+        &bins[0],
+        "b",
+        json!({"visitor_limit": 10, "global_limit": 10}),
+    )
+    .await;
+    assert_eq!(
+        client.post(&counter).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+    // A read connection is pooled now, as the writer's connection is.
+    assert_eq!(
+        client.get(&counter).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+
+    run_sql(
+        &server,
+        format!("ALTER DATABASE {db} SET default_transaction_read_only = on"),
+    )
+    .await;
+    terminate_sessions(&server, &db).await;
+    for _ in 0..3 {
+        let r = client.post(&counter).send().await.unwrap();
+        assert_eq!(r.headers()["retry-after"], "1");
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
+        let r = client
+            .post(bins[0].url("/budgets/b/check"))
+            .json(&json!({"visitor": "v"}))
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(
+            (&p["reason"], &p["allowed"]),
+            (&json!("meter_error"), &json!(false))
+        );
+        let r = client.get(&counter).send().await.unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
+    }
+    let r = client.get(bins[0].url("/ready")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    run_sql(
+        &server,
+        format!("ALTER DATABASE {db} RESET default_transaction_read_only"),
+    )
+    .await;
+    let took = until_ok(&client, &counter, Duration::from_secs(5)).await;
+    eprintln!("writable again after {took:?}");
+    // Nothing written while it was read-only: this write is the second.
+    let v = json(client.get(&counter).send().await.unwrap()).await;
+    assert_eq!(v["value"], 2);
+    let logs = bins[0].log_text();
+    assert!(logs.contains("takes no writes"), "{logs}");
+    assert!(
+        !logs.contains("response failed"),
+        "a line per failed request"
+    );
+    stop_all(bins).await;
+}
+
+/// Two processes writing the same counters, one with Idempotency-Keys (its
+/// batches run command by command, in lock order computed in Rust) and one
+/// without (its batches run set-based, ordered in SQL), on a database whose
+/// default collation sorts `a` before `B` and `a_b` before `a-b`, which
+/// byte order does not: they take their row locks in one order, so they
+/// never deadlock, and they go as fast as on names whose orders agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn names_lock_in_byte_order_whatever_the_databases_collation() {
+    let server = postgres::server_url();
+    let db = unique("tally_icu");
+    run_sql(
+        &server,
+        format!(
+            "CREATE DATABASE {db} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' \
+             LOCALE 'C.UTF-8'"
+        ),
+    )
+    .await;
+    let url = format!("{}/{db}", server.rsplit_once('/').unwrap().0);
+    // The premise: this database orders names otherwise than bytes do.
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let sorted: Vec<String> = sqlx::query_scalar(
+        "SELECT n FROM unnest(ARRAY['B', 'a', 'a-b', 'a_b']) AS t (n) ORDER BY n",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(sorted, ["a", "a_b", "a-b", "B"]);
+    let _ = conn.close().await;
+
+    // A short delay before each batch, so that batches hold several names.
+    let bins = processes(2, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "2")]);
+    let client = Client::new();
+    let rate = async |names: [&str; 4]| {
+        let run_for = Duration::from_secs(3);
+        let started = Instant::now();
+        let clients = (0..8).map(|c| {
+            let client = client.clone();
+            let bin = &bins[c % 2];
+            async move {
+                let mut done = 0u32;
+                while started.elapsed() < run_for {
+                    let name = names[(done as usize + c) % names.len()];
+                    let mut r = client.post(bin.url(&format!("/counters/{name}")));
+                    if c % 2 == 1 {
+                        r = r.header("idempotency-key", format!("{name}-{c}-{done}"));
+                    }
+                    let r = r.send().await.unwrap();
+                    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+                    done += 1;
+                }
+                done
+            }
+        });
+        let done: u32 = join_all(clients).await.into_iter().sum();
+        f64::from(done) / started.elapsed().as_secs_f64()
+    };
+    let control = rate(["a", "b", "c", "d"]).await;
+    let mixed = rate(["a", "B", "a-b", "a_b"]).await;
+    eprintln!("writes/s: names in one order {control:.0}, in two orders {mixed:.0}");
+    for bin in &bins {
+        let retries = metric(&client, bin, "tally_write_retries_total").await;
+        assert_eq!(retries, Some(0.0), "deadlocks were broken and rerun");
+    }
+    assert!(
+        mixed * 2.0 >= control,
+        "{mixed:.0}/s against {control:.0}/s"
+    );
+    stop_all(bins).await;
+}
+
+/// libfaketime's library, which moves the clock of the program it is
+/// preloaded into.
+fn faketime_library() -> PathBuf {
+    std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(|e| Some(e.ok()?.path().join("faketime/libfaketimeMT.so.1")))
+        .find(|p| p.exists())
+        .expect("libfaketime is missing: run ./scripts/install-tools")
+}
+
+/// One process's clock runs 25 hours ahead (a node whose clock drifted):
+/// on PostgreSQL the server's clock decides for everyone, so both count
+/// the same day (a visitor's limit and the global limit hold across them),
+/// both show and reset the same day, and the fast one's key clean-up does
+/// not forget a key the other has just stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_process_whose_clock_runs_ahead_goes_by_the_servers_clock() {
+    let url = postgres::fresh_database().await;
+    let library = faketime_library();
+    let env = [
+        ("TALLY_DATABASE", url.as_str()),
+        ("TALLY_ADMIN_TOKEN", ADMIN),
+    ];
+    let normal = Binary::start(&env);
+    let mut shifted_env = env.to_vec();
+    shifted_env.extend([
+        ("LD_PRELOAD", library.to_str().unwrap()),
+        ("FAKETIME", "+25h"),
+        // Timers and deadlines keep the real pace.
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ]);
+    let ahead = Binary::start(&shifted_env);
+    let bins = [&normal, &ahead];
+    let client = Client::new();
+    put_budget(
+        &client,
+        &normal,
+        "b",
+        json!({"visitor_limit": 5, "global_limit": 8}),
+    )
+    .await;
+
+    let mut allowed = 0;
+    let mut days = std::collections::HashSet::new();
+    let visitors = std::iter::repeat_n("v", 10).chain(["w0", "w1", "w2", "w3", "w4", "w5"]);
+    for (i, visitor) in visitors.enumerate() {
+        let r = client
+            .post(bins[i % 2].url("/budgets/b/check"))
+            .json(&json!({"visitor": visitor}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let d = json(r).await;
+        allowed += usize::from(d["allowed"] == true);
+        days.insert(d["day"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(days.len(), 1, "checks counted on {days:?}");
+    // v: its 5, then w0..w2 until the global 8. Every call past its
+    // visitor's limit is counted globally, allowed or not: 5 + 6.
+    assert_eq!(allowed, 8);
+    let day = days.into_iter().next().unwrap();
+    for bin in bins {
+        let u = json(
+            client
+                .get(bin.url("/budgets/b/usage?visitor=v"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(
+            (&u["day"], &u["global_calls"], &u["visitor_calls"]),
+            (&json!(day), &json!(11), &json!(10)),
+            "{u}"
+        );
+    }
+    // The day either of them shows, the other can reset.
+    let r = client
+        .post(ahead.url("/budgets/b/reset"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"day": day, "visitor": "w0"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+
+    // A key stored through the normal process...
+    let keyed = |bin: &Binary, name: &str, key: &str| {
+        client
+            .post(bin.url(&format!("/counters/{name}")))
+            .header("idempotency-key", key)
+            .send()
+    };
+    let first = json(keyed(&normal, "k", "key-1").await.unwrap()).await;
+    assert_eq!(first["value"], 1);
+    // ...outlives the clean-up the fast process runs after its first keyed
+    // batch: by its own clock the key would be a day old.
+    assert_eq!(
+        keyed(&ahead, "other", "key-2").await.unwrap().status(),
+        StatusCode::OK
+    );
+    let retry = keyed(&ahead, "k", "key-1").await.unwrap();
+    assert!(retry.headers().contains_key("idempotent-replayed"));
+    assert_eq!(json(retry).await["value"], 1);
+    let v = json(client.get(normal.url("/counters/k")).send().await.unwrap()).await;
+    assert_eq!(v["value"], 1);
+}
+
+/// A row an outside session keeps locked (an operator's `SELECT ... FOR
+/// UPDATE` left open) holds up only the writes to that row, each for the
+/// lock timeout, answered 503 row-busy with Retry-After; writes to other
+/// rows are answered 200 as usual, the log says what happened (not that a
+/// connection was lost), and once the row is released it takes writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_locked_outside_tally_holds_up_only_its_own_writes() {
+    const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+    // The set-based try, then the wait for the row, then a little.
+    const BOUND: Duration = Duration::from_millis(1000 + 250 + 750);
+    let url = postgres::fresh_database().await;
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "1")]);
+    let client = Client::new();
+    let post = |name: String| {
+        client
+            .post(bins[0].url(&format!("/counters/{name}")))
+            .send()
+    };
+    for n in 0..5 {
+        assert_eq!(
+            post(format!("c{n}")).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'c0' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let held_since = Instant::now();
+
+    let mut busy = 0;
+    for i in 0..60 {
+        let name = format!("c{}", i % 5);
+        let started = Instant::now();
+        let r = post(name.clone()).await.unwrap();
+        let took = started.elapsed();
+        if name == "c0" {
+            assert_eq!(r.headers()["retry-after"], "1");
+            let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+            assert_eq!(p["type"], "/problems/row-busy", "{p}");
+            assert!(took >= LOCK_TIMEOUT, "{took:?}");
+            busy += 1;
+        } else {
+            assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        }
+        assert!(took < BOUND, "write {i} to {name} took {took:?}");
+    }
+    assert_eq!(busy, 12);
+    assert!(held_since.elapsed() < Duration::from_secs(25));
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+
+    // Released: every row takes writes again.
+    for n in 0..5 {
+        let r = post(format!("c{n}")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    let v = json(
+        client
+            .get(bins[0].url("/counters/c0"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(v["value"], 2, "a busy write wrote nothing");
+    let logs = bins[0].log_text();
+    assert!(logs.contains("past the lock timeout"), "{logs}");
+    assert!(
+        !logs.contains("dropped its PostgreSQL connection"),
+        "{logs}"
+    );
+    stop_all(bins).await;
+}
+
+/// PostgreSQL restarted while every read connection is pooled: the reads
+/// right after find theirs dead and are answered all the same, from new
+/// connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_right_after_a_restart_find_new_connections() {
+    let server = PgServer::start();
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let bins = processes(1, &url, &[("TALLY_READERS", "4")]);
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bins[0],
+        "b",
+        json!({"visitor_limit": 10, "global_limit": 10}),
+    )
+    .await;
+    // Fill the read pool: enough reads at once that all four are opened.
+    for _ in 0..20 {
+        let reads = (0..32).map(|_| client.get(bins[0].url("/budgets/b/usage")).send());
+        for r in join_all(reads).await {
+            assert_eq!(r.unwrap().status(), StatusCode::OK);
+        }
+        if metric(&client, &bins[0], "tally_db_readers_open").await == Some(4.0) {
+            break;
+        }
+    }
+    assert_eq!(
+        metric(&client, &bins[0], "tally_db_readers_open").await,
+        Some(4.0)
+    );
+
+    server.stop_fast();
+    server.start_again();
+    postgres::wait_until_up(&url, Duration::from_secs(20)).await;
+    for path in [
+        "/budgets/b/usage",
+        "/budgets/b",
+        "/counters/x",
+        "/budgets/b/usage?visitor=v",
+    ] {
+        let r = client.get(bins[0].url(path)).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{path}: {:?}", r.text().await);
+    }
+    stop_all(bins).await;
+}
+
+/// A server that refuses a read its connection (the role's connection
+/// limit is reached) is answered 503 at once, not after seconds of
+/// retrying; reads work again once a slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_read_connection_is_answered_at_once() {
+    let server = postgres::server_url();
+    let role = unique("limited");
+    let db = unique("tally_limited");
+    run_sql(
+        &server,
+        format!("CREATE ROLE {role} LOGIN CONNECTION LIMIT 2"),
+    )
+    .await;
+    run_sql(&server, format!("CREATE DATABASE {db} OWNER {role}")).await;
+    let base = server
+        .rsplit_once('/')
+        .unwrap()
+        .0
+        .replacen("tally@", &format!("{role}@"), 1);
+    let url = format!("{base}/{db}");
+    let bins = processes(1, &url, &[]);
+    let client = Client::new();
+    // The writer's connection: one of the role's two.
+    let r = client
+        .post(bins[0].url("/counters/x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // The other, taken from outside.
+    let outside = PgConnection::connect(&url).await.unwrap();
+
+    let started = Instant::now();
+    let r = client.get(bins[0].url("/counters/x")).send().await.unwrap();
+    let took = started.elapsed();
+    let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
+    assert!(took < Duration::from_millis(500), "answered after {took:?}");
+
+    // The server counts a session until its backend has exited, a moment
+    // after the client has closed it.
+    let _ = outside.close().await;
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..100 {
+        status = client
+            .get(bins[0].url("/counters/x"))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(status, StatusCode::OK);
+    stop_all(bins).await;
+}
