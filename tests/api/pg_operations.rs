@@ -192,7 +192,7 @@ async fn names_lock_in_byte_order_whatever_the_databases_collation() {
     let bins = processes(2, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "2")]);
     let client = Client::new();
     let rate = async |names: [&str; 4]| {
-        let run_for = Duration::from_secs(3);
+        let run_for = Duration::from_secs(1);
         let started = Instant::now();
         let clients = (0..8).map(|c| {
             let client = client.clone();
@@ -215,8 +215,12 @@ async fn names_lock_in_byte_order_whatever_the_databases_collation() {
         let done: u32 = join_all(clients).await.into_iter().sum();
         f64::from(done) / started.elapsed().as_secs_f64()
     };
-    let control = rate(["a", "b", "c", "d"]).await;
-    let mixed = rate(["a", "B", "a-b", "a_b"]).await;
+    // In turns, so that whatever else loads the machine weighs on both.
+    let (mut control, mut mixed) = (0.0, 0.0);
+    for _ in 0..3 {
+        control += rate(["a", "b", "c", "d"]).await / 3.0;
+        mixed += rate(["a", "B", "a-b", "a_b"]).await / 3.0;
+    }
     eprintln!("writes/s: names in one order {control:.0}, in two orders {mixed:.0}");
     for bin in &bins {
         let retries = metric(&client, bin, "tally_write_retries_total").await;
@@ -496,7 +500,11 @@ async fn a_refused_read_connection_is_answered_at_once() {
     let took = started.elapsed();
     let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
     assert_eq!(p["type"], "/problems/database-unavailable", "{p}");
-    assert!(took < Duration::from_millis(500), "answered after {took:?}");
+    // Refused at once, not retried until a 2 s acquire timeout, twice.
+    assert!(
+        took < Duration::from_millis(1500),
+        "answered after {took:?}"
+    );
 
     // The server counts a session until its backend has exited, a moment
     // after the client has closed it.
