@@ -3,14 +3,15 @@
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
+use secrecy::ExposeSecret;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::Settings,
     db::{Database, DbOptions, Handle, WriterTask},
-    http::{self, AppState, observe::MetricsState},
-    observe, replica,
+    http::{self, AppState, instrument::MetricsState},
+    prometheus, replica,
     server::{self, Drained, Limits},
 };
 
@@ -37,8 +38,8 @@ impl Application {
     /// Opens the database (running migrations), starts the writer and binds
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
-        let prometheus = observe::install();
-        observe::record_start(settings.queue_capacity as usize, settings.database.engine());
+        let exporter = prometheus::install();
+        prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());
         let max_connections = connection_cap(&settings);
         let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
@@ -50,9 +51,11 @@ impl Application {
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,
             lock_timeout: settings.postgres_lock_timeout,
+            #[cfg(feature = "test-hooks")]
             writer_delay: settings
                 .test_writer_delay_ms
                 .map(std::time::Duration::from_millis),
+            #[cfg(feature = "test-hooks")]
             writer_panic_after: settings.test_writer_panic_after,
         };
         let (db, writer) = Database::open(&settings.database, &opts).await?;
@@ -71,14 +74,18 @@ impl Application {
             }
         }
 
-        let state = AppState::new(db.clone(), settings.admin_token.as_deref().map(Arc::from));
+        let admin_token = settings
+            .admin_token
+            .as_ref()
+            .map(|t| Arc::from(t.expose_secret()));
+        let state = AppState::new(db.clone(), admin_token);
         let metrics_state = MetricsState {
-            handle: prometheus.clone(),
+            handle: exporter.clone(),
             db: db.clone(),
             db_path: settings.database.sqlite_path().map(ToOwned::to_owned),
         };
-        background.push(tokio::spawn(observe::upkeep(
-            prometheus,
+        background.push(tokio::spawn(prometheus::upkeep(
+            exporter,
             Duration::from_secs(5),
         )));
         let (router, metrics) = match settings.metrics_listen {
@@ -89,7 +96,7 @@ impl Application {
             Some(addr) => {
                 let listener = server::bind(addr)
                     .with_context(|| format!("cannot listen on {addr} for metrics"))?;
-                let metrics_router = http::observe::metrics_router(metrics_state);
+                let metrics_router = http::instrument::metrics_router(metrics_state);
                 (
                     http::router(state, settings.request_timeout, None),
                     Some((listener, metrics_router)),

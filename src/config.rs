@@ -4,6 +4,7 @@
 use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
+pub use secrecy::SecretString;
 
 /// Durability of a commit on the writable connection.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
@@ -19,7 +20,7 @@ pub enum Synchronous {
 #[command(
     name = "tally",
     version,
-    about = "Atomic counters and daily budgets over HTTP, backed by one SQLite file"
+    about = "Atomic counters and daily budgets over HTTP, on one SQLite file or a shared PostgreSQL"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -45,8 +46,10 @@ pub enum Command {
     },
 }
 
-/// Everything the service needs to run.
-#[derive(Clone, clap::Args)]
+/// Everything the service needs to run. Secrets are in types whose `Debug`
+/// hides them ([`SecretString`], [`PostgresUrl`]), so the derived `Debug`
+/// (logged at start) cannot leak one.
+#[derive(Debug, Clone, clap::Args)]
 pub struct Settings {
     /// Address to listen on for HTTP.
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:3000")]
@@ -90,8 +93,9 @@ pub struct Settings {
     pub postgres_lock_timeout: Duration,
 
     /// Bearer token for the admin endpoints; admin is disabled (403) when unset.
-    #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
+    #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true,
+          value_parser = parse_secret)]
+    pub admin_token: Option<SecretString>,
 
     /// How long in-flight requests may take to finish after SIGTERM, in seconds.
     #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_seconds)]
@@ -127,19 +131,22 @@ pub struct Settings {
     pub replica_wait_timeout: Duration,
 
     /// Pause the writer this many milliseconds before each batch. For tests of
-    /// backpressure only; never set it in production.
+    /// backpressure only: a build with the `test-hooks` feature (the test
+    /// suite's) has it, a release build does not.
+    #[cfg(feature = "test-hooks")]
     #[arg(long, env = "TALLY_TEST_WRITER_DELAY_MS", hide = true)]
     pub test_writer_delay_ms: Option<u64>,
 
     /// Make the writer thread panic when it takes its batch number N+1,
-    /// holding that batch. For tests of losing the writer only; never set
-    /// it in production.
+    /// holding that batch. For tests of losing the writer only (the
+    /// `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, env = "TALLY_TEST_WRITER_PANIC_AFTER", hide = true)]
     pub test_writer_panic_after: Option<u64>,
 }
 
 /// Where the data lives.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Storage {
     /// One SQLite file, written by this process alone.
     Sqlite(PathBuf),
@@ -185,12 +192,12 @@ impl fmt::Display for PostgresUrl {
     }
 }
 
-impl fmt::Debug for Storage {
+/// Shown as [`fmt::Display`] shows it: with its password replaced.
+impl fmt::Debug for PostgresUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Storage::Sqlite(path) => f.debug_tuple("Sqlite").field(path).finish(),
-            Storage::Postgres(url) => f.debug_tuple("Postgres").field(&url.to_string()).finish(),
-        }
+        f.debug_tuple("PostgresUrl")
+            .field(&self.to_string())
+            .finish()
     }
 }
 
@@ -234,6 +241,10 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
     Ok(Storage::Sqlite(PathBuf::from(s)))
 }
 
+fn parse_secret(s: &str) -> Result<SecretString, String> {
+    Ok(SecretString::from(s))
+}
+
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
@@ -275,34 +286,6 @@ impl Settings {
         let mut cli = Cli::parse_from(["tally"]);
         cli.settings.database = storage;
         cli.settings
-    }
-}
-
-// The admin token is a secret: keep it out of logs and panics.
-impl fmt::Debug for Settings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Settings")
-            .field("listen", &self.listen)
-            .field("metrics_listen", &self.metrics_listen)
-            .field("database", &self.database)
-            .field("queue_capacity", &self.queue_capacity)
-            .field("max_batch", &self.max_batch)
-            .field("synchronous", &self.synchronous)
-            .field("readers", &self.readers)
-            .field("postgres_lock_timeout", &self.postgres_lock_timeout)
-            .field(
-                "admin_token",
-                &self.admin_token.as_ref().map(|_| "<redacted>"),
-            )
-            .field("drain_timeout", &self.drain_timeout)
-            .field("request_timeout", &self.request_timeout)
-            .field("header_timeout", &self.header_timeout)
-            .field("max_connections", &self.max_connections)
-            .field("litestream_socket", &self.litestream_socket)
-            .field("replica_wait_timeout", &self.replica_wait_timeout)
-            .field("test_writer_delay_ms", &self.test_writer_delay_ms)
-            .field("test_writer_panic_after", &self.test_writer_panic_after)
-            .finish()
     }
 }
 
@@ -387,6 +370,6 @@ mod tests {
         s.admin_token = Some("hunter2".into());
         let shown = format!("{s:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
-        assert!(shown.contains("<redacted>"));
+        assert!(shown.contains("[REDACTED]"));
     }
 }

@@ -1,16 +1,17 @@
-//! tally: atomic counters and daily budgets over HTTP, backed by one SQLite
-//! file.
+//! tally: atomic counters and daily budgets over HTTP, on one SQLite file
+//! (the default) or on PostgreSQL shared by any number of tally processes.
 //!
 //! # Layout
 //!
 //! - [`config`]: the one settings struct (flags with environment fallbacks).
 //! - [`app`]: builds the service (database, writer, listener) and owns the
 //!   shutdown order: HTTP first, then the write queue, then the database.
-//! - [`db`]: the storage boundary, and the only module with SQL. A
-//!   cloneable [`db::Handle`] whose methods are the whole storage API (reads
-//!   on a read-only pool, writes as plain commands on a bounded queue), and
-//!   the [`db::Writer`], the only holder of a writable connection, which
-//!   commits queued commands in batches and replies only after the commit.
+//! - [`db`]: the storage boundary, and the only module with SQL, for both
+//!   engines. A cloneable [`db::Handle`] whose methods are the whole storage
+//!   API (reads on a pool of their own, writes as plain commands on a
+//!   bounded queue), and the [`db::Writer`], the process's only holder of a
+//!   writable connection, which commits queued commands in batches and
+//!   replies only after the commit.
 //!   `db::contention` is the lab behind `tally contention`, showing why
 //!   writes go through one queue.
 //! - [`meter`]: the domain, pure: names, visitors, days, idempotency keys,
@@ -23,8 +24,9 @@
 //! - [`replica`]: Litestream's control socket: the startup gate that waits
 //!   until the replica holds what the database holds, and the watch that
 //!   exports how far the replica is behind.
-//! - [`observe`]: Prometheus metrics: the recorder, every metric's
-//!   meaning, and what is sampled at scrape time.
+//! - [`prometheus`]: Prometheus metrics: the recorder, every metric's
+//!   meaning, and what is sampled at scrape time. (Per-request ids and
+//!   metrics by route are `http::instrument`.)
 //! - [`telemetry`]: structured logs.
 //!
 //! Data flows one way: handler -> command -> writer -> reply. A handler never
@@ -37,7 +39,7 @@ pub mod config;
 pub mod db;
 mod http;
 mod meter;
-mod observe;
+mod prometheus;
 mod replica;
 pub mod server;
 pub mod telemetry;

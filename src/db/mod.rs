@@ -5,9 +5,10 @@
 //!
 //! - a [`Handle`], cheap to clone, for HTTP handlers: its methods are the
 //!   whole storage API (increment, counter, put budget, budget, check,
-//!   usage, reset). Reads go to a pool of read-only connections (opened
-//!   read-only *and* with `PRAGMA query_only`); writes are queued as plain
-//!   [`Command`]s on a bounded queue.
+//!   usage, reset). Reads go to a pool of their own (on SQLite, connections
+//!   opened read-only *and* with `PRAGMA query_only`; on PostgreSQL,
+//!   connections to the primary); writes are queued as plain [`Command`]s
+//!   on a bounded queue.
 //! - a [`Writer`], which owns the one writable connection in the process and
 //!   the receiving end of the queue.
 //!
@@ -15,10 +16,14 @@
 //! field of `Writer`, and `Writer::run` consumes it. Every write is a round
 //! trip through the queue (a command in, one [`command::Reply`] back), and a
 //! reply is sent only after the transaction holding the command has
-//! committed, into the file that still has the database's name (`files`).
+//! committed: on SQLite into the file that still has the database's name
+//! (`files`), on PostgreSQL on the server, where other tally processes
+//! write too (see `postgres` for how they stay correct together).
 //!
-//! SQL is kept one file per concern: `counters`, `budgets`, `keys`
-//! (idempotency), `reads` (coalesced counter reads).
+//! The rules are written once, against the [`store::Store`] trait: `counters`,
+//! `budgets`, `keys` (idempotency) and the writer's batch application; each
+//! engine's statements are in `sqlite` and `postgres`; `reads` coalesces
+//! counter reads for both.
 
 mod budgets;
 mod command;
@@ -66,8 +71,10 @@ pub struct DbOptions {
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,
     /// Test hook: the writer sleeps this long before each batch.
+    #[cfg(feature = "test-hooks")]
     pub writer_delay: Option<Duration>,
     /// Test hook: the writer panics on taking batch number N+1.
+    #[cfg(feature = "test-hooks")]
     pub writer_panic_after: Option<u64>,
 }
 

@@ -82,8 +82,10 @@ fn assemble(readers: Readers, backend: Backend, opts: &DbOptions) -> (Handle, Wr
         max_batch: opts.max_batch.max(1),
         close,
         stats,
+        #[cfg(feature = "test-hooks")]
         delay: opts.writer_delay,
         keys_forgotten_at: None,
+        #[cfg(feature = "test-hooks")]
         panic_after: opts.writer_panic_after,
         batches: 0,
         failing_since: None,

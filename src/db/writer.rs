@@ -9,11 +9,16 @@
 //! command by command, each in a savepoint of its own, so that one refused
 //! command does not take the rest of its batch down.
 //!
-//! Before answering, the writer makes sure the commit went into the file at
-//! the database's path (see [`super::files`]). If the file was deleted or
-//! replaced, no caller hears a success: the batch and everything queued
-//! behind it is answered `storage_lost`, the queue closes, and the writer
-//! ends with an error so that tally exits non-zero and is restarted.
+//! The engine is the writer's `Backend`: SQLite's one connection and its
+//! files, or a PostgreSQL connection opened on demand (see
+//! [`super::postgres`], which also reruns a batch that lost a race with
+//! another process).
+//!
+//! On SQLite, before answering, the writer makes sure the commit went into
+//! the file at the database's path (see [`super::files`]). If the file was
+//! deleted or replaced, no caller hears a success: the batch and everything
+//! queued behind it is answered `storage_lost`, the queue closes, and the
+//! writer ends with an error so that tally exits non-zero and is restarted.
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
@@ -42,10 +47,12 @@ pub struct Writer {
     pub(super) close: CancellationToken,
     pub(super) stats: Arc<QueueStats>,
     /// Test hook: sleep before each batch to make the queue fill up.
+    #[cfg(feature = "test-hooks")]
     pub(super) delay: Option<Duration>,
     /// When expired idempotency keys were last deleted.
     pub(super) keys_forgotten_at: Option<std::time::Instant>,
     /// Test hook: panic on taking batch number N+1.
+    #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
     /// Batches taken so far.
     pub(super) batches: u64,
@@ -219,15 +226,8 @@ impl Writer {
                     continue;
                 }
             }
-            if let Some(delay) = self.delay {
-                tokio::time::sleep(delay).await;
-            }
-            if self.panic_after == Some(self.batches) {
-                panic!(
-                    "test hook: the writer panics holding batch {}",
-                    self.batches + 1
-                );
-            }
+            #[cfg(feature = "test-hooks")]
+            self.test_hooks().await;
             self.batches += 1;
             if let Err(lost) = self.run_batch(&mut batch).await {
                 return Err(self.lose(lost, &mut batch).await);
@@ -410,6 +410,20 @@ impl Writer {
 }
 
 impl Writer {
+    /// The test hooks, before a batch: sleep, or panic holding it.
+    #[cfg(feature = "test-hooks")]
+    async fn test_hooks(&self) {
+        if let Some(delay) = self.delay {
+            tokio::time::sleep(delay).await;
+        }
+        if self.panic_after == Some(self.batches) {
+            panic!(
+                "test hook: the writer panics holding batch {}",
+                self.batches + 1
+            );
+        }
+    }
+
     /// Forgets idempotency keys past their day, at most once a minute, in a
     /// statement of its own after a batch that used keys.
     async fn forget_expired_keys(&mut self) {
@@ -763,7 +777,8 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
 }
 
 /// Opens the batch's transaction with `begin` ([`Store::BEGIN`] or
-/// [`Store::BEGIN_SET_BASED`]). If it fails, a transaction may have been
+/// [`Store::BEGIN_SET_BASED`]: SQLite's `BEGIN IMMEDIATE`, PostgreSQL's
+/// `BEGIN`). If it fails, a transaction may have been
 /// left open by a ROLLBACK that failed earlier; then every later BEGIN
 /// would fail too, for good, so it is rolled back and BEGIN is tried once
 /// more.

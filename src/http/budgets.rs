@@ -12,7 +12,7 @@ use super::{
     extract::{
         Admin, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query, replayed_header,
     },
-    observe::request_id,
+    instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
 };
 use crate::{

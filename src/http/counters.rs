@@ -5,7 +5,7 @@ use utoipa::ToSchema;
 use super::{
     AppState, Problem,
     extract::{IdempotencyKeyHeader, OptionalJson, Path, replayed_header},
-    observe::request_id,
+    instrument::request_id,
     openapi::{CounterProblems, Problems, WriteProblems},
 };
 use crate::meter::Name;

@@ -6,7 +6,7 @@ mod budgets;
 mod counters;
 mod extract;
 mod health;
-pub mod observe;
+pub mod instrument;
 pub mod openapi;
 mod problem;
 
@@ -40,7 +40,7 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 /// The routes and the OpenAPI document describing exactly them.
 pub fn api_parts(
     state: AppState,
-    metrics: Option<observe::MetricsState>,
+    metrics: Option<instrument::MetricsState>,
 ) -> (Router, utoipa::openapi::OpenApi) {
     let api = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(counters::increment_default, counters::get_default))
@@ -54,7 +54,7 @@ pub fn api_parts(
         .routes(routes!(openapi_json))
         .with_state(state);
     let api = match metrics {
-        Some(m) => api.merge(observe::metrics_api(m)),
+        Some(m) => api.merge(instrument::metrics_api(m)),
         None => api,
     };
     api.split_for_parts()
@@ -93,7 +93,7 @@ impl AppState {
 pub fn router(
     state: AppState,
     request_timeout: Duration,
-    metrics: Option<observe::MetricsState>,
+    metrics: Option<instrument::MetricsState>,
 ) -> Router {
     let openapi = Arc::clone(&state.openapi);
     let (api, doc) = api_parts(state, metrics);
@@ -113,19 +113,19 @@ pub fn router(
         // Before an id is set: a client's id that could forge log text is
         // dropped, so that a fresh one is made in its place.
         .layer(tower::util::MapRequestLayer::new(
-            observe::drop_unsafe_request_id,
+            instrument::drop_unsafe_request_id,
         ))
         .layer(SetRequestIdLayer::new(
-            observe::REQUEST_ID,
-            observe::MakeRequestId,
+            instrument::REQUEST_ID,
+            instrument::MakeRequestId,
         ))
-        .layer(PropagateRequestIdLayer::new(observe::REQUEST_ID))
+        .layer(PropagateRequestIdLayer::new(instrument::REQUEST_ID))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(|req: &axum::extract::Request| {
                     let id = req
                         .headers()
-                        .get(&observe::REQUEST_ID)
+                        .get(&instrument::REQUEST_ID)
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("");
                     tracing::info_span!("request", method = %req.method(), request_id = %id)
@@ -138,7 +138,7 @@ pub fn router(
                     tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
                 ),
         )
-        .layer(middleware::from_fn(observe::observe))
+        .layer(middleware::from_fn(instrument::observe))
         .layer(HandleErrorLayer::new(timed_out))
         .timeout(request_timeout)
         .layer(DefaultBodyLimit::max(BODY_LIMIT));

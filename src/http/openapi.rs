@@ -80,7 +80,8 @@ impl ToSchema for VisitorId {}
 #[openapi(
     info(
         title = "tally",
-        description = "Atomic counters and daily budgets over HTTP, backed by one SQLite file. \
+        description = "Atomic counters and daily budgets over HTTP, backed by one SQLite file \
+                       or by PostgreSQL shared by many tally processes. \
                        A 200 on a write means it committed."
     ),
     components(schemas(ProblemDoc)),

@@ -319,9 +319,9 @@ impl IntoResponse for Problem {
         body.insert("status".into(), json!(this.status.as_u16()));
         body.insert("detail".into(), json!(this.detail));
         body.extend(this.extensions);
-        // The request being answered, set for the whole request by
-        // `observe::with_request_id`, so a client can quote it.
-        if let Some(id) = super::observe::request_id() {
+        // The request being answered, set for the whole request by the
+        // `instrument::observe` middleware, so a client can quote it.
+        if let Some(id) = super::instrument::request_id() {
             body.insert("request_id".into(), json!(&*id));
         }
         let mut res = (this.status, axum::Json(Value::Object(body))).into_response();

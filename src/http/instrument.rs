@@ -178,7 +178,7 @@ pub fn metrics_api(state: MetricsState) -> utoipa_axum::router::OpenApiRouter {
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "meta",
     responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
-    crate::observe::sample(&m.db, m.db_path.as_deref());
+    crate::prometheus::sample(&m.db, m.db_path.as_deref());
     (
         [(
             header::CONTENT_TYPE,
