@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::Settings,
     db::{Database, DbOptions, Handle, WriterTask},
+    fds,
     http::{self, AppState, instrument::MetricsState},
     prometheus, replica,
     server::{self, Drained, Limits},
@@ -40,7 +41,7 @@ impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let exporter = prometheus::install();
         prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());
-        let max_connections = connection_cap(&settings);
+        let max_connections = fds::cap_connections(&settings);
         let under_litestream = settings.litestream_socket.is_some();
         let opts = DbOptions {
             queue_capacity: settings.queue_capacity as usize,
@@ -152,6 +153,7 @@ impl Application {
         let stop = CancellationToken::new();
         let limits = Limits {
             name: "api",
+            screen: http::limits::oversized_head,
             header_timeout: settings.header_timeout,
             max_connections: self.max_connections,
             drain_timeout: settings.drain_timeout,
@@ -260,47 +262,12 @@ fn serve_metrics(
     }
     let limits = Limits {
         name: "metrics",
+        screen: http::limits::oversized_head,
         header_timeout: settings.header_timeout,
         max_connections: server::METRICS_MAX_CONNECTIONS,
         drain_timeout: Duration::from_secs(1),
     };
     tokio::spawn(server::serve(listener, router, limits, stop.clone()))
-}
-
-/// Raises the open-files limit and fits the connection cap under it, so
-/// that connections can never take the descriptors the database, the
-/// readers and the metrics listener need; logs the numbers.
-fn connection_cap(settings: &Settings) -> usize {
-    let reserved = server::reserved_fds(settings.readers, settings.metrics_listen.is_some());
-    let files = match server::raise_open_files_limit() {
-        Ok(files) => files,
-        Err(e) => {
-            // Without the limit, trust the operator's cap, or a modest one.
-            tracing::warn!(error = %e, "cannot read the open-files limit");
-            let cap = settings.max_connections.map_or(1024, |n| n as usize);
-            return cap;
-        }
-    };
-    let (cap, lowered) = server::connection_cap(settings.max_connections, files.soft, reserved);
-    if lowered {
-        tracing::warn!(
-            configured = settings.max_connections,
-            max_connections = cap,
-            open_files_limit = files.soft,
-            reserved,
-            "TALLY_MAX_CONNECTIONS does not fit under the open-files limit; lowered"
-        );
-    }
-    tracing::info!(
-        open_files_limit = files.soft,
-        open_files_limit_was = files.was,
-        open_files_hard_limit = files.hard,
-        reserved,
-        max_connections = cap,
-        configured = settings.max_connections.is_some(),
-        "connection limit"
-    );
-    cap
 }
 
 /// Why tally stopped serving.

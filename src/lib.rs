@@ -16,11 +16,14 @@
 //!   writes go through one queue.
 //! - [`meter`]: the domain, pure: names, visitors, days, idempotency keys,
 //!   budgets, and the one rule that decides a budget check.
-//! - [`http`]: the router, one module per resource, and the problem+json
-//!   error type.
-//! - [`server`]: the HTTP/1.1 serve loop with its limits: header timeout,
-//!   bounded request heads, a cap on open connections, and a shutdown that
-//!   closes idle connections at once.
+//! - [`http`]: the router, one module per resource, the problem+json
+//!   error type, and what a request head may be (`http::limits`).
+//! - [`server`]: the transport: the HTTP/1.1 serve loop with its limits
+//!   (header and body timeouts, bounded buffers, a cap on open
+//!   connections) and a shutdown that closes idle connections at once. It
+//!   knows nothing of what a request means.
+//! - [`fds`]: the open-files limit, and the connection cap fitted under
+//!   it with room for the open database's descriptors.
 //! - [`replica`]: Litestream's control socket: the startup gate that waits
 //!   until the replica holds what the database holds, and the watch that
 //!   exports how far the replica is behind.
@@ -37,6 +40,7 @@
 pub mod app;
 pub mod config;
 pub mod db;
+mod fds;
 mod http;
 mod meter;
 mod prometheus;

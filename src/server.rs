@@ -13,8 +13,9 @@
 //!   so this one timer bounds idle keep-alive connections too); past it the
 //!   connection is closed without an answer;
 //! - a **bounded head**: hyper buffers at most [`HARD_HEAD_BYTES`] of
-//!   request head per connection; `oversized_head` answers smaller,
-//!   still too large heads (and long URIs) with problem+json itself;
+//!   request head per connection; the listener's [`Screen`]
+//!   (`http::limits`) answers smaller, still too large heads (and long
+//!   URIs) with problem+json;
 //! - a **cap on open connections** ([`Limits::max_connections`]): past it a
 //!   new connection gets a small static `503` problem and is closed at once,
 //!   so its descriptor is released and the process never reaches `EMFILE`;
@@ -39,12 +40,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::{
-    Router,
-    body::Body,
-    http::StatusCode,
-    response::{IntoResponse, Response},
-};
+use axum::{Router, body::Body, response::Response};
 use bytes::Bytes;
 use hyper::{
     body::{Body as _, Frame, Incoming, SizeHint},
@@ -60,20 +56,10 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
 
-use crate::http::Problem;
-
-/// Longest request target (path and query) tally answers; longer ones get a
-/// `414` problem. Ample for every route (names are short).
-pub const MAX_URI_BYTES: usize = 8 * 1024;
-/// Largest request head (request line and header fields) tally answers;
-/// larger ones get a `431` problem. As much as common proxies accept.
-pub const MAX_HEAD_BYTES: usize = 16 * 1024;
-/// Most header fields in one request; more get a `431` problem.
-pub const MAX_HEADER_FIELDS: usize = 64;
 /// What hyper buffers of a request head before it gives up with a bare
 /// `431` (no body: it answers before tally sees the request). Well above
-/// [`MAX_HEAD_BYTES`], so that a too large head a client actually finishes
-/// sending gets tally's problem instead, and small enough that a
+/// `http::limits::MAX_HEAD_BYTES`, so that a too large head a client
+/// actually finishes sending gets tally's problem instead, and small enough that a
 /// connection's buffer stays bounded: this times the connection cap is the
 /// most memory partial heads can hold.
 pub const HARD_HEAD_BYTES: usize = 64 * 1024;
@@ -92,29 +78,17 @@ pub const LINGERING_REFUSALS: usize = 32;
 /// then for the client to close after the answer.
 const REFUSAL_WAIT: Duration = Duration::from_millis(250);
 
-/// Descriptors kept free besides HTTP connections and SQLite's: stdio, the
-/// runtime's epoll and wake-up descriptors, both listeners, Litestream's
-/// control socket, and slack for what the process opens now and then.
-const RESERVED_FDS: u64 = 64;
-/// Descriptors per SQLite connection (the database file and its WAL; the
-/// shared-memory file is opened once per process), rounded up for temp files.
-const FDS_PER_SQLITE_CONNECTION: u64 = 3;
-/// Default cap when the open-files limit allows more: a partial head can
-/// hold [`HARD_HEAD_BYTES`] per connection, so this bounds that memory to
-/// 256 MiB. More than a single-writer service behind a proxy needs; set
-/// `TALLY_MAX_CONNECTIONS` for more.
-pub const DEFAULT_MAX_CONNECTIONS_CEILING: usize = 4096;
-/// The smallest cap tally starts with, whatever the limit says.
-const MIN_MAX_CONNECTIONS: usize = 16;
-/// What a soft limit is raised to when the hard limit is "unlimited"
-/// (Linux's default `fs.nr_open`; a soft limit cannot be infinite).
-const NOFILE_WHEN_UNLIMITED: u64 = 1 << 20;
+/// Answers a request before the router sees it, or lets it through
+/// (`None`): the HTTP layer's rules on what a request head may be.
+pub type Screen = fn(&hyper::Request<Incoming>) -> Option<Response>;
 
 /// How one listener is served.
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// The `listener` label of this listener's metrics (`api`, `metrics`).
     pub name: &'static str,
+    /// Asked first about every request head (`crate::http::limits`).
+    pub screen: Screen,
     pub header_timeout: Duration,
     pub max_connections: usize,
     /// How long requests in flight may take to finish once stopping.
@@ -196,7 +170,7 @@ pub async fn serve(
                     stream,
                     router.clone(),
                     Arc::clone(&http),
-                    limits.header_timeout,
+                    (limits.screen, limits.header_timeout),
                     slot,
                     stop.clone(),
                     force.clone(),
@@ -257,7 +231,7 @@ async fn connection(
     stream: TcpStream,
     router: Router,
     http: Arc<http1::Builder>,
-    body_timeout: Duration,
+    (screen, body_timeout): (Screen, Duration),
     slot: Slot,
     stop: CancellationToken,
     force: CancellationToken,
@@ -275,7 +249,7 @@ async fn connection(
             // head, or a client could hold its connection slot with a body
             // it never finishes. No body, no timer.
             // An oversized head is refused before anything else looks at it.
-            let refused = oversized_head(&req);
+            let refused = screen(&req);
             let req = match req.body().is_end_stream() {
                 true => req.map(Body::new),
                 false => req.map(|b| Body::new(DeadlineBody::new(b, body_timeout))),
@@ -441,151 +415,6 @@ async fn accept_failed(e: &io::Error, last_logged: &mut Option<Instant>) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
-/// The answer to a request whose target or head is larger than tally
-/// accepts: a `414` or `431` problem; hyper answers only the much larger
-/// ones (see [`HARD_HEAD_BYTES`]), and without a body. `None` for the rest.
-fn oversized_head<B>(req: &http::Request<B>) -> Option<Response> {
-    let uri = req.uri();
-    let target = uri.path_and_query().map_or(0, |p| p.as_str().len())
-        + uri
-            .authority()
-            .map_or(0, |a| a.as_str().len() + "http://".len());
-    if target > MAX_URI_BYTES {
-        let p = Problem::new(StatusCode::URI_TOO_LONG, "uri-too-long", "URI too long").detail(
-            format!("the request target is {target} bytes; tally accepts at most {MAX_URI_BYTES}"),
-        );
-        return Some(p.into_response());
-    }
-    // As on the wire: "METHOD target HTTP/1.1\r\n", "name: value\r\n"
-    // per field, "\r\n".
-    let fields = req.headers().len();
-    let head = req.method().as_str().len()
-        + target
-        + 12
-        + req
-            .headers()
-            .iter()
-            .map(|(name, value)| name.as_str().len() + value.len() + 4)
-            .sum::<usize>()
-        + 2;
-    if head > MAX_HEAD_BYTES || fields > MAX_HEADER_FIELDS {
-        let p = Problem::new(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "header-too-large",
-            "Request header too large",
-        )
-        .detail(format!(
-            "the request head is {head} bytes in {fields} fields; tally accepts at most \
-             {MAX_HEAD_BYTES} bytes and {MAX_HEADER_FIELDS} fields"
-        ));
-        return Some(p.into_response());
-    }
-    None
-}
-
-/// The open-files limit, after trying to raise it.
-#[derive(Debug, Clone, Copy)]
-pub struct OpenFiles {
-    /// The soft limit tally found.
-    pub was: u64,
-    /// The soft limit now in force.
-    pub soft: u64,
-    pub hard: u64,
-}
-
-/// Raises the soft open-files limit to the hard one, where allowed.
-/// Runtimes and service managers often start processes at a soft 1024 with
-/// a far higher hard limit, expecting servers to raise it themselves.
-pub fn raise_open_files_limit() -> io::Result<OpenFiles> {
-    use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, setrlimit};
-    let (was, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io::Error::from)?;
-    let target = if hard == RLIM_INFINITY {
-        NOFILE_WHEN_UNLIMITED.max(was)
-    } else {
-        hard
-    };
-    let mut soft = was;
-    if target > was {
-        match setrlimit(Resource::RLIMIT_NOFILE, target, hard) {
-            Ok(()) => soft = target,
-            Err(e) => {
-                tracing::warn!(error = %e, soft = was, hard, "cannot raise the open-files limit")
-            }
-        }
-    }
-    Ok(OpenFiles { was, soft, hard })
-}
-
-/// Descriptors to keep free of API connections, for the database (writer
-/// and `readers`), lingering refusals, the metrics listener's connections
-/// and the rest.
-pub fn reserved_fds(readers: u32, metrics_listener: bool) -> u64 {
-    RESERVED_FDS
-        + LINGERING_REFUSALS as u64
-        + FDS_PER_SQLITE_CONNECTION * (u64::from(readers) + 1)
-        + if metrics_listener {
-            METRICS_MAX_CONNECTIONS as u64
-        } else {
-            0
-        }
-}
-
-/// The connection cap: `configured` when it fits under the open-files
-/// limit `soft` with `reserved` descriptors to spare, else what fits
-/// (at most [`DEFAULT_MAX_CONNECTIONS_CEILING`] when not configured).
-/// Returns the cap and whether `configured` had to be lowered.
-pub fn connection_cap(configured: Option<u32>, soft: u64, reserved: u64) -> (usize, bool) {
-    let fits = usize::try_from(soft.saturating_sub(reserved))
-        .unwrap_or(usize::MAX)
-        .max(MIN_MAX_CONNECTIONS);
-    match configured {
-        Some(n) if n as usize > fits => (fits, true),
-        Some(n) => (n as usize, false),
-        None => (fits.min(DEFAULT_MAX_CONNECTIONS_CEILING), false),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_cap_leaves_room_for_the_database_and_the_rest() {
-        let reserved = reserved_fds(4, true);
-        assert_eq!(reserved, 64 + 32 + 15 + 16);
-        // A soft limit of 1024, as many runtimes start processes.
-        assert_eq!(connection_cap(None, 1024, reserved), (897, false));
-        // A generous limit: the memory ceiling applies.
-        assert_eq!(
-            connection_cap(None, 1 << 20, reserved),
-            (DEFAULT_MAX_CONNECTIONS_CEILING, false)
-        );
-        // What the operator asks for, when it fits; more is lowered.
-        assert_eq!(connection_cap(Some(500), 1024, reserved), (500, false));
-        assert_eq!(connection_cap(Some(5000), 1024, reserved), (897, true));
-        assert_eq!(connection_cap(Some(5000), 1 << 20, reserved), (5000, false));
-        // A tiny limit still serves a few.
-        assert_eq!(
-            connection_cap(None, 50, reserved),
-            (MIN_MAX_CONNECTIONS, false)
-        );
-    }
-
-    #[test]
-    fn the_refusal_is_a_complete_problem_answer() {
-        let r = String::from_utf8(refusal(7)).unwrap();
-        let (head, body) = r.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 503 "));
-        assert!(head.contains("content-type: application/problem+json"));
-        assert!(head.contains("retry-after: 1"));
-        assert!(head.contains("connection: close"));
-        assert!(head.contains(&format!("content-length: {}", body.len())));
-        let v: serde_json::Value = serde_json::from_str(body).unwrap();
-        assert_eq!(v["status"], 503);
-        assert_eq!(v["type"], "/problems/too-many-connections");
-    }
-}
-
 /// Why a request body was cut off: it did not arrive in full within the
 /// header timeout of its head. `crate::http` answers it `408`.
 #[derive(Debug, thiserror::Error)]
@@ -632,5 +461,24 @@ impl hyper::body::Body for DeadlineBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_is_a_complete_problem_answer() {
+        let r = String::from_utf8(refusal(7)).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        assert!(head.contains("content-type: application/problem+json"));
+        assert!(head.contains("retry-after: 1"));
+        assert!(head.contains("connection: close"));
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["status"], 503);
+        assert_eq!(v["type"], "/problems/too-many-connections");
     }
 }

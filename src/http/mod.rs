@@ -7,6 +7,7 @@ mod counters;
 mod extract;
 mod health;
 pub mod instrument;
+pub mod limits;
 pub mod openapi;
 mod problem;
 
