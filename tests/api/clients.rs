@@ -1,11 +1,12 @@
-//! README's "Calling tally" recipes, run against an overloaded tally (a
-//! one-slot queue in front of a slow writer, and clients whose read
-//! timeout is shorter than the writer): every intended write lands exactly
-//! once, whatever mix of 429s, timeouts and retries it took.
+//! The recipes of "Calling tally" (`docs/calling-tally.md`), run against an
+//! overloaded tally (a one-slot queue in front of a slow writer, and
+//! clients whose read timeout is shorter than the writer): every intended
+//! write lands exactly once, whatever mix of 429s, timeouts and retries it
+//! took.
 //!
-//! The Python recipe is taken from README.md as it stands and run with the
+//! The Python recipe is taken from that page as it stands and run with the
 //! test venv's Python (urllib3 comes with moto). The Rust recipe is the
-//! function between the markers below, which README must quote verbatim.
+//! function between the markers below, which the page must quote verbatim.
 
 use std::{path::Path, time::Duration};
 
@@ -26,16 +27,19 @@ async fn overloaded() -> crate::helpers::TestApp {
     .await
 }
 
-fn readme() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap()
+/// The page that documents the recipes, relative to the repository.
+const PAGE: &str = "docs/calling-tally.md";
+
+fn page() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(PAGE)).unwrap()
 }
 
-/// The first fenced block of `lang` after `heading` in README.md.
-fn readme_block(heading: &str, lang: &str) -> String {
-    let text = readme();
+/// The first fenced block of `lang` after `heading` in [`PAGE`].
+fn page_block(heading: &str, lang: &str) -> String {
+    let text = page();
     let from = text
         .find(heading)
-        .unwrap_or_else(|| panic!("README has no {heading:?}"));
+        .unwrap_or_else(|| panic!("{PAGE} has no {heading:?}"));
     let fence = format!("```{lang}\n");
     let start = text[from..]
         .find(&fence)
@@ -79,7 +83,7 @@ sys.exit(1 if errors else 0)
 #[tokio::test(flavor = "multi_thread")]
 async fn the_python_recipe_lands_every_write_exactly_once_under_overload() {
     let app = overloaded().await;
-    let recipe = readme_block("## Calling tally", "python");
+    let recipe = page_block("# Calling tally", "python");
     let driver = format!("{recipe}\n{DRIVER}");
     let out = tokio::time::timeout(
         Duration::from_secs(180),
@@ -159,8 +163,8 @@ async fn the_rust_recipe_lands_every_write_exactly_once_under_overload() {
     let start = source.find("// recipe: rust\n").unwrap() + "// recipe: rust\n".len();
     let len = source[start..].find("// end of recipe").unwrap();
     assert!(
-        readme().contains(&source[start..start + len]),
-        "README's Rust recipe must be the one tested here, verbatim"
+        page().contains(&source[start..start + len]),
+        "{PAGE}'s Rust recipe must be the one tested here, verbatim"
     );
 
     let app = overloaded().await;

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::helpers::{ADMIN, spawn_app};
 
-/// Every route of the API, as README documents it.
+/// Every route of the API, as docs/api.md documents it.
 const ROUTES: &[(&str, &str)] = &[
     ("POST", "/counter"),
     ("GET", "/counter"),

@@ -371,7 +371,7 @@ fn grace_period_is_the_sum_of_its_parts() {
     .map(|k| u64_at(&shutdown[k]));
     let docs = rendered(&[]);
     assert_grace(&docs, defaults[0], defaults[1], defaults[2], defaults[3]);
-    // The README's numbers: 10 s drain, 20 s final sync, 45 s grace.
+    // docs/kubernetes.md's numbers: 10 s drain, 20 s final sync, 45 s grace.
     assert_eq!(
         u64_at(&pod_spec(&docs)["terminationGracePeriodSeconds"]),
         45

@@ -29,6 +29,10 @@ fn rules_file() -> PathBuf {
     repo().join("helm/tally/files/prometheus-rules.yaml")
 }
 
+/// The page holding a runbook for every alert, as the rules' `runbook`
+/// annotations name it (relative to the repository).
+const RUNBOOKS: &str = "docs/runbooks.md";
+
 fn dashboard_file() -> PathBuf {
     repo().join("helm/tally/files/grafana-dashboard.json")
 }
@@ -205,16 +209,16 @@ fn every_alert_has_a_severity_a_summary_and_a_runbook() {
         }
         assert_eq!(
             rule["annotations"]["runbook"].as_str(),
-            Some(format!("README.md#alert-{}", name.to_lowercase()).as_str()),
-            "{name}: the runbook annotation names its README section"
+            Some(format!("{RUNBOOKS}#alert-{}", name.to_lowercase()).as_str()),
+            "{name}: the runbook annotation names its section of {RUNBOOKS}"
         );
     }
 }
 
 #[test]
-fn every_alert_has_its_runbook_section_in_the_readme() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
-    let anchors: BTreeSet<String> = readme
+fn every_alert_has_its_runbook_section_in_the_runbooks_page() {
+    let runbooks = std::fs::read_to_string(repo().join(RUNBOOKS)).unwrap();
+    let anchors: BTreeSet<String> = runbooks
         .lines()
         .filter_map(|l| l.strip_prefix('#'))
         .map(|h| github_anchor(h.trim_start_matches('#')))
@@ -227,7 +231,7 @@ fn every_alert_has_its_runbook_section_in_the_readme() {
         .collect();
     assert!(
         missing.is_empty(),
-        "README.md has no heading \"Alert: <name>\" (anchor #alert-<name>) for {missing:?}"
+        "{RUNBOOKS} has no heading \"Alert: <name>\" (anchor #alert-<name>) for {missing:?}"
     );
 }
 
@@ -437,7 +441,7 @@ const LAZY: &[Lazy] = &[
 
 #[derive(Clone, Copy, Debug)]
 enum Evidence {
-    /// Described (with its type) in `src/observe.rs` and emitted in `src/`.
+    /// Described (with its type) in `src/prometheus.rs` and emitted in `src/`.
     TallySource,
     /// Its name is in the Litestream binary the tests run.
     LitestreamBinary,
@@ -470,7 +474,7 @@ fn check_lazy() -> Vec<String> {
     }
     let mut src = String::new();
     rust_sources(&repo().join("src"), &mut src);
-    let observe = std::fs::read_to_string(repo().join("src/observe.rs")).unwrap();
+    let observe = std::fs::read_to_string(repo().join("src/prometheus.rs")).unwrap();
     let litestream = std::fs::read(tool("litestream")).unwrap();
     for Lazy {
         name,
