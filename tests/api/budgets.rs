@@ -3,7 +3,7 @@ use std::{collections::HashSet, sync::LazyLock};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, TestApp, problem, spawn_app};
+use crate::helpers::{ADMIN, problem, spawn_app};
 
 /// The day these tests count on: today in UTC (their budgets' zone) when
 /// first asked. A check may name only a day its budget keeps; should a test
@@ -11,7 +11,7 @@ use crate::helpers::{ADMIN, TestApp, problem, spawn_app};
 static DAY: LazyLock<String> = LazyLock::new(|| today_in("UTC", 0));
 
 /// Today in `tz`, `plus` days on.
-fn today_in(tz: &str, plus: i64) -> String {
+pub(crate) fn today_in(tz: &str, plus: i64) -> String {
     let today = jiff::Timestamp::now().in_tz(tz).unwrap().date();
     today
         .checked_add(jiff::Span::new().days(plus))
@@ -77,100 +77,6 @@ async fn a_visitor_named_star_is_not_the_global_row() {
     );
     // Another visitor is still allowed: the global row holds only 1.
     assert_eq!(app.check("star", "B", &DAY).await["reason"], "ok");
-    app.stop().await.unwrap();
-}
-
-async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
-    let pool = &app.peek().await;
-    let global: Vec<String> =
-        sqlx::query_scalar("SELECT day FROM budget_global_usage WHERE budget = 'p' ORDER BY day")
-            .fetch_all(pool)
-            .await
-            .unwrap();
-    let visitor: Vec<String> = sqlx::query_scalar(
-        "SELECT DISTINCT day FROM budget_visitor_usage WHERE budget = 'p' ORDER BY day",
-    )
-    .fetch_all(pool)
-    .await
-    .unwrap();
-    (global, visitor)
-}
-
-/// Writes usage of budget `p` on `days` behind the API, as earlier days'
-/// calls would have left it (visitors `A` and `B`, so 2 global calls).
-async fn usage_behind(app: &TestApp, days: &[&str]) {
-    use sqlx::ConnectOptions;
-    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&app.db_path)
-        .connect()
-        .await
-        .unwrap();
-    for day in days {
-        sqlx::query(
-            "INSERT INTO budget_visitor_usage VALUES ('p', ?1, 'A', 1), ('p', ?1, 'B', 1);
-             INSERT INTO budget_global_usage VALUES ('p', ?1, 2);",
-        )
-        .bind(day)
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    }
-}
-
-#[tokio::test]
-async fn first_call_of_a_day_prunes_usage_past_retention() {
-    let app = spawn_app().await;
-    app.budget("p", 100, 100).await;
-    // Kiritimati, UTC+14, would show whether the prune counted in the
-    // budget's zone; UTC keeps the arithmetic plain. Older days from the
-    // real today back, written behind the API: a check may not name them.
-    let d = |plus: i64| today_in("UTC", plus);
-    let (t9, t8, t7, t1, t0) = (d(-9), d(-8), d(-7), d(-1), d(0));
-    usage_behind(&app, &[&t9, &t8, &t7, &t1]).await;
-    let all = [&t9, &t8, &t7, &t1].map(|s| s.to_string());
-    assert_eq!(days_in_db(&app).await, (all.to_vec(), all.to_vec()));
-
-    // Today minus 7 days is kept; older days go. The cutoff counts from
-    // the real today, whatever day the first call names.
-    let d0 = app.check("p", "A", &t0).await;
-    assert_eq!(d0["global_calls"], 1);
-    let kept = [&t7, &t1, &t0].map(|s| s.to_string());
-    assert_eq!(days_in_db(&app).await, (kept.to_vec(), kept.to_vec()));
-
-    // The oldest kept day still reads; a pruned day is outside the window.
-    let u = app.usage("p", &format!("day={t7}&visitor=A")).await;
-    assert_eq!(u, json!({"day": t7, "global_calls": 2, "visitor_calls": 1}));
-    let r = app.get(&format!("/budgets/p/usage?day={t8}")).await;
-    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
-    assert_eq!(p["type"], "/problems/day-outside-window");
-
-    // Only the first call of a day prunes: usage left behind on an old day
-    // afterwards survives the second call of today.
-    usage_behind(&app, &[&t9]).await;
-    app.check("p", "B", &t0).await;
-    let with_old = [&t9, &t7, &t1, &t0].map(|s| s.to_string());
-    assert_eq!(
-        days_in_db(&app).await,
-        (with_old.to_vec(), with_old.to_vec())
-    );
-    app.stop().await.unwrap();
-}
-
-#[tokio::test]
-async fn retention_is_per_budget() {
-    let app = spawn_app().await;
-    let r = app
-        .admin_put_budget(
-            "p",
-            json!({"visitor_limit": 9, "global_limit": 9, "retention_days": 1}),
-        )
-        .await;
-    assert_eq!(r.status(), StatusCode::OK);
-    let d = |plus: i64| today_in("UTC", plus);
-    usage_behind(&app, &[&d(-2), &d(-1)]).await;
-    app.check("p", "A", &d(0)).await;
-    let kept = [d(-1), d(0)];
-    assert_eq!(days_in_db(&app).await.0, kept.to_vec());
     app.stop().await.unwrap();
 }
 

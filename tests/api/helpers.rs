@@ -151,7 +151,7 @@ impl TestApp {
     }
 
     /// A read-only look at the SQLite file, to check rows the API does not
-    /// show. Tests that use it are SQLite's (`scripts/api-tests-run-once`).
+    /// show. Tests that use it are SQLite's: they live in `on_sqlite/`.
     pub async fn peek(&self) -> sqlx::SqlitePool {
         assert!(!on_postgres(), "this test looks at SQLite itself");
         sqlx::sqlite::SqlitePoolOptions::new()

@@ -17,10 +17,7 @@ use tokio::{
     net::TcpStream,
 };
 
-use crate::{
-    helpers::{Binary, problem, sample, spawn_with, wait_for_queue_depth},
-    replica_env::{Deployment, S3},
-};
+use crate::helpers::{Binary, problem, sample, spawn_with, wait_for_queue_depth};
 
 /// Sends `request` on a new connection and reads until the server closes
 /// it (at most `limit`): the whole answer, as text.
@@ -863,78 +860,6 @@ async fn sigterm_closes_silent_slow_and_idle_connections_at_once_and_answers_req
     let logs = bin.log_text();
     assert!(logs.contains("stopped cleanly"), "{logs}");
     assert!(!logs.contains("did not finish in time"), "{logs}");
-}
-
-/// Kills a process that is not our child (tally under a dead Litestream)
-/// when the test ends, however it ends.
-struct KillOnDrop(i32);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
-}
-
-/// Whether `pid` still runs (a zombie waiting for its reaper does not).
-fn running(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the parenthesised command name.
-        stat.rsplit_once(") ")
-            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
-    })
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tally_stops_when_litestream_its_parent_dies() {
-    let s3 = S3::start().await;
-    s3.create_bucket("orphan").await;
-    let d = Deployment::new(&s3.endpoint, "orphan");
-    let mut run = d.replicate();
-    run.wait_serving(Duration::from_secs(30)).await;
-    let tally = run.tally_pid().expect("tally runs as Litestream's child");
-    let _guard = KillOnDrop(tally);
-    let r = Client::new()
-        .post(run.url("/counters/orphan"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-
-    // Litestream dies without a chance to tell anyone.
-    run.child.kill().unwrap();
-    run.child.wait().unwrap();
-    let killed = Instant::now();
-    while running(tally) {
-        assert!(
-            killed.elapsed() < Duration::from_secs(5),
-            "tally outlived Litestream: {}",
-            run.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let took = killed.elapsed();
-    // Let the log reader catch up with the last lines.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let logs = run.log_text();
-    let line = |needle: &str| {
-        run.line_of(needle)
-            .unwrap_or_else(|| panic!("no `{needle}` in {logs}"))
-    };
-    // Why, logged as an error; drained as on SIGTERM (HTTP, then the
-    // writer); and a non-zero exit.
-    line("stopping if the parent process exits");
-    let noticed = line("the parent process (Litestream) exited");
-    let http = line("HTTP stopped");
-    let failed = line("tally failed");
-    assert!(noticed < http && http < failed, "{logs}");
-    assert!(
-        tokio::net::TcpStream::connect(run.listen).await.is_err(),
-        "still listening"
-    );
-    eprintln!("tally stopped {took:?} after Litestream was killed");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,8 +1,11 @@
-//! What a hostile or careless client sends: days outside a budget's window,
+//! The input contract: every rule about input, each answered with a
+//! problem+json 4xx; and what a hostile or careless client sends:
 //! host-dependent time zones, bytes that are not UTF-8, request ids that
 //! could forge log lines, body-less posts with any content type, and a
 //! check that runs out of time. Each answer is a problem, or the request is
-//! served as the contract says, and nothing else changes.
+//! served as the contract says, and nothing else changes. (Days outside a
+//! budget's window, with the rows looked at behind the API:
+//! `on_sqlite::input_contract`.)
 
 use std::{
     io::{BufRead, BufReader},
@@ -12,221 +15,315 @@ use std::{
 };
 
 use jiff::{Timestamp, civil::Date, tz::TimeZone};
-use reqwest::{StatusCode, header::HeaderValue};
+use reqwest::{Method, StatusCode, header::HeaderValue};
 use serde_json::{Value, json};
-use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
 use crate::helpers::{ADMIN, TestApp, problem, spawn_app, spawn_with};
 
 /// Today in `tz`, from the clock.
-fn today_in(tz: &str) -> Date {
+pub(crate) fn today_in(tz: &str) -> Date {
     Timestamp::now()
         .to_zoned_datetime(TimeZone::get(tz).unwrap())
         .date()
 }
 
-fn day(d: Date, plus: i64) -> String {
-    d.checked_add(jiff::Span::new().days(plus))
-        .unwrap()
-        .to_string()
-}
-
-async fn post_check(app: &TestApp, budget: &str, body: Value) -> reqwest::Response {
+pub(crate) async fn post_check(app: &TestApp, budget: &str, body: Value) -> reqwest::Response {
     app.post_json(&format!("/budgets/{budget}/check"), body)
         .await
 }
 
-async fn reset(app: &TestApp, budget: &str, body: Value) -> reqwest::Response {
-    app.client
-        .post(app.url(&format!("/budgets/{budget}/reset")))
-        .bearer_auth(ADMIN)
-        .json(&body)
+#[tokio::test]
+async fn bad_names() {
+    let app = spawn_app().await;
+    let long = "n".repeat(129);
+    for name in ["a%20b", "a%2Fb", "%C3%A9", "*", "a!", long.as_str()] {
+        for (method, path) in [
+            (Method::POST, format!("/counters/{name}")),
+            (Method::GET, format!("/counters/{name}")),
+            (Method::GET, format!("/budgets/{name}")),
+            (Method::GET, format!("/budgets/{name}/usage")),
+        ] {
+            let r = app
+                .client
+                .request(method, app.url(&path))
+                .send()
+                .await
+                .unwrap();
+            let body = problem(r, StatusCode::BAD_REQUEST).await;
+            assert_eq!(body["type"], "/problems/invalid-input", "{path}");
+        }
+        let r = app
+            .post_json(&format!("/budgets/{name}/check"), json!({"visitor": "A"}))
+            .await;
+        assert_eq!(problem(r, StatusCode::BAD_REQUEST).await["allowed"], false);
+    }
+    // 128 characters is fine.
+    let r = app
+        .client
+        .post(app.url(&format!("/counters/{}", "n".repeat(128))))
         .send()
         .await
-        .unwrap()
-}
-
-/// Every usage row of a budget, as (table, day, visitor, calls).
-async fn rows(app: &TestApp, budget: &str) -> Vec<(String, String, String, i64)> {
-    sqlx::query_as(
-        "SELECT 'visitor', day, visitor, calls FROM budget_visitor_usage WHERE budget = ?1
-         UNION ALL SELECT 'global', day, '', calls FROM budget_global_usage WHERE budget = ?1
-         ORDER BY 1, 2, 3",
-    )
-    .bind(budget)
-    .fetch_all(&app.peek().await)
-    .await
-    .unwrap()
-}
-
-/// Asserts a `/problems/day-outside-window` answer naming the window.
-async fn outside_window(r: reqwest::Response, oldest: &str, today: &str) -> Value {
-    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
-    assert_eq!(p["type"], "/problems/day-outside-window", "{p}");
-    assert_eq!(
-        (p["oldest_day"].as_str(), p["today"].as_str()),
-        (Some(oldest), Some(today))
-    );
-    p
-}
-
-/// The reproduction of issue 9, defect 1: a check naming a far-future day
-/// used to prune from that day, deleting today's usage.
-#[tokio::test]
-async fn a_far_future_day_cannot_wipe_usage() {
-    let app = spawn_app().await;
-    let r = app
-        .admin_put_budget(
-            "lim",
-            json!({"visitor_limit": 3, "global_limit": 1_000_000}),
-        )
-        .await;
+        .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    let mut reasons = Vec::new();
-    for _ in 0..4 {
-        let r = post_check(&app, "lim", json!({"visitor": "alice"})).await;
-        assert_eq!(r.status(), StatusCode::OK);
-        reasons.push(r.json::<Value>().await.unwrap()["reason"].clone());
-    }
-    assert_eq!(reasons, ["ok", "ok", "ok", "visitor_limit"]);
-    let before = rows(&app, "lim").await;
-
-    for far in ["2099-01-01", "9999-12-31"] {
-        let r = post_check(&app, "lim", json!({"visitor": "mallory", "day": far})).await;
-        let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
-        assert_eq!(p["allowed"], false, "{p}");
-        assert_eq!(p["type"], "/problems/day-outside-window", "{p}");
-    }
-    // Nothing was counted or deleted.
-    assert_eq!(rows(&app, "lim").await, before);
-    let u = app.usage("lim", "visitor=alice").await;
-    assert_eq!(
-        (u["global_calls"].clone(), u["visitor_calls"].clone()),
-        (json!(3), json!(4))
-    );
-    let r = post_check(&app, "lim", json!({"visitor": "alice"})).await;
-    assert_eq!(r.json::<Value>().await.unwrap()["reason"], "visitor_limit");
     app.stop().await.unwrap();
 }
 
-/// Pruning counts back from the budget's real today, whatever day the
-/// check names: a check on the oldest kept day keeps everything the window
-/// holds and deletes what lies before it.
 #[tokio::test]
-async fn pruning_counts_back_from_the_real_today() {
+async fn bad_increments() {
     let app = spawn_app().await;
-    let tz = "Pacific/Kiritimati";
-    let mut conn = SqliteConnectOptions::new()
-        .filename(&app.db_path)
-        .connect()
+    for body in [
+        json!({"by": 0}),
+        json!({"by": -1}),
+        json!({"by": 1_000_001}),
+        json!({"by": 1.5}),
+        json!({"by": "2"}),
+        json!({"by": null}),
+        json!({"by": 1, "extra": true}),
+        json!([1]),
+    ] {
+        let r = app.post_json("/counters/x", body.clone()).await;
+        let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+        assert_eq!(p["type"], "/problems/invalid-body", "{body}");
+    }
+    let r = app.get("/counters/x").await;
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 0);
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn malformed_bodies_and_media_types() {
+    let app = spawn_app().await;
+    let send = |ct: Option<&str>, body: &'static str| {
+        let mut rb = app.client.post(app.url("/counters/x")).body(body);
+        if let Some(ct) = ct {
+            rb = rb.header("content-type", ct);
+        }
+        rb.send()
+    };
+    let r = send(Some("application/json"), "{\"by\": ").await.unwrap();
+    assert_eq!(
+        problem(r, StatusCode::BAD_REQUEST).await["type"],
+        "/problems/malformed-json"
+    );
+    let r = send(Some("application/json"), "not json").await.unwrap();
+    problem(r, StatusCode::BAD_REQUEST).await;
+    let r = send(Some("text/plain"), "{\"by\": 2}").await.unwrap();
+    problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    let r = send(None, "{\"by\": 2}").await.unwrap();
+    problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    // A JSON body with parameters in its media type is fine; so is an empty one.
+    let r = send(Some("application/json; charset=utf-8"), "{\"by\": 2}")
         .await
         .unwrap();
-    for attempt in 0.. {
-        let name = format!("pr{attempt}");
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = send(Some("application/json"), "").await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = app.get("/counters/x").await;
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 3);
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn huge_bodies_are_413() {
+    let app = spawn_app().await;
+    let big = format!("{{\"by\": 1, \"pad\": \"{}\"}}", "x".repeat(70 * 1024));
+    for path in ["/counters/x", "/budgets/b/check", "/counter"] {
         let r = app
-            .admin_put_budget(
-                &name,
-                json!({"visitor_limit": 9, "global_limit": 9, "retention_days": 2, "timezone": tz}),
-            )
-            .await;
-        assert_eq!(r.status(), StatusCode::OK);
-        let today = today_in(tz);
-        let [older, oldest, yesterday, now] = [-3, -2, -1, 0].map(|d| day(today, d));
-        // Rows as earlier days' calls left them, written behind the API.
-        for d in [&older, &yesterday, &now] {
-            sqlx::query(
-                "INSERT INTO budget_visitor_usage VALUES (?1, ?2, 'A', 1);
-                 INSERT INTO budget_global_usage VALUES (?1, ?2, 1);",
-            )
-            .bind(&name)
-            .bind(d)
-            .execute(&mut conn)
+            .client
+            .post(app.url(path))
+            .header("content-type", "application/json")
+            .body(big.clone())
+            .send()
             .await
             .unwrap();
-        }
-        // The first call of the oldest kept day prunes.
-        let r = post_check(&app, &name, json!({"visitor": "B", "day": oldest})).await;
-        assert_eq!(r.status(), StatusCode::OK);
-        if today_in(tz) != today && attempt == 0 {
-            continue; // midnight passed in the budget's zone: once more
-        }
-        let days: Vec<String> = rows(&app, &name)
-            .await
-            .into_iter()
-            .filter(|r| r.0 == "global")
-            .map(|r| r.1)
-            .collect();
-        assert_eq!(days, [oldest, yesterday, now]);
-        break;
+        problem(r, StatusCode::PAYLOAD_TOO_LARGE).await;
+    }
+    // Streamed without a Content-Length, too.
+    let stream = futures_stream(big.into_bytes());
+    let r = app
+        .client
+        .post(app.url("/counters/x"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
+    problem(r, StatusCode::PAYLOAD_TOO_LARGE).await;
+    app.stop().await.unwrap();
+}
+
+fn futures_stream(
+    bytes: Vec<u8>,
+) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> + Send + 'static {
+    let chunks: Vec<_> = bytes.chunks(8192).map(|c| Ok(c.to_vec())).collect();
+    futures_util::stream::iter(chunks)
+}
+
+#[tokio::test]
+async fn bad_checks() {
+    let app = spawn_app().await;
+    app.budget("b", 5, 5).await;
+    let long = "v".repeat(257);
+    for body in [
+        json!({}),
+        json!({"visitor": ""}),
+        json!({"visitor": long}),
+        json!({"visitor": "a\u{0007}b"}),
+        json!({"visitor": "a\nb"}),
+        json!({"visitor": 7}),
+        json!({"visitor": "A", "day": "2000-02-30"}),
+        json!({"visitor": "A", "day": "01/02/2000"}),
+        json!({"visitor": "A", "day": "2000-1-1"}),
+        json!({"visitor": "A", "day": 20000101}),
+        json!({"visitor": "A", "extra": 1}),
+    ] {
+        let r = app.post_json("/budgets/b/check", body.clone()).await;
+        let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+        assert_eq!(p["allowed"], false, "{body}");
+    }
+    let r = app
+        .client
+        .post(app.url("/budgets/b/check"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        problem(r, StatusCode::UNPROCESSABLE_ENTITY).await["allowed"],
+        false
+    );
+    let r = app
+        .client
+        .post(app.url("/budgets/b/check"))
+        .header("content-type", "application/json")
+        .body("{")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(r, StatusCode::BAD_REQUEST).await["allowed"], false);
+    // Nothing above was counted.
+    let u = app.usage("b", "").await;
+    assert_eq!(u["global_calls"], 0);
+    for q in ["day=2000-02-30", "day=yesterday", "visitor=", "bogus=1"] {
+        let r = app.get(&format!("/budgets/b/usage?{q}")).await;
+        problem(r, StatusCode::BAD_REQUEST).await;
     }
     app.stop().await.unwrap();
 }
 
-/// Check, usage and reset take only days the budget keeps: today in its own
-/// time zone and the `retention_days` days before it.
 #[tokio::test]
-async fn days_outside_the_window_are_refused_in_the_budget_time_zone() {
+async fn bad_budget_configs() {
     let app = spawn_app().await;
-    // +14 h and -11 h: their todays are always different dates, and differ
-    // from UTC's for part of every day.
-    for tz in ["Pacific/Kiritimati", "Pacific/Pago_Pago", "UTC"] {
-        for attempt in 0.. {
-            let name = format!("{}-{attempt}", tz.replace('/', "-"));
-            let r = app
-                .admin_put_budget(
-                    &name,
-                    json!({"visitor_limit": 100, "global_limit": 100, "retention_days": 3, "timezone": tz}),
-                )
-                .await;
-            assert_eq!(r.status(), StatusCode::OK);
-            let today = today_in(tz);
-            let (oldest, last) = (day(today, -3), day(today, 0));
-            let mut answers = Vec::new();
-            for (offset, kept) in [(1, false), (0, true), (-3, true), (-4, false)] {
-                let d = day(today, offset);
-                let r = post_check(&app, &name, json!({"visitor": "A", "day": d})).await;
-                answers.push((offset, kept, r));
+    for body in [
+        json!({}),
+        json!({"visitor_limit": 1}),
+        json!({"visitor_limit": -1, "global_limit": 1}),
+        json!({"visitor_limit": 1, "global_limit": 4_294_967_296u64}),
+        json!({"visitor_limit": 1, "global_limit": 1, "retention_days": 0}),
+        json!({"visitor_limit": 1, "global_limit": 1, "retention_days": 3651}),
+        json!({"visitor_limit": 1, "global_limit": 1, "timezone": "Mars/Olympus_Mons"}),
+        json!({"visitor_limit": 1, "global_limit": 1, "timezone": "+05:00"}),
+        json!({"visitor_limit": 1, "global_limit": 1, "colour": "red"}),
+    ] {
+        let r = app.admin_put_budget("b", body.clone()).await;
+        problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    }
+    problem(app.get("/budgets/b").await, StatusCode::NOT_FOUND).await;
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_token_is_required() {
+    let app = spawn_app().await;
+    let body = json!({"visitor_limit": 1, "global_limit": 1});
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("Bearer"),
+        Some(format!("Basic {ADMIN}").leak() as &str),
+        Some("Bearer test-admin-token-and-more"),
+    ] {
+        for path in ["/budgets/b", "/budgets/b/reset"] {
+            let method = if path.ends_with("reset") {
+                Method::POST
+            } else {
+                Method::PUT
+            };
+            let mut rb = app.client.request(method, app.url(path)).json(&body);
+            if let Some(a) = auth {
+                rb = rb.header("authorization", a);
             }
-            let u_future = app
-                .get(&format!("/budgets/{name}/usage?day={}", day(today, 1)))
-                .await;
-            let u_old = app
-                .get(&format!("/budgets/{name}/usage?day={}", day(today, -4)))
-                .await;
-            let u_oldest = app
-                .get(&format!("/budgets/{name}/usage?day={oldest}"))
-                .await;
-            let before_reset = rows(&app, &name).await;
-            let r_future = reset(&app, &name, json!({"day": day(today, 1)})).await;
-            let r_old = reset(&app, &name, json!({"day": day(today, -4)})).await;
-            let after_reset = rows(&app, &name).await;
-            if today_in(tz) != today && attempt == 0 {
-                continue; // midnight passed in the budget's zone: once more
-            }
-            for (offset, kept, r) in answers {
-                if kept {
-                    assert_eq!(r.status(), StatusCode::OK, "{tz} today{offset:+}");
-                    let d: Value = r.json().await.unwrap();
-                    assert_eq!(d["day"], day(today, offset));
-                } else {
-                    let p = outside_window(r, &oldest, &last).await;
-                    assert_eq!(p["allowed"], false, "{tz} today{offset:+}");
-                }
-            }
-            outside_window(u_future, &oldest, &last).await;
-            outside_window(u_old, &oldest, &last).await;
-            let u: Value = u_oldest.json().await.unwrap();
-            assert_eq!(u["global_calls"], 1, "{tz}");
-            outside_window(r_future, &oldest, &last).await;
-            outside_window(r_old, &oldest, &last).await;
-            // The refused resets deleted nothing; the refused checks wrote
-            // nothing: only today and the oldest day hold rows.
-            assert_eq!(before_reset, after_reset);
-            let days: Vec<&str> = after_reset.iter().map(|r| r.1.as_str()).collect();
-            assert_eq!(days, [&oldest, &last, &oldest, &last], "{tz}");
-            break;
+            let r = rb.send().await.unwrap();
+            assert!(r.headers().contains_key("www-authenticate"));
+            problem(r, StatusCode::UNAUTHORIZED).await;
         }
     }
+    let r = app.admin_put_budget("b", body).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_is_disabled_without_a_token() {
+    let app = spawn_with(|s| s.admin_token = None).await;
+    let r = app
+        .client
+        .put(app.url("/budgets/b"))
+        .bearer_auth("anything")
+        .json(&json!({"visitor_limit": 1, "global_limit": 1}))
+        .send()
+        .await
+        .unwrap();
+    problem(r, StatusCode::FORBIDDEN).await;
+    app.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods() {
+    let app = spawn_app().await;
+    problem(app.get("/nope").await, StatusCode::NOT_FOUND).await;
+    problem(app.get("/counters").await, StatusCode::NOT_FOUND).await;
+    problem(app.get("/counters/a/b").await, StatusCode::NOT_FOUND).await;
+    for (m, path) in [
+        (Method::DELETE, "/counter"),
+        (Method::PUT, "/counters/x"),
+        (Method::POST, "/budgets/x"),
+        (Method::GET, "/budgets/x/check"),
+        (Method::POST, "/ready"),
+    ] {
+        let r = app.client.request(m, app.url(path)).send().await.unwrap();
+        problem(r, StatusCode::METHOD_NOT_ALLOWED).await;
+    }
+    app.stop().await.unwrap();
+}
+
+/// A body is one JSON object and nothing after it but white space: a
+/// second value or trailing text is refused, not half-read.
+#[tokio::test]
+async fn trailing_data_after_the_json_object_is_refused() {
+    let app = spawn_app().await;
+    for body in ["{\"by\": 5} x", "{\"by\": 5}{\"by\": 7}", "{\"by\": 5}]"] {
+        let r = app
+            .client
+            .post(app.url("/counters/t"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::BAD_REQUEST).await;
+        assert_eq!(p["type"], "/problems/malformed-json", "{body}");
+    }
+    let r = app
+        .client
+        .post(app.url("/counters/t"))
+        .header("content-type", "application/json")
+        .body("{\"by\": 2} \r\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = app.get("/counters/t").await;
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 2);
     app.stop().await.unwrap();
 }
 

@@ -1,3 +1,7 @@
+//! The contention lab behind `tally contention`: writers that each hold a
+//! transaction, on SQLite connections of their own (most fail with
+//! `SQLITE_BUSY`) and through one queue (all commit).
+
 use std::time::Duration;
 
 #[tokio::test]

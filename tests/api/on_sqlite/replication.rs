@@ -1,8 +1,12 @@
 //! tally under the real Litestream 0.5.17 with a real S3 server (moto) on
-//! loopback: restore at start, the replica gate, draining on SIGTERM, and
-//! what a crash can lose.
+//! loopback: restore at start, the replica gate, draining on SIGTERM, what
+//! a crash can lose, the replica's lag, and tally stopping when Litestream,
+//! its parent, dies.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
 
 use nix::sys::signal::Signal;
 use reqwest::{Client, StatusCode};
@@ -11,7 +15,7 @@ use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
 use crate::{
     helpers::sample,
-    replica_env::{Deployment, S3, free_port},
+    on_sqlite::replica_env::{Deployment, S3, free_port},
 };
 
 async fn read_db(path: &std::path::Path) -> (String, HashMap<String, i64>, i64) {
@@ -46,7 +50,7 @@ fn assert_restored(d: &Deployment) {
 }
 
 /// Writes `n` increments to `counter` and `n` budget checks, all acknowledged.
-async fn write(run: &crate::replica_env::Running, counter: &str, n: usize) {
+async fn write(run: &crate::on_sqlite::replica_env::Running, counter: &str, n: usize) {
     let client = Client::new();
     for _ in 0..n {
         let r = client
@@ -65,7 +69,7 @@ async fn write(run: &crate::replica_env::Running, counter: &str, n: usize) {
     }
 }
 
-async fn stop_cleanly(mut run: crate::replica_env::Running) {
+async fn stop_cleanly(mut run: crate::on_sqlite::replica_env::Running) {
     run.signal(Signal::SIGTERM);
     let status = run.wait(Duration::from_secs(40)).await;
     assert_eq!(status.code(), Some(0), "litestream: {}", run.log_text());
@@ -234,7 +238,7 @@ async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
 /// Polls tally's /metrics until `until` holds for the replica's series, or
 /// `limit` passes; returns the last exposition.
 async fn wait_metrics(
-    run: &crate::replica_env::Running,
+    run: &crate::on_sqlite::replica_env::Running,
     limit: Duration,
     what: &str,
     until: impl Fn(&str) -> bool,
@@ -318,4 +322,76 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     );
     assert_eq!(sample(&caught_up, "tally_replica_up"), Some(1.0));
     stop_cleanly(run).await;
+}
+
+/// Kills a process that is not our child (tally under a dead Litestream)
+/// when the test ends, however it ends.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the parenthesised command name.
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tally_stops_when_litestream_its_parent_dies() {
+    let s3 = S3::start().await;
+    s3.create_bucket("orphan").await;
+    let d = Deployment::new(&s3.endpoint, "orphan");
+    let mut run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let tally = run.tally_pid().expect("tally runs as Litestream's child");
+    let _guard = KillOnDrop(tally);
+    let r = Client::new()
+        .post(run.url("/counters/orphan"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    // Litestream dies without a chance to tell anyone.
+    run.child.kill().unwrap();
+    run.child.wait().unwrap();
+    let killed = Instant::now();
+    while running(tally) {
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "tally outlived Litestream: {}",
+            run.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = killed.elapsed();
+    // Let the log reader catch up with the last lines.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let logs = run.log_text();
+    let line = |needle: &str| {
+        run.line_of(needle)
+            .unwrap_or_else(|| panic!("no `{needle}` in {logs}"))
+    };
+    // Why, logged as an error; drained as on SIGTERM (HTTP, then the
+    // writer); and a non-zero exit.
+    line("stopping if the parent process exits");
+    let noticed = line("the parent process (Litestream) exited");
+    let http = line("HTTP stopped");
+    let failed = line("tally failed");
+    assert!(noticed < http && http < failed, "{logs}");
+    assert!(
+        tokio::net::TcpStream::connect(run.listen).await.is_err(),
+        "still listening"
+    );
+    eprintln!("tally stopped {took:?} after Litestream was killed");
 }

@@ -18,8 +18,8 @@ use sqlx::{Connection, PgConnection};
 
 use crate::{
     helpers::{ADMIN, Binary, problem},
+    on_postgres::scale_out::{json, metric, processes, put_budget, stop_all},
     postgres::{self, PgServer},
-    scale_out::{json, metric, processes, put_budget, stop_all},
 };
 
 /// A name for a role or database of the test's own on the shared server,
