@@ -14,6 +14,8 @@ use std::{
     sync::Arc,
 };
 
+use super::writer::Lost;
+
 /// The three files SQLite uses in WAL mode, as the writer opened them.
 pub(super) struct DbFiles {
     files: [Tracked; 3],
@@ -33,12 +35,6 @@ struct FileId {
     ino: u64,
 }
 
-/// Why the database is lost, for the log line.
-#[derive(Debug)]
-pub(super) struct Lost {
-    pub path: Arc<Path>,
-    pub what: &'static str,
-}
 
 impl DbFiles {
     /// Records the files now at `db`, `db-wal` and `db-shm`.

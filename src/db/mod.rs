@@ -37,6 +37,7 @@ mod reads;
 mod sqlite;
 mod stats;
 mod store;
+mod txn;
 mod writer;
 
 use std::{path::Path, sync::Arc, time::Duration};

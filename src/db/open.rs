@@ -19,8 +19,9 @@ use tokio_util::sync::CancellationToken;
 use super::{
     DbOptions, Handle, HandleInner, Writer, files, postgres,
     reads::{self, Readers},
+    sqlite::{SqliteReaders, SqliteWriter},
     stats::QueueStats,
-    writer::Backend,
+    writer::{Engine, WriterLoop},
 };
 use crate::config::{PostgresUrl, Storage, Synchronous};
 
@@ -64,7 +65,7 @@ impl Database {
 }
 
 /// The two halves around a read pool and a writer's connection.
-fn assemble(readers: Readers, backend: Backend, opts: &DbOptions) -> (Handle, Writer) {
+fn assemble(readers: Readers, engine: impl Engine, opts: &DbOptions) -> (Handle, Writer) {
     let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
     let stats = Arc::new(QueueStats::default());
     let close = CancellationToken::new();
@@ -76,8 +77,8 @@ fn assemble(readers: Readers, backend: Backend, opts: &DbOptions) -> (Handle, Wr
         stats: Arc::clone(&stats),
         close: close.clone(),
     }));
-    let writer = Writer {
-        backend,
+    let writer = WriterLoop {
+        engine,
         rx,
         max_batch: opts.max_batch.max(1),
         close,
@@ -90,7 +91,7 @@ fn assemble(readers: Readers, backend: Backend, opts: &DbOptions) -> (Handle, Wr
         batches: 0,
         failing_since: None,
     };
-    (handle, writer)
+    (handle, writer.into())
 }
 
 /// Runs PostgreSQL's migrations on a connection of their own. sqlx holds
@@ -112,12 +113,12 @@ async fn open_postgres(url: &PostgresUrl, opts: &DbOptions) -> Result<(Handle, W
         .map_err(|e| fail(format!("cannot migrate: {e}")))?;
     let _ = sqlx::Connection::close(conn).await;
     tracing::info!(url = %url, readers = opts.readers, "PostgreSQL open");
-    let readers = Readers::Postgres(Arc::new(postgres::Readers::new(
+    let readers = Readers(Arc::new(postgres::Readers::new(
         options.clone(),
         opts.readers,
     )));
-    let backend = Backend::Postgres(postgres::WriterConn::new(options));
-    Ok(assemble(readers, backend, opts))
+    let engine = postgres::WriterConn::new(options);
+    Ok(assemble(readers, engine, opts))
 }
 
 async fn open_sqlite(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), OpenError> {
@@ -159,13 +160,13 @@ async fn open_sqlite(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), 
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;
-        let backend = Backend::Sqlite {
+        let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
             files: files::DbFiles::record(path),
             checkpoint_on_close: opts.checkpoints,
         };
-        Ok(assemble(Readers::Sqlite(readers), backend, opts))
+        Ok(assemble(Readers(Arc::new(SqliteReaders(readers))), engine, opts))
     }
 }
 

@@ -52,12 +52,11 @@ use super::{
     command::Queued,
     keys,
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    writer::{Applied, apply_batch},
+    reads::{BoxFuture, Reads},
+    txn::{Applied, apply_batch},
+    writer::{Engine, Lost},
 };
 use crate::meter::BudgetSpec;
-
-/// A boxed future, as a read hands it over.
-type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Longest wait for a connection to the server, the writer's or a reader's.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -272,17 +271,53 @@ impl Readers {
         }
     }
 
-    /// Connections open, and how many of them are idle.
-    pub fn size_and_idle(&self) -> (u32, usize) {
-        let status = self.pool.status();
-        (
-            u32::try_from(status.size).unwrap_or(u32::MAX),
-            status.available,
-        )
+}
+
+impl Reads for Readers {
+    fn counters<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
+        let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+        Box::pin(self.read(move |conn| {
+            let names = names.clone();
+            Box::pin(async move { read_counters(conn, &names).await })
+        }))
     }
 
-    pub fn close(&self) {
+    fn budgets_and_now<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>> {
+        let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+        Box::pin(self.read(move |conn| {
+            let names = names.clone();
+            Box::pin(async move { load_budgets(conn, &names).await })
+        }))
+    }
+
+    fn usage_counts<'a>(
+        &'a self,
+        budget: &'a str,
+        day: &'a str,
+        visitor: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
+        Box::pin(self.read(move |conn| {
+            let (b, d, v) = (budget.to_owned(), day.to_owned(), visitor.map(str::to_owned));
+            Box::pin(usage_counts(conn, b, d, v))
+        }))
+    }
+
+    fn size_and_idle(&self) -> (u32, usize) {
+        let status = self.pool.status();
+        (u32::try_from(status.size).unwrap_or(u32::MAX), status.available)
+    }
+
+    /// Closes every idle connection now, and each busy one when its read
+    /// returns it.
+    fn close(&self) -> BoxFuture<'_, ()> {
         self.pool.close();
+        Box::pin(std::future::ready(()))
     }
 }
 
@@ -291,6 +326,25 @@ impl Readers {
 pub struct WriterConn {
     options: PgConnectOptions,
     conn: Option<PgConnection>,
+}
+
+impl Engine for WriterConn {
+    async fn apply(&mut self, batch: &[Queued]) -> Applied {
+        WriterConn::apply(self, batch).await
+    }
+
+    /// A server's storage cannot be deleted underneath tally.
+    fn check(&mut self) -> Result<(), Lost> {
+        Ok(())
+    }
+
+    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        WriterConn::forget_expired_keys(self).await
+    }
+
+    async fn close(self) {
+        WriterConn::close(self).await
+    }
 }
 
 impl WriterConn {

@@ -10,37 +10,56 @@
 //! statement on a connection from the pool, and replies. An idle loop
 //! answers a lone read at once: coalescing never waits to fill.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, pin::Pin, sync::Arc};
 
 use jiff::Timestamp;
-use sqlx::SqlitePool;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::{Error, budgets, postgres, sqlite};
+use super::{Error, budgets, store::BudgetRow};
 use crate::meter::{Budget, Day, Name, Usage, VisitorId};
 
-/// The read pool of either engine.
-#[derive(Clone)]
-pub(super) enum Readers {
-    Sqlite(SqlitePool),
-    Postgres(Arc<postgres::Readers>),
+/// A boxed future, as a read hands it over.
+pub(super) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What an engine's read pool answers: each engine implements it once
+/// (`sqlite::SqliteReaders`, `postgres::Readers`) and is chosen at open.
+pub(super) trait Reads: Send + Sync {
+    /// The current values of many counters; names never written are absent.
+    fn counters<'a>(&'a self, names: &'a [&'a str])
+    -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>>;
+
+    /// The named budgets that exist, and the time their days go by: the
+    /// server's clock on PostgreSQL, the one every process's writer goes
+    /// by too.
+    fn budgets_and_now<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>>;
+
+    /// A day's global calls of a budget and, if asked, one visitor's, in
+    /// one statement (one snapshot); absent rows read as 0.
+    fn usage_counts<'a>(
+        &'a self,
+        budget: &'a str,
+        day: &'a str,
+        visitor: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>>;
+
+    /// Connections open, and how many of them are idle.
+    fn size_and_idle(&self) -> (u32, usize);
+
+    /// Closes the pool, waiting for readers to finish.
+    fn close(&self) -> BoxFuture<'_, ()>;
 }
+
+/// The read pool of the engine that was opened.
+#[derive(Clone)]
+pub(super) struct Readers(pub Arc<dyn Reads>);
 
 impl Readers {
     /// The current values of many counters; names never written are absent.
     async fn counters(&self, names: &[&str]) -> Result<HashMap<String, i64>, Error> {
-        let rows = match self {
-            Readers::Sqlite(pool) => sqlite::read_counters(pool, names).await?,
-            Readers::Postgres(pool) => {
-                let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
-                pool.read(|conn| {
-                    let names = names.clone();
-                    Box::pin(async move { postgres::read_counters(conn, &names).await })
-                })
-                .await?
-            }
-        };
-        Ok(rows.into_iter().collect())
+        Ok(self.0.counters(names).await?.into_iter().collect())
     }
 
     /// One budget, or [`crate::meter::Refusal::UnknownBudget`].
@@ -48,22 +67,8 @@ impl Readers {
         self.budget_and_now(name).await.map(|(budget, _)| budget)
     }
 
-    /// One budget, and the time its days go by: the server's clock on
-    /// PostgreSQL, the one every process's writer goes by too.
     async fn budget_and_now(&self, name: &Name) -> Result<(Budget, Timestamp), Error> {
-        let (rows, now) = match self {
-            Readers::Sqlite(pool) => (
-                sqlite::load_budgets(pool, &[name.as_str()]).await?,
-                Timestamp::now(),
-            ),
-            Readers::Postgres(pool) => {
-                pool.read(|conn| {
-                    let names = [name.as_str().to_owned()];
-                    Box::pin(async move { postgres::load_budgets(conn, &names).await })
-                })
-                .await?
-            }
-        };
+        let (rows, now) = self.0.budgets_and_now(&[name.as_str()]).await?;
         Ok((budgets::one(rows, name)?, now))
     }
 
@@ -78,21 +83,14 @@ impl Readers {
     ) -> Result<Usage, Error> {
         let (found, now) = self.budget_and_now(budget).await?;
         let day = found.day(day, now)?;
-        let (b, d, v) = (
-            budget.as_str(),
-            day.to_string(),
-            visitor.map(VisitorId::as_str),
-        );
-        let (global_calls, visitor_calls) = match self {
-            Readers::Sqlite(pool) => sqlite::usage_counts(pool, b, &d, v).await?,
-            Readers::Postgres(pool) => {
-                pool.read(|conn| {
-                    let (b, d, v) = (b.to_owned(), d.clone(), v.map(str::to_owned));
-                    Box::pin(postgres::usage_counts(conn, b, d, v))
-                })
-                .await?
-            }
-        };
+        let (global_calls, visitor_calls) = self
+            .0
+            .usage_counts(
+                budget.as_str(),
+                &day.to_string(),
+                visitor.map(VisitorId::as_str),
+            )
+            .await?;
         Ok(Usage {
             day,
             global_calls,
@@ -102,17 +100,11 @@ impl Readers {
 
     /// Connections open, and how many of them are idle.
     pub fn size_and_idle(&self) -> (u32, usize) {
-        match self {
-            Readers::Sqlite(pool) => (pool.size(), pool.num_idle()),
-            Readers::Postgres(pool) => pool.size_and_idle(),
-        }
+        self.0.size_and_idle()
     }
 
     pub async fn close(&self) {
-        match self {
-            Readers::Sqlite(pool) => pool.close().await,
-            Readers::Postgres(pool) => pool.close(),
-        }
+        self.0.close().await;
     }
 }
 

@@ -10,12 +10,16 @@
 use std::time::Duration;
 
 use jiff::Timestamp;
-use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Connection, Executor, Sqlite, SqliteConnection, SqlitePool};
 
 use super::{
-    Error, keys,
+    Error,
+    files::DbFiles,
+    keys,
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    to_json,
+    reads::{BoxFuture, Reads},
+    to_json, txn,
+    writer::{Engine, Lost},
 };
 use crate::meter::BudgetSpec;
 
@@ -50,6 +54,62 @@ fn totals_json(totals: &[(&str, i64)]) -> String {
         }
     }
     to_json(&AsObject(totals))
+}
+
+/// The SQLite writer: the process's one writable connection, and the
+/// files it must still find at the database's path.
+pub(super) struct SqliteWriter {
+    pub conn: SqliteConnection,
+    /// The database's files as opened, to notice them being deleted.
+    pub files: DbFiles,
+    /// Checkpoint and truncate the WAL when the queue is drained. Off when
+    /// another process (Litestream) owns checkpointing.
+    pub checkpoint_on_close: bool,
+}
+
+impl Engine for SqliteWriter {
+    async fn apply(&mut self, batch: &[super::command::Queued]) -> txn::Applied {
+        txn::apply_batch(&mut self.conn, batch).await
+    }
+
+    fn check(&mut self) -> Result<(), Lost> {
+        self.files.check()
+    }
+
+    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        keys::forget_expired(&mut self.conn).await
+    }
+
+    /// Checkpoints (unless Litestream owns that) and closes the database.
+    /// Every accepted command has been answered by now and every commit is
+    /// in the WAL, which the next open replays: a failure here (a full disk
+    /// cannot take the checkpointed pages) loses nothing, so it is logged,
+    /// and the writer's end is still a clean one. Under Litestream a
+    /// non-zero exit would skip its final sync, exactly when it matters.
+    async fn close(mut self) {
+        if self.checkpoint_on_close {
+            match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(TRUNCATE)")
+                .fetch_one(&mut self.conn)
+                .await
+            {
+                Ok((0, _, _)) => {}
+                Ok(_) => {
+                    tracing::warn!("final WAL checkpoint was blocked by a reader; the WAL stays")
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "final WAL checkpoint failed; the WAL stays and is replayed at the next start, \
+                     nothing is lost"
+                ),
+            }
+        }
+        if let Err(e) = self.conn.close().await {
+            tracing::error!(
+                error = %e,
+                "closing the database failed after every write was committed and answered"
+            );
+        }
+    }
 }
 
 impl Store for SqliteConnection {
@@ -297,4 +357,42 @@ pub async fn usage_counts(
     .bind(visitor)
     .fetch_one(pool)
     .await?)
+}
+
+/// The read-only pool: connections opened read-only *and* with
+/// `query_only`.
+pub(super) struct SqliteReaders(pub SqlitePool);
+
+impl Reads for SqliteReaders {
+    fn counters<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
+        Box::pin(read_counters(&self.0, names))
+    }
+
+    /// This process's clock: it is the database's only writer.
+    fn budgets_and_now<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>> {
+        Box::pin(async move { Ok((load_budgets(&self.0, names).await?, Timestamp::now())) })
+    }
+
+    fn usage_counts<'a>(
+        &'a self,
+        budget: &'a str,
+        day: &'a str,
+        visitor: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
+        Box::pin(usage_counts(&self.0, budget, day, visitor))
+    }
+
+    fn size_and_idle(&self) -> (u32, usize) {
+        (self.0.size(), self.0.num_idle())
+    }
+
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.0.close())
+    }
 }
