@@ -35,7 +35,6 @@ struct FileId {
     ino: u64,
 }
 
-
 impl DbFiles {
     /// Records the files now at `db`, `db-wal` and `db-shm`.
     pub fn record(db: &Path) -> Self {

@@ -121,6 +121,11 @@ pub enum Error {
     /// not held up by it.
     #[error("a row it needs was locked by another transaction past the lock timeout: {0}")]
     Busy(#[source] Arc<sqlx::Error>),
+    /// The transaction lost a race with another (a deadlock, a
+    /// serialization failure): nothing of it committed, and the same
+    /// transaction run again can succeed.
+    #[error("the transaction lost a race with another: {0}")]
+    Raced(#[source] Arc<sqlx::Error>),
     /// The database failed. Shared, because one failed COMMIT is every
     /// caller's answer in a batch.
     #[error("database error: {0}")]
@@ -132,92 +137,19 @@ pub enum Error {
     Internal(Arc<str>),
 }
 
-impl From<sqlx::Error> for Error {
-    fn from(e: sqlx::Error) -> Self {
-        if matches!(e, sqlx::Error::PoolClosed) {
-            Error::Closed
-        } else if is_storage_full(&e) {
-            Error::StorageFull(Arc::new(e))
-        } else if is_lock_timeout(&e) {
-            Error::Busy(Arc::new(e))
-        } else if is_unreachable(&e) {
-            Error::Unavailable(Arc::new(e))
-        } else {
-            Error::Database(Arc::new(e))
+impl Error {
+    /// An error each engine has no more to say about (a pool closed, a
+    /// connection that broke, anything else the database answered). Each
+    /// engine classifies its own errors first (`sqlite::error`,
+    /// `postgres::error`) and leaves the rest to this.
+    pub(crate) fn from_sqlx(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::PoolClosed => Error::Closed,
+            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut => {
+                Error::Unavailable(Arc::new(e))
+            }
+            e => Error::Database(Arc::new(e)),
         }
-    }
-}
-
-/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
-fn pg_code(e: &sqlx::Error) -> Option<&str> {
-    e.as_database_error()
-        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .map(|pg| pg.code())
-}
-
-/// Whether `e` says the database server is out of reach or cannot take
-/// writes now, rather than that it refused a statement: no connection, a
-/// connection lost, a pool with no connection to give in time, or
-/// PostgreSQL's own words for the same: SQLSTATE class 08, connection
-/// exceptions; 57P01-57P03, shutting down or starting; 53300, out of
-/// connection slots; 57014, a statement cancelled by `statement_timeout`;
-/// and 25006, a read-only transaction: a standby, or a primary demoted by
-/// a switchover, that a connection still reaches. In every case the server
-/// did not do it, and a retry later (on a new connection, see
-/// [`Error::needs_new_connection`]) can succeed.
-fn is_unreachable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolTimedOut => true,
-        _ => pg_code(e).is_some_and(|code| {
-            code.starts_with("08")
-                || matches!(
-                    code,
-                    "57P01" | "57P02" | "57P03" | "53300" | "57014" | "25006"
-                )
-        }),
-    }
-}
-
-/// PostgreSQL's lock_not_available (55P03): a lock not had within
-/// `lock_timeout`.
-fn is_lock_timeout(e: &sqlx::Error) -> bool {
-    pg_code(e) == Some("55P03")
-}
-
-/// PostgreSQL's serialization failure and deadlock: the transaction lost a
-/// race with another and is worth running again.
-fn is_retryable(e: &sqlx::Error) -> bool {
-    matches!(pg_code(e), Some("40001" | "40P01"))
-}
-
-/// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
-/// reports every failed `write()` with `ENOSPC` this way.
-const SQLITE_FULL: i32 = 13;
-
-/// Whether `e` says the disk is full. SQLite hands out extended result
-/// codes, whose low byte is the primary code. An fsync or truncate that
-/// fails with `ENOSPC` is an `SQLITE_IOERR_*` carrying no errno through
-/// sqlx, so it stays an [`Error::Database`]: it cannot be told from a
-/// failing disk.
-fn is_storage_full(e: &sqlx::Error) -> bool {
-    match e {
-        // PostgreSQL's disk_full.
-        sqlx::Error::Database(db)
-            if db
-                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-                .is_some() =>
-        {
-            db.code().is_some_and(|c| c == "53100")
-        }
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| c & 0xff == SQLITE_FULL),
-        sqlx::Error::Io(io) => matches!(
-            io.kind(),
-            std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-        ),
-        _ => false,
     }
 }
 
@@ -233,7 +165,7 @@ impl Error {
             Error::StorageLost(_) => "storage_lost",
             Error::Unavailable(_) => "unavailable",
             Error::Busy(_) => "busy",
-            Error::Database(_) | Error::Internal(_) => "database_error",
+            Error::Raced(_) | Error::Database(_) | Error::Internal(_) => "database_error",
         }
     }
 
@@ -244,26 +176,10 @@ impl Error {
         matches!(self, Error::Unavailable(_)) || self.is_retryable()
     }
 
-    /// Whether the connection that gave this error is of no more use: it
-    /// broke, the server ended it, or the server it reaches cannot take
-    /// writes (a standby, a demoted primary). A new connection, resolving
-    /// the host name again, may reach the server that can.
-    pub(crate) fn needs_new_connection(&self) -> bool {
-        let Error::Unavailable(e) = self else {
-            return false;
-        };
-        match &**e {
-            sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
-            e => pg_code(e).is_some_and(|code| {
-                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
-            }),
-        }
-    }
-
     /// A serialization failure or deadlock: the same transaction run again
     /// can succeed.
     pub(crate) fn is_retryable(&self) -> bool {
-        matches!(self, Error::Database(e) if is_retryable(e))
+        matches!(self, Error::Raced(_))
     }
 
     /// What a failed COMMIT means. A server that could not be reached
@@ -285,6 +201,7 @@ impl Error {
                 | Error::StorageLost(_)
                 | Error::Unavailable(_)
                 | Error::Busy(_)
+                | Error::Raced(_)
                 | Error::Database(_)
                 | Error::Internal(_)
         )

@@ -166,7 +166,11 @@ async fn open_sqlite(path: &Path, opts: &DbOptions) -> Result<(Handle, Writer), 
             files: files::DbFiles::record(path),
             checkpoint_on_close: opts.checkpoints,
         };
-        Ok(assemble(Readers(Arc::new(SqliteReaders(readers))), engine, opts))
+        Ok(assemble(
+            Readers(Arc::new(SqliteReaders(readers))),
+            engine,
+            opts,
+        ))
     }
 }
 
@@ -230,7 +234,7 @@ async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
 }
 
 /// The read-only pool: opened read-only *and* with `query_only`.
-async fn open_readers(path: &Path, readers: u32) -> Result<SqlitePool, sqlx::Error> {
+pub(super) async fn open_readers(path: &Path, readers: u32) -> Result<SqlitePool, sqlx::Error> {
     SqlitePoolOptions::new()
         .max_connections(readers)
         .min_connections(0)

@@ -51,12 +51,65 @@ use super::{
     Error,
     command::Queued,
     keys,
-    store::{BudgetRow, Store, StoredKey, UsageRow},
     reads::{BoxFuture, Reads},
+    store::{BudgetRow, Store, StoredKey, UsageRow},
     txn::{Applied, apply_batch},
     writer::{Engine, Lost},
 };
 use crate::meter::BudgetSpec;
+
+/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
+fn pg_code(e: &sqlx::Error) -> Option<&str> {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .map(|pg| pg.code())
+}
+
+/// What a PostgreSQL error means:
+/// - 53100 disk_full: [`Error::StorageFull`];
+/// - 55P03 lock_not_available, a lock not had within `lock_timeout`:
+///   [`Error::Busy`], this command's alone;
+/// - 40001 serialization failure, 40P01 deadlock: [`Error::Raced`], the
+///   whole batch runs again;
+/// - the server out of reach or unable to take writes now:
+///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
+///   57P01-57P03, shutting down or starting; 53300, out of connection
+///   slots; 57014, a statement cancelled by `statement_timeout`; 25006, a
+///   read-only transaction: a standby, or a primary demoted by a
+///   switchover, that a connection still reaches. The server did not do
+///   it, and a retry later (on a new connection where
+///   [`needs_new_connection`]) can succeed;
+/// - the rest as [`Error::from_sqlx`] says.
+pub(super) fn error(e: sqlx::Error) -> Error {
+    let code = pg_code(&e);
+    let unreachable = code.is_some_and(|c| {
+        c.starts_with("08")
+            || matches!(c, "57P01" | "57P02" | "57P03" | "53300" | "57014" | "25006")
+    });
+    match code {
+        Some("53100") => Error::StorageFull(Arc::new(e)),
+        Some("55P03") => Error::Busy(Arc::new(e)),
+        Some("40001" | "40P01") => Error::Raced(Arc::new(e)),
+        _ if unreachable => Error::Unavailable(Arc::new(e)),
+        _ => Error::from_sqlx(e),
+    }
+}
+
+/// Whether the connection that gave this error is of no more use: it
+/// broke, the server ended it, or the server it reaches cannot take writes
+/// (a standby, a demoted primary). A new connection, resolving the host
+/// name again, may reach the server that can.
+fn needs_new_connection(e: &Error) -> bool {
+    let Error::Unavailable(e) = e else {
+        return false;
+    };
+    match &**e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        e => pg_code(e).is_some_and(|code| {
+            code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
+        }),
+    }
+}
 
 /// Longest wait for a connection to the server, the writer's or a reader's.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -140,7 +193,7 @@ pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> 
                 ),
             ))))
         }
-        Ok(Err(e)) => Err(match Error::from(e) {
+        Ok(Err(e)) => Err(match error(e) {
             // Refused credentials or an unknown database are not a
             // passing outage, but they are the server's answer all the
             // same: nothing was written, and retrying is safe.
@@ -239,7 +292,7 @@ impl Readers {
                 break Err(timed_out(READ_TIMEOUT));
             };
             match r {
-                Err(e) if e.needs_new_connection() => {
+                Err(e) if needs_new_connection(&e) => {
                     drop(Object::take(conn));
                     if pooled && again {
                         again = false;
@@ -270,7 +323,6 @@ impl Readers {
             _ => tracing::warn!("reads: the database answers again"),
         }
     }
-
 }
 
 impl Reads for Readers {
@@ -303,14 +355,21 @@ impl Reads for Readers {
         visitor: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
         Box::pin(self.read(move |conn| {
-            let (b, d, v) = (budget.to_owned(), day.to_owned(), visitor.map(str::to_owned));
+            let (b, d, v) = (
+                budget.to_owned(),
+                day.to_owned(),
+                visitor.map(str::to_owned),
+            );
             Box::pin(usage_counts(conn, b, d, v))
         }))
     }
 
     fn size_and_idle(&self) -> (u32, usize) {
         let status = self.pool.status();
-        (u32::try_from(status.size).unwrap_or(u32::MAX), status.available)
+        (
+            u32::try_from(status.size).unwrap_or(u32::MAX),
+            status.available,
+        )
     }
 
     /// Closes every idle connection now, and each busy one when its read
@@ -413,13 +472,13 @@ impl WriterConn {
                         applied.commit = Err(Error::Unavailable(source.clone()));
                     }
                 }
-                Err(e) if e.needs_new_connection() && stale => {
+                Err(e) if needs_new_connection(e) && stale => {
                     stale = false;
                     let e = e.clone();
                     self.drop_connection(&e);
                     continue;
                 }
-                Err(e) if e.needs_new_connection() => {
+                Err(e) if needs_new_connection(e) => {
                     let e = e.clone();
                     self.drop_connection(&e);
                 }
@@ -447,7 +506,7 @@ impl WriterConn {
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         if let Err(e) = &r
-            && e.needs_new_connection()
+            && needs_new_connection(e)
         {
             self.drop_connection(e);
         }
@@ -536,12 +595,13 @@ impl Store for PgConnection {
     async fn now(&mut self) -> Result<Timestamp, Error> {
         let micros: i64 = sqlx::query_scalar(concat!("SELECT ", now_micros!()))
             .fetch_one(self)
-            .await?;
+            .await
+            .map_err(error)?;
         timestamp(micros)
     }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
-        sqlx::raw_sql(sql).execute(self).await?;
+        sqlx::raw_sql(sql).execute(self).await.map_err(error)?;
         Ok(())
     }
 
@@ -563,7 +623,7 @@ impl Store for PgConnection {
         match rows {
             Ok(rows) => Ok(Some(rows)),
             Err(e) if is_overflow(&e) => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(error(e)),
         }
     }
 
@@ -585,7 +645,7 @@ impl Store for PgConnection {
         .bind(i64::from(spec.retention_days))
         .bind(&spec.timezone_name)
         .execute(self)
-        .await?;
+        .await.map_err(error)?;
         Ok(())
     }
 
@@ -595,13 +655,14 @@ impl Store for PgConnection {
     /// waits for it, then reads its row), and a later `PUT` waits for this
     /// transaction.
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
-        Ok(sqlx::query_as(
+        sqlx::query_as(
             "SELECT name, visitor_limit, global_limit, retention_days, timezone
              FROM budgets WHERE name = ANY($1) ORDER BY name COLLATE \"C\" FOR SHARE",
         )
         .bind(names)
         .fetch_all(self)
-        .await?)
+        .await
+        .map_err(error)
     }
 
     /// Creates each day's global row if missing and locks it: the no-op
@@ -617,7 +678,8 @@ impl Store for PgConnection {
         .bind(column(days, |d| d.0))
         .bind(column(days, |d| d.1))
         .execute(self)
-        .await?;
+        .await
+        .map_err(error)?;
         Ok(())
     }
 
@@ -629,7 +691,7 @@ impl Store for PgConnection {
         visitors: &[(&str, &str, &str)],
         globals: &[(&str, &str)],
     ) -> Result<Vec<UsageRow>, Error> {
-        Ok(sqlx::query_as(
+        sqlx::query_as(
             "SELECT u.budget, u.day, u.visitor, u.calls
              FROM budget_visitor_usage AS u
              JOIN unnest($1::text[], $2::text[], $3::text[]) AS k (budget, day, visitor)
@@ -647,7 +709,8 @@ impl Store for PgConnection {
         .bind(column(globals, |g| g.1))
         .persistent(false)
         .fetch_all(self)
-        .await?)
+        .await
+        .map_err(error)
     }
 
     async fn write_usage(
@@ -665,7 +728,8 @@ impl Store for PgConnection {
         .bind(column(visitors, |v| v.2))
         .bind(column(visitors, |v| v.3))
         .execute(&mut *self)
-        .await?;
+        .await
+        .map_err(error)?;
         if globals.is_empty() {
             return Ok(());
         }
@@ -678,7 +742,8 @@ impl Store for PgConnection {
         .bind(column(globals, |g| g.1))
         .bind(column(globals, |g| g.2))
         .execute(self)
-        .await?;
+        .await
+        .map_err(error)?;
         Ok(())
     }
 
@@ -692,7 +757,8 @@ impl Store for PgConnection {
                 .bind(budget)
                 .bind(before)
                 .execute(&mut *self)
-                .await?;
+                .await
+                .map_err(error)?;
             deleted += r.rows_affected();
         }
         Ok(deleted)
@@ -712,7 +778,8 @@ impl Store for PgConnection {
             .bind(day)
             .bind(v)
             .execute(self)
-            .await?;
+            .await
+            .map_err(error)?;
             return Ok(r.rows_affected());
         }
         let visitors =
@@ -720,7 +787,8 @@ impl Store for PgConnection {
                 .bind(budget)
                 .bind(day)
                 .execute(&mut *self)
-                .await?
+                .await
+                .map_err(error)?
                 .rows_affected();
         // The day's lock may have created its global row at 0 calls: that
         // one held no usage, and is not counted as deleted.
@@ -731,7 +799,7 @@ impl Store for PgConnection {
         .bind(budget)
         .bind(day)
         .fetch_one(self)
-        .await?;
+        .await.map_err(error)?;
         Ok(visitors + u64::try_from(globals).unwrap_or(0))
     }
 
@@ -752,7 +820,8 @@ impl Store for PgConnection {
         .bind(key)
         .bind(fingerprint)
         .execute(&mut *self)
-        .await?
+        .await
+        .map_err(error)?
         .rows_affected();
         if claimed == 1 {
             return Ok(None);
@@ -761,7 +830,8 @@ impl Store for PgConnection {
             sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = $1")
                 .bind(key)
                 .fetch_optional(self)
-                .await?;
+                .await
+                .map_err(error)?;
         // Gone between the two statements (forgotten as expired by another
         // process, which only forgets keys a day old): the caller hears an
         // error and may retry.
@@ -780,7 +850,8 @@ impl Store for PgConnection {
             .bind(key)
             .bind(result)
             .execute(self)
-            .await?;
+            .await
+            .map_err(error)?;
         Ok(())
     }
 
@@ -798,7 +869,8 @@ impl Store for PgConnection {
             )
             .bind(i64::try_from(age.as_secs()).unwrap_or(i64::MAX))
             .execute(self)
-            .await?
+            .await
+            .map_err(error)?
             .rows_affected(),
         )
     }
@@ -823,7 +895,8 @@ pub async fn load_budgets(
     ))
     .bind(names)
     .fetch_all(conn)
-    .await?;
+    .await
+    .map_err(error)?;
     // No budget, no day to tell: this process's clock does as well.
     let now = match rows.first() {
         Some(row) => timestamp(row.5)?,
@@ -844,12 +917,11 @@ pub async fn read_counters(
     conn: &mut PgConnection,
     names: &[String],
 ) -> Result<Vec<(String, i64)>, Error> {
-    Ok(
-        sqlx::query_as("SELECT name, value FROM counters WHERE name = ANY($1)")
-            .bind(names)
-            .fetch_all(conn)
-            .await?,
-    )
+    sqlx::query_as("SELECT name, value FROM counters WHERE name = ANY($1)")
+        .bind(names)
+        .fetch_all(conn)
+        .await
+        .map_err(error)
 }
 
 /// A day's global calls of a budget and, if asked, one visitor's, in one
@@ -860,7 +932,7 @@ pub async fn usage_counts(
     day: String,
     visitor: Option<String>,
 ) -> Result<(i64, Option<i64>), Error> {
-    Ok(sqlx::query_as(
+    sqlx::query_as(
         "SELECT
            coalesce((SELECT calls FROM budget_global_usage WHERE budget = $1 AND day = $2), 0),
            CASE WHEN $3::text IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
@@ -870,5 +942,6 @@ pub async fn usage_counts(
     .bind(day)
     .bind(visitor)
     .fetch_one(conn)
-    .await?)
+    .await
+    .map_err(error)
 }

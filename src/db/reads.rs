@@ -25,8 +25,10 @@ pub(super) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// (`sqlite::SqliteReaders`, `postgres::Readers`) and is chosen at open.
 pub(super) trait Reads: Send + Sync {
     /// The current values of many counters; names never written are absent.
-    fn counters<'a>(&'a self, names: &'a [&'a str])
-    -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>>;
+    fn counters<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>>;
 
     /// The named budgets that exist, and the time their days go by: the
     /// server's clock on PostgreSQL, the one every process's writer goes

@@ -16,12 +16,45 @@ use super::{
     Error,
     files::DbFiles,
     keys,
-    store::{BudgetRow, Store, StoredKey, UsageRow},
     reads::{BoxFuture, Reads},
+    store::{BudgetRow, Store, StoredKey, UsageRow},
     to_json, txn,
     writer::{Engine, Lost},
 };
 use crate::meter::BudgetSpec;
+
+/// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
+/// reports every failed `write()` with `ENOSPC` this way.
+const SQLITE_FULL: i32 = 13;
+
+/// What a SQLite error means: a full disk is told apart (nothing was
+/// written, and the same write succeeds once space is freed); the rest is
+/// [`Error::from_sqlx`]'s.
+pub(super) fn error(e: sqlx::Error) -> Error {
+    match is_storage_full(&e) {
+        true => Error::StorageFull(std::sync::Arc::new(e)),
+        false => Error::from_sqlx(e),
+    }
+}
+
+/// Whether `e` says the disk is full. SQLite hands out extended result
+/// codes, whose low byte is the primary code. An fsync or truncate that
+/// fails with `ENOSPC` is an `SQLITE_IOERR_*` carrying no errno through
+/// sqlx, so it stays an [`Error::Database`]: it cannot be told from a
+/// failing disk.
+fn is_storage_full(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == SQLITE_FULL),
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+        ),
+        _ => false,
+    }
+}
 
 /// Adds every `(name, total)` of the JSON object `?1` (creating counters at
 /// 0) and returns each counter's new value. An overflowing sum makes SQLite
@@ -121,7 +154,7 @@ impl Store for SqliteConnection {
     }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
-        sqlx::raw_sql(sql).execute(self).await?;
+        sqlx::raw_sql(sql).execute(self).await.map_err(error)?;
         Ok(())
     }
 
@@ -136,7 +169,7 @@ impl Store for SqliteConnection {
         match rows {
             Ok(rows) => Ok(Some(rows)),
             Err(e) if is_overflow(&e) => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(error(e)),
         }
     }
 
@@ -157,7 +190,7 @@ impl Store for SqliteConnection {
                 self.exec("ROLLBACK").await?;
                 Ok(None)
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(error(e)),
         }
     }
 
@@ -179,7 +212,7 @@ impl Store for SqliteConnection {
         .bind(&spec.timezone_name)
         .bind(Timestamp::now().to_string())
         .execute(self)
-        .await?;
+        .await.map_err(error)?;
         Ok(())
     }
 
@@ -198,7 +231,7 @@ impl Store for SqliteConnection {
     ) -> Result<Vec<UsageRow>, Error> {
         // Both kinds of rows in one statement. Tuples serialize as the JSON
         // arrays `->> 0`, `->> 1` read; a global row has no visitor.
-        Ok(sqlx::query_as(
+        sqlx::query_as(
             "SELECT u.budget, u.day, u.visitor, u.calls
              FROM json_each(?1) AS k
              JOIN budget_visitor_usage AS u
@@ -212,7 +245,8 @@ impl Store for SqliteConnection {
         .bind(to_json(visitors))
         .bind(to_json(globals))
         .fetch_all(self)
-        .await?)
+        .await
+        .map_err(error)
     }
 
     /// Both write-backs as one script, one round trip.
@@ -232,7 +266,8 @@ impl Store for SqliteConnection {
         .bind(to_json(visitors))
         .bind(to_json(globals))
         .execute(self)
-        .await?;
+        .await
+        .map_err(error)?;
         Ok(())
     }
 
@@ -244,7 +279,8 @@ impl Store for SqliteConnection {
         .bind(budget)
         .bind(before)
         .execute(self)
-        .await?;
+        .await
+        .map_err(error)?;
         Ok(deleted.rows_affected())
     }
 
@@ -267,7 +303,7 @@ impl Store for SqliteConnection {
         if let Some(v) = visitor {
             q = q.bind(v);
         }
-        Ok(q.execute(self).await?.rows_affected())
+        Ok(q.execute(self).await.map_err(error)?.rows_affected())
     }
 
     /// A lookup: the one writer serialises every write, so an absent key
@@ -278,7 +314,7 @@ impl Store for SqliteConnection {
         _fingerprint: &str,
     ) -> Result<Option<StoredKey>, Error> {
         let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
-        Ok(q.bind(key).fetch_optional(self).await?)
+        q.bind(key).fetch_optional(self).await.map_err(error)
     }
 
     async fn remember_key(
@@ -296,7 +332,8 @@ impl Store for SqliteConnection {
         .bind(result)
         .bind(keys::unix_now())
         .execute(self)
-        .await?;
+        .await
+        .map_err(error)?;
         Ok(())
     }
 
@@ -306,7 +343,8 @@ impl Store for SqliteConnection {
             sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
                 .bind(cutoff)
                 .execute(self)
-                .await?
+                .await
+                .map_err(error)?
                 .rows_affected(),
         )
     }
@@ -317,25 +355,27 @@ pub async fn load_budgets<'c>(
     db: impl Executor<'c, Database = Sqlite>,
     names: &[&str],
 ) -> Result<Vec<BudgetRow>, Error> {
-    Ok(sqlx::query_as(
+    sqlx::query_as(
         "SELECT name, visitor_limit, global_limit, retention_days, timezone
          FROM budgets WHERE name IN (SELECT value FROM json_each(?1))",
     )
     .bind(to_json(names))
     .fetch_all(db)
-    .await?)
+    .await
+    .map_err(error)
 }
 
 /// The current values of many counters in one statement; names never
 /// written are absent.
 pub async fn read_counters(pool: &SqlitePool, names: &[&str]) -> Result<Vec<(String, i64)>, Error> {
-    Ok(sqlx::query_as(
+    sqlx::query_as(
         "SELECT name, value FROM counters
          WHERE name IN (SELECT value FROM json_each(?1))",
     )
     .bind(to_json(&names))
     .fetch_all(pool)
-    .await?)
+    .await
+    .map_err(error)
 }
 
 /// A day's global calls of a budget and, if asked, one visitor's, in one
@@ -346,7 +386,7 @@ pub async fn usage_counts(
     day: &str,
     visitor: Option<&str>,
 ) -> Result<(i64, Option<i64>), Error> {
-    Ok(sqlx::query_as(
+    sqlx::query_as(
         "SELECT
            coalesce((SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2), 0),
            CASE WHEN ?3 IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
@@ -356,7 +396,8 @@ pub async fn usage_counts(
     .bind(day)
     .bind(visitor)
     .fetch_one(pool)
-    .await?)
+    .await
+    .map_err(error)
 }
 
 /// The read-only pool: connections opened read-only *and* with

@@ -372,12 +372,13 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
 async fn readers_cannot_write() {
     let dir = tempfile::tempdir().unwrap();
     let storage = crate::config::Storage::Sqlite(dir.path().join("t.db"));
-    let (handle, _writer) = Database::open(&storage, &DbOptions::default())
+    let (_handle, _writer) = Database::open(&storage, &DbOptions::default())
         .await
         .unwrap();
-    let super::reads::Readers::Sqlite(pool) = &handle.0.readers else {
-        panic!("a SQLite database has a SQLite read pool")
-    };
+    // The pool as `Database::open` opens it for the handle.
+    let pool = &super::open::open_readers(&dir.path().join("t.db"), 1)
+        .await
+        .unwrap();
     for sql in [
         "INSERT INTO counters (name, value) VALUES ('sneaky', 1)",
         "PRAGMA query_only = OFF; INSERT INTO counters (name, value) VALUES ('sneaky', 1)",

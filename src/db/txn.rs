@@ -314,7 +314,6 @@ async fn apply_once(
     Reply::new(outcome)
 }
 
-
 /// Opens the batch's transaction with `begin` ([`Store::BEGIN`] or
 /// [`Store::BEGIN_SET_BASED`]: SQLite's `BEGIN IMMEDIATE`, PostgreSQL's
 /// `BEGIN`). If it fails, a transaction may have been

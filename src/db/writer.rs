@@ -109,7 +109,6 @@ pub(super) struct Lost {
 /// a batch it always checks.
 const FILES_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
-
 /// The writer running on its own thread; see [`Writer::spawn`].
 pub struct WriterTask {
     done: tokio::sync::oneshot::Receiver<Result<(), WriterFailed>>,

@@ -245,7 +245,7 @@ impl From<db::Error> for Problem {
             )
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
-            e @ (db::Error::Database(_) | db::Error::Internal(_)) => {
+            e @ (db::Error::Raced(_) | db::Error::Database(_) | db::Error::Internal(_)) => {
                 tracing::error!(error = %e, "database error");
                 Self::internal("the database failed; nothing was written")
                     .with("reason", "database_error")
