@@ -28,7 +28,14 @@ pub async fn put(conn: &mut impl Store, name: &Name, spec: &BudgetSpec) -> Resul
 /// Budgets as stored, by name.
 pub fn from_rows(rows: Vec<BudgetRow>) -> Result<HashMap<String, Budget>, Error> {
     let mut budgets = HashMap::with_capacity(rows.len());
-    for (name, visitor_limit, global_limit, retention_days, timezone_name) in rows {
+    for BudgetRow {
+        name,
+        visitor_limit,
+        global_limit,
+        retention_days,
+        timezone: timezone_name,
+    } in rows
+    {
         let bad = |what: &str| Error::Internal(format!("stored budget `{name}`: {what}").into());
         let timezone = meter::load_timezone(&timezone_name)
             .map_err(|e| bad(&format!("bad time zone: {e}")))?;
@@ -178,10 +185,10 @@ impl DayUsage {
         global_keys.sort_unstable();
         global_keys.dedup();
         conn.lock_days(&global_keys).await?;
-        for (b, d, v, c) in conn.read_usage(&visitor_keys, &global_keys).await? {
-            match v {
-                Some(v) => usage.visitors.insert((b, d, v), c),
-                None => usage.globals.insert((b, d), c),
+        for row in conn.read_usage(&visitor_keys, &global_keys).await? {
+            match row.visitor {
+                Some(v) => usage.visitors.insert((row.budget, row.day, v), row.calls),
+                None => usage.globals.insert((row.budget, row.day), row.calls),
             };
         }
         Ok(usage)

@@ -8,22 +8,29 @@ use tokio::sync::oneshot;
 use super::Error;
 use crate::meter::{Budget, BudgetSpec, Day, Decision, IdempotencyKey, Name, VisitorId};
 
-/// A write, as the writer receives it.
+/// A write, as the writer receives it: what to do, and where its answer
+/// goes. Each kind carries a [`Reply`] of exactly its own result, as in
+/// tokio's tutorial on channels: a reply of another kind cannot be
+/// written.
 #[derive(Debug)]
 pub enum Command {
     Increment {
         name: Name,
         by: i64,
+        /// The counter's new value.
+        reply: Reply<i64>,
     },
     PutBudget {
         name: Name,
         spec: BudgetSpec,
+        reply: Reply<Budget>,
     },
     /// One call against a budget, on `day` or the budget's today.
     Check {
         budget: Name,
         visitor: VisitorId,
         day: Option<Day>,
+        reply: Reply<Decision>,
     },
     /// Clears one day's usage (the budget's today when `day` is `None`):
     /// one visitor's calls, or all of the day's.
@@ -31,37 +38,113 @@ pub enum Command {
         budget: Name,
         day: Option<Day>,
         visitor: Option<VisitorId>,
+        reply: Reply<Cleared>,
     },
 }
 
-/// What a command did.
-#[derive(Debug, Clone)]
-pub enum Outcome {
-    /// A counter's new value.
-    Value(i64),
-    Budget(Budget),
-    Decision(Decision),
-    /// The day a reset cleared and how many usage rows it deleted.
-    Reset {
-        day: Day,
-        deleted_rows: u64,
-    },
+/// What a reset did: the day it cleared and how many usage rows it deleted.
+#[derive(Debug, Clone, Copy)]
+pub struct Cleared {
+    pub day: Day,
+    pub deleted_rows: u64,
 }
 
-/// The answer a caller waits for.
+/// The answer a caller waits for: its command's own result, and whether it
+/// is the one stored for the command's idempotency key (nothing new was
+/// written).
 #[derive(Debug)]
-pub struct Reply {
-    pub outcome: Result<Outcome, Error>,
-    /// The outcome is the one stored for the command's idempotency key:
-    /// nothing new was written.
+pub struct Answer<T> {
+    pub result: Result<T, Error>,
     pub replayed: bool,
 }
 
-impl Reply {
-    pub fn new(outcome: Result<Outcome, Error>) -> Self {
-        Reply {
-            outcome,
+/// Where one command's answer goes, and that answer once its batch has it.
+/// The batch sets it ([`Reply::set`]); the writer sends it only after the
+/// transaction's COMMIT ([`Reply::send`]).
+#[derive(Debug)]
+pub struct Reply<T> {
+    tx: Option<oneshot::Sender<Answer<T>>>,
+    result: Option<Result<T, Error>>,
+    replayed: bool,
+}
+
+/// What became of an answer the writer sent.
+pub enum Sent {
+    Heard,
+    /// The caller had gone. `committed`: its write landed all the same;
+    /// `what`: its value or its error, for the log line.
+    Unheard {
+        committed: bool,
+        what: String,
+    },
+}
+
+impl<T: fmt::Debug> Reply<T> {
+    /// A reply, and the end its caller waits on.
+    pub fn new() -> (Self, oneshot::Receiver<Answer<T>>) {
+        let (tx, rx) = oneshot::channel();
+        let reply = Reply {
+            tx: Some(tx),
+            result: None,
             replayed: false,
+        };
+        (reply, rx)
+    }
+
+    /// The command's result in this batch, replacing one an earlier run of
+    /// the batch set.
+    pub fn set(&mut self, result: Result<T, Error>) {
+        self.result = Some(result);
+        self.replayed = false;
+    }
+
+    /// The result stored for the command's idempotency key.
+    pub fn set_replayed(&mut self, result: Result<T, Error>) {
+        self.result = Some(result);
+        self.replayed = true;
+    }
+
+    /// The result set so far: `Some(Ok(()))` or its error.
+    pub fn outcome(&self) -> Option<Result<(), &Error>> {
+        self.result.as_ref().map(|r| r.as_ref().map(|_| ()))
+    }
+
+    /// The result set so far, if it is a success.
+    pub fn value(&self) -> Option<&T> {
+        self.result.as_ref().and_then(|r| r.as_ref().ok())
+    }
+
+    /// Sends the answer: the commit's error if the batch did not commit,
+    /// else the command's own result. Once only.
+    pub fn send(&mut self, commit: &Result<(), Error>) -> Sent {
+        let result = match (commit, self.result.take()) {
+            (Err(e), _) => Err(e.clone()),
+            (Ok(()), Some(result)) => result,
+            // Every command of a batch gets its result, by construction;
+            // should one ever be missing, its caller hears an error rather
+            // than nothing.
+            (Ok(()), None) => Err(Error::Internal(
+                "the batch produced no result for this command".into(),
+            )),
+        };
+        let committed = commit.is_ok() && result.is_ok();
+        let answer = Answer {
+            result,
+            replayed: self.replayed,
+        };
+        match self.tx.take().map(|tx| tx.send(answer)) {
+            Some(Ok(())) => Sent::Heard,
+            Some(Err(unheard)) => Sent::Unheard {
+                committed,
+                what: match unheard.result {
+                    Ok(value) => format!("{:?}", Some(value)),
+                    Err(e) => format!("{:?}", Some(e)),
+                },
+            },
+            None => Sent::Unheard {
+                committed,
+                what: "(answered twice)".into(),
+            },
         }
     }
 }
@@ -73,7 +156,6 @@ pub struct Queued {
     pub key: Option<IdempotencyKey>,
     /// The request that queued it, for the writer's log lines.
     pub request_id: Option<Arc<str>>,
-    pub reply: oneshot::Sender<Reply>,
 }
 
 /// Every `result` label `tally_write_commands_total` can carry, per command
@@ -120,20 +202,53 @@ impl Command {
         }
     }
 
+    /// The command's result so far in its batch: `Some(Ok(()))` or its
+    /// error, `None` before it ran.
+    pub fn outcome(&self) -> Option<Result<(), &Error>> {
+        match self {
+            Command::Increment { reply, .. } => reply.outcome(),
+            Command::PutBudget { reply, .. } => reply.outcome(),
+            Command::Check { reply, .. } => reply.outcome(),
+            Command::Reset { reply, .. } => reply.outcome(),
+        }
+    }
+
+    /// Sets an error as the command's result.
+    pub fn fail(&mut self, e: Error) {
+        match self {
+            Command::Increment { reply, .. } => reply.set(Err(e)),
+            Command::PutBudget { reply, .. } => reply.set(Err(e)),
+            Command::Check { reply, .. } => reply.set(Err(e)),
+            Command::Reset { reply, .. } => reply.set(Err(e)),
+        }
+    }
+
+    /// Sends the command's answer ([`Reply::send`]).
+    pub fn send(&mut self, commit: &Result<(), Error>) -> Sent {
+        match self {
+            Command::Increment { reply, .. } => reply.send(commit),
+            Command::PutBudget { reply, .. } => reply.send(commit),
+            Command::Check { reply, .. } => reply.send(commit),
+            Command::Reset { reply, .. } => reply.send(commit),
+        }
+    }
+
     /// What the command does, to tell a retry from another request that
     /// reuses its key. Stored with the key: the text must not change.
     pub fn fingerprint(&self) -> String {
         match self {
-            Command::Increment { name, by } => format!("increment {name} {by}"),
+            Command::Increment { name, by, .. } => format!("increment {name} {by}"),
             Command::Check {
                 budget,
                 visitor,
                 day: Some(d),
+                ..
             } => format!("check {budget} {d} {visitor}"),
             Command::Check {
                 budget,
                 visitor,
                 day: None,
+                ..
             } => format!("check {budget} today {visitor}"),
             Command::PutBudget { name, .. } => format!("put_budget {name}"),
             Command::Reset { budget, .. } => format!("reset {budget}"),
@@ -155,6 +270,7 @@ impl fmt::Display for Command {
                 budget,
                 day,
                 visitor,
+                ..
             } => {
                 let day = day.map_or("today".to_owned(), |d| d.to_string());
                 write!(f, "budget={budget} day={day}")?;

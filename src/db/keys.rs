@@ -6,11 +6,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{
-    Error,
-    command::{Command, Outcome},
-    store::Store,
-};
+use super::{Error, store::Store};
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
 use serde::{Deserialize, Serialize};
 
@@ -32,45 +28,58 @@ pub async fn claim(
     fingerprint: &str,
 ) -> Result<Option<Stored>, Error> {
     let stored = conn.claim_key(key.as_str(), fingerprint).await?;
-    Ok(stored.map(|(fingerprint, result)| Stored {
-        fingerprint,
-        result,
+    Ok(stored.map(|s| Stored {
+        fingerprint: s.fingerprint,
+        result: s.result,
     }))
 }
 
-/// Stores `outcome` for the key, in the command's savepoint: the write and
-/// its key land together or not at all. Only counter values and decisions
-/// are ever stored: only increments and checks take keys.
+/// An answer an idempotency key keeps: how it is stored with the key and
+/// read back. Only counter values and decisions are: only increments and
+/// checks take keys.
+pub trait Kept: Sized {
+    fn encode(&self) -> String;
+    fn decode(stored: &str) -> Result<Self, String>;
+}
+
+impl Kept for i64 {
+    fn encode(&self) -> String {
+        self.to_string()
+    }
+
+    fn decode(stored: &str) -> Result<Self, String> {
+        stored
+            .parse()
+            .map_err(|e: std::num::ParseIntError| e.to_string())
+    }
+}
+
+impl Kept for Decision {
+    fn encode(&self) -> String {
+        encode_decision(self)
+    }
+
+    fn decode(stored: &str) -> Result<Self, String> {
+        decode_decision(stored)
+    }
+}
+
+/// Stores `answer` for the key, in the command's savepoint: the write and
+/// its key land together or not at all.
 pub async fn remember(
     conn: &mut impl Store,
     key: &IdempotencyKey,
     fingerprint: &str,
-    outcome: &Outcome,
+    answer: &impl Kept,
 ) -> Result<(), Error> {
-    let result = match outcome {
-        Outcome::Value(v) => v.to_string(),
-        Outcome::Decision(d) => encode_decision(d),
-        Outcome::Budget(_) | Outcome::Reset { .. } => return Ok(()),
-    };
-    conn.remember_key(key.as_str(), fingerprint, &result).await
+    conn.remember_key(key.as_str(), fingerprint, &answer.encode())
+        .await
 }
 
-/// The answer stored for `command`'s key, as that command answers.
-pub fn replay(command: &Command, stored: &Stored) -> Result<Outcome, Error> {
-    let bad = |e: String| Error::Internal(format!("stored idempotent answer: {e}").into());
-    match command {
-        Command::Increment { .. } => stored
-            .result
-            .parse()
-            .map(Outcome::Value)
-            .map_err(|e: std::num::ParseIntError| bad(e.to_string())),
-        Command::Check { .. } => decode_decision(&stored.result)
-            .map(Outcome::Decision)
-            .map_err(bad),
-        Command::PutBudget { .. } | Command::Reset { .. } => {
-            Err(bad(format!("{} takes no key", command.kind())))
-        }
-    }
+/// The answer stored for a key.
+pub fn replay<T: Kept>(stored: &Stored) -> Result<T, Error> {
+    T::decode(&stored.result)
+        .map_err(|e| Error::Internal(format!("stored idempotent answer: {e}").into()))
 }
 
 /// Forgets keys older than [`KEY_TTL`]; returns how many.

@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 
 use command::Command;
 pub(crate) use command::WRITE_RESULTS;
-use command::{Outcome, Queued};
+use command::{Answer, Cleared, Queued, Reply};
 pub use open::{Database, OpenError};
 use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
@@ -242,12 +242,9 @@ impl Handle {
         key: Option<IdempotencyKey>,
         request_id: Option<Arc<str>>,
     ) -> Result<Replayable<i64>, Error> {
-        let command = Command::Increment { name, by };
-        self.submit(command, key, request_id, |o| match o {
-            Outcome::Value(v) => Some(v),
-            _ => None,
-        })
-        .await
+        let (reply, answer) = Reply::new();
+        let command = Command::Increment { name, by, reply };
+        self.submit(command, key, request_id, answer).await
     }
 
     /// The current value of a counter (0 if never written), read from the
@@ -269,13 +266,11 @@ impl Handle {
         spec: BudgetSpec,
         request_id: Option<Arc<str>>,
     ) -> Result<Budget, Error> {
-        let command = Command::PutBudget { name, spec };
-        self.submit(command, None, request_id, |o| match o {
-            Outcome::Budget(b) => Some(b),
-            _ => None,
-        })
-        .await
-        .map(|(budget, _)| budget)
+        let (reply, answer) = Reply::new();
+        let command = Command::PutBudget { name, spec, reply };
+        self.submit(command, None, request_id, answer)
+            .await
+            .map(|(budget, _)| budget)
     }
 
     /// A budget's configuration.
@@ -293,16 +288,14 @@ impl Handle {
         key: Option<IdempotencyKey>,
         request_id: Option<Arc<str>>,
     ) -> Result<Replayable<Decision>, Error> {
+        let (reply, answer) = Reply::new();
         let command = Command::Check {
             budget,
             visitor,
             day,
+            reply,
         };
-        self.submit(command, key, request_id, |o| match o {
-            Outcome::Decision(d) => Some(d),
-            _ => None,
-        })
-        .await
+        self.submit(command, key, request_id, answer).await
     }
 
     /// A budget's usage on `day` (its today when `None`), and `visitor`'s
@@ -326,17 +319,16 @@ impl Handle {
         visitor: Option<VisitorId>,
         request_id: Option<Arc<str>>,
     ) -> Result<(Day, u64), Error> {
+        let (reply, answer) = Reply::new();
         let command = Command::Reset {
             budget,
             day,
             visitor,
+            reply,
         };
-        self.submit(command, None, request_id, |o| match o {
-            Outcome::Reset { day, deleted_rows } => Some((day, deleted_rows)),
-            _ => None,
-        })
-        .await
-        .map(|(reset, _)| reset)
+        self.submit(command, None, request_id, answer)
+            .await
+            .map(|(Cleared { day, deleted_rows }, _)| (day, deleted_rows))
     }
 
     /// Whether the queue still accepts commands. A full queue still does.
@@ -376,21 +368,19 @@ impl Handle {
         ))
     }
 
-    /// Queues a command and waits for its reply; `expect` takes the
-    /// command's own kind of outcome out of it.
+    /// Queues a command and waits for its answer on `answer`, the other
+    /// end of the command's own [`Reply`].
     async fn submit<T>(
         &self,
         command: Command,
         key: Option<IdempotencyKey>,
         request_id: Option<Arc<str>>,
-        expect: impl FnOnce(Outcome) -> Option<T>,
+        answer: oneshot::Receiver<Answer<T>>,
     ) -> Result<Replayable<T>, Error> {
-        let (reply, answer) = oneshot::channel();
         let queued = Queued {
             command,
             key,
             request_id,
-            reply,
         };
         let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
@@ -407,19 +397,17 @@ impl Handle {
                 None => Error::Closed,
             },
         })?;
-        let Ok(reply) = answer.await else {
+        let Ok(answer) = answer.await else {
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
             return Err(Error::OutcomeUnknown);
         };
         metrics::histogram!("tally_write_wait_seconds").record(queued_at.elapsed().as_secs_f64());
-        if let Err(Error::OutcomeUnknown) = &reply.outcome {
+        if let Err(Error::OutcomeUnknown) = &answer.result {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
         }
-        let value = expect(reply.outcome?)
-            .ok_or_else(|| Error::Internal("the writer answered another command's kind".into()))?;
-        Ok((value, reply.replayed))
+        Ok((answer.result?, answer.replayed))
     }
 }
 

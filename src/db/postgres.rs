@@ -388,7 +388,7 @@ pub struct WriterConn {
 }
 
 impl Engine for WriterConn {
-    async fn apply(&mut self, batch: &[Queued]) -> Applied {
+    async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
         WriterConn::apply(self, batch).await
     }
 
@@ -427,7 +427,7 @@ impl WriterConn {
 
     /// Applies a batch, running it again when it lost a race with another
     /// process.
-    pub async fn apply(&mut self, batch: &[Queued]) -> Applied {
+    pub async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
         let mut attempt = 0;
         // A connection kept from an earlier batch may have died while idle
         // (a server restart, a proxy's or firewall's idle timeout): a batch
@@ -437,13 +437,12 @@ impl WriterConn {
         loop {
             let conn = match self.conn().await {
                 Ok(conn) => conn,
-                Err(e) => return Applied::none(e),
+                Err(e) => return Err(e),
             };
             let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
             let limit =
                 BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
-            let Ok(mut applied) = tokio::time::timeout(limit, apply_batch(conn, batch)).await
-            else {
+            let Ok(applied) = tokio::time::timeout(limit, apply_batch(conn, batch)).await else {
                 // Cut off somewhere between BEGIN and COMMIT's answer: the
                 // batch may have committed.
                 tracing::error!(
@@ -453,9 +452,9 @@ impl WriterConn {
                      its writes' outcome is unknown"
                 );
                 self.conn = None;
-                return Applied::none(Error::OutcomeUnknown);
+                return Err(Error::OutcomeUnknown);
             };
-            match &applied.commit {
+            match &applied {
                 Err(e) if e.is_retryable() && attempt < RACE_RETRIES => {
                     attempt += 1;
                     metrics::counter!("tally_write_retries_total").increment(1);
@@ -467,11 +466,8 @@ impl WriterConn {
                     tokio::time::sleep(backoff(attempt)).await;
                     continue;
                 }
-                Err(e) if e.is_retryable() => {
-                    if let Err(Error::Database(source)) = &applied.commit {
-                        applied.commit = Err(Error::Unavailable(source.clone()));
-                    }
-                }
+                // Lost every time: the server is too busy to take it now.
+                Err(Error::Raced(source)) => return Err(Error::Unavailable(source.clone())),
                 Err(e) if needs_new_connection(e) && stale => {
                     stale = false;
                     let e = e.clone();
@@ -527,14 +523,13 @@ impl WriterConn {
 /// batch that meets a held row waits the lock timeout, so a row held for
 /// long is not one line per request.
 fn log_busy(batch: &[Queued], applied: &Applied) {
-    if applied.commit.is_err() {
+    if applied.is_err() {
         return;
     }
     let busy: Vec<String> = batch
         .iter()
-        .zip(&applied.replies)
-        .filter(|(_, r)| matches!(r.outcome, Err(Error::Busy(_))))
-        .map(|(q, _)| q.command.to_string())
+        .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(_)))))
+        .map(|q| q.command.to_string())
         .collect();
     if let Some(first) = busy.first() {
         tracing::warn!(
@@ -888,10 +883,16 @@ pub async fn load_budgets(
     conn: &mut PgConnection,
     names: &[String],
 ) -> Result<(Vec<BudgetRow>, Timestamp), Error> {
-    let rows: Vec<(String, i64, i64, i64, String, i64)> = sqlx::query_as(concat!(
+    #[derive(sqlx::FromRow)]
+    struct WithNow {
+        #[sqlx(flatten)]
+        budget: BudgetRow,
+        now_micros: i64,
+    }
+    let rows: Vec<WithNow> = sqlx::query_as(concat!(
         "SELECT name, visitor_limit, global_limit, retention_days, timezone, ",
         now_micros!(),
-        " FROM budgets WHERE name = ANY($1)"
+        " AS now_micros FROM budgets WHERE name = ANY($1)"
     ))
     .bind(names)
     .fetch_all(conn)
@@ -899,16 +900,10 @@ pub async fn load_budgets(
     .map_err(error)?;
     // No budget, no day to tell: this process's clock does as well.
     let now = match rows.first() {
-        Some(row) => timestamp(row.5)?,
+        Some(row) => timestamp(row.now_micros)?,
         None => Timestamp::now(),
     };
-    let rows = rows
-        .into_iter()
-        .map(|(name, visitor, global, retention, timezone, _)| {
-            (name, visitor, global, retention, timezone)
-        })
-        .collect();
-    Ok((rows, now))
+    Ok((rows.into_iter().map(|r| r.budget).collect(), now))
 }
 
 /// The current values of many counters in one statement; names never

@@ -101,7 +101,7 @@ pub(super) struct SqliteWriter {
 }
 
 impl Engine for SqliteWriter {
-    async fn apply(&mut self, batch: &[super::command::Queued]) -> txn::Applied {
+    async fn apply(&mut self, batch: &mut [super::command::Queued]) -> txn::Applied {
         txn::apply_batch(&mut self.conn, batch).await
     }
 

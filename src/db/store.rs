@@ -13,17 +13,34 @@
 use super::Error;
 use crate::meter::BudgetSpec;
 
-/// A budget as stored: name, visitor limit, global limit, retention days,
-/// time zone name.
-pub type BudgetRow = (String, i64, i64, i64, String);
+/// A budget as stored.
+#[derive(Debug, sqlx::FromRow)]
+pub struct BudgetRow {
+    pub name: String,
+    pub visitor_limit: i64,
+    pub global_limit: i64,
+    pub retention_days: i64,
+    /// The IANA name of the budget's time zone.
+    pub timezone: String,
+}
 
-/// A usage row: budget, day, visitor (`None` for the day's global row),
-/// calls.
-pub type UsageRow = (String, String, Option<String>, i64);
+/// A usage row: a visitor's calls on a day, or (`visitor` is `None`) the
+/// day's global calls.
+#[derive(Debug, sqlx::FromRow)]
+pub struct UsageRow {
+    pub budget: String,
+    pub day: String,
+    pub visitor: Option<String>,
+    pub calls: i64,
+}
 
 /// What was stored for an idempotency key: the command's fingerprint and
-/// its answer.
-pub type StoredKey = (String, String);
+/// its answer as the key keeps it (`keys::Kept`).
+#[derive(Debug, sqlx::FromRow)]
+pub struct StoredKey {
+    pub fingerprint: String,
+    pub result: String,
+}
 
 pub(super) trait Store {
     /// Opens the writer's transaction.

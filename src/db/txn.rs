@@ -14,32 +14,21 @@ use jiff::Timestamp;
 
 use super::{
     Error, budgets,
-    command::{Command, Outcome, Queued, Reply},
-    counters, keys,
+    command::{Cleared, Command, Queued, Reply},
+    counters,
+    keys::{self, Kept},
     store::Store,
 };
-use crate::meter::{IdempotencyKey, Refusal};
+use crate::meter::{Decision, IdempotencyKey, Refusal};
 
-/// A batch applied: one reply per command, in queue order, and whether the
-/// transaction holding them committed.
-pub(super) struct Applied {
-    pub replies: Vec<Reply>,
-    pub commit: Result<(), Error>,
-}
-
-impl Applied {
-    /// Nothing ran: every caller gets `e`.
-    pub fn none(e: Error) -> Self {
-        Applied {
-            replies: Vec::new(),
-            commit: Err(e),
-        }
-    }
-}
+/// A batch applied: each command's result is set in its own [`Reply`];
+/// this is whether the transaction holding them committed. A batch that
+/// did not commit answers every caller with this error.
+pub(super) type Applied = Result<(), Error>;
 
 /// Applies a batch in one transaction: set-based when it can be, else one
 /// command at a time. Keyed commands claim and store their key one by one.
-pub(super) async fn apply_batch(conn: &mut impl Store, batch: &[Queued]) -> Applied {
+pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> Applied {
     let keyed = batch.iter().any(|q| q.key.is_some());
     if !keyed && let Some(applied) = apply_set_based(conn, batch).await {
         return applied;
@@ -55,16 +44,30 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &[Queued]) -> Appl
 /// of command, a statement failed, or a counter would overflow. An error
 /// that breaks the transaction ([`Error::breaks_transaction`]) is the
 /// whole batch's answer.
-async fn apply_set_based<S: Store>(conn: &mut S, batch: &[Queued]) -> Option<Applied> {
+async fn apply_set_based<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Option<Applied> {
+    let (values, decisions, commit) = run_set_based(conn, batch).await?;
+    if commit.is_ok() {
+        in_queue_order(batch, values, decisions);
+    }
+    Some(commit)
+}
+
+/// Each increment's value and each check's decision, in queue order, and
+/// the commit; see [`apply_set_based`].
+async fn run_set_based<S: Store>(
+    conn: &mut S,
+    batch: &[Queued],
+) -> Option<(Vec<i64>, Vec<Result<Decision, Error>>, Applied)> {
     let mut increments = Vec::new();
     let mut checks = Vec::new();
     for q in batch {
         match &q.command {
-            Command::Increment { name, by } => increments.push((name, *by)),
+            Command::Increment { name, by, .. } => increments.push((name, *by)),
             Command::Check {
                 budget,
                 visitor,
                 day,
+                ..
             } => checks.push(budgets::CheckItem {
                 budget,
                 visitor,
@@ -93,11 +96,12 @@ async fn apply_set_based<S: Store>(conn: &mut S, batch: &[Queued]) -> Option<App
         };
         metrics::histogram!("tally_commit_duration_seconds")
             .record(started.elapsed().as_secs_f64());
-        let replies = in_queue_order(batch, values, Vec::new());
-        return Some(Applied { replies, commit });
+        return Some((values, Vec::new(), commit));
     }
     if let Err(e) = begin(conn, S::BEGIN_SET_BASED).await {
-        return e.breaks_transaction().then(|| Applied::none(e));
+        return e
+            .breaks_transaction()
+            .then(|| (Vec::new(), Vec::new(), Err(e)));
     }
     let applied = async {
         let now = conn.now().await?;
@@ -113,14 +117,11 @@ async fn apply_set_based<S: Store>(conn: &mut S, batch: &[Queued]) -> Option<App
     }
     .await;
     match applied {
-        Ok(Some((values, decisions))) => Some(Applied {
-            replies: in_queue_order(batch, values, decisions),
-            commit: commit(conn).await,
-        }),
+        Ok(Some((values, decisions))) => Some((values, decisions, commit(conn).await)),
         // Lost connection or lost race: the batch's, whichever way it runs.
         Err(e) if e.breaks_transaction() => {
             let _ = conn.exec("ROLLBACK").await;
-            Some(Applied::none(e))
+            Some((Vec::new(), Vec::new(), Err(e)))
         }
         // An overflow, or a statement that failed: one by one tells which
         // command it was.
@@ -136,9 +137,7 @@ async fn apply_set_based<S: Store>(conn: &mut S, batch: &[Queued]) -> Option<App
 /// cannot be rolled back because SQLite already rolled everything back,
 /// as it does on some I/O errors), the commands after it do not run and
 /// every caller gets the error.
-async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &[Queued]) -> Applied {
-    let mut replies: Vec<Option<Reply>> =
-        std::iter::repeat_with(|| None).take(batch.len()).collect();
+async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Applied {
     let mut broken = begin(conn, S::BEGIN).await.err();
     let began = broken.is_none();
     // Read once per batch, from the database's clock on PostgreSQL (a
@@ -153,24 +152,23 @@ async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &[Queued]) -> Applied {
     // A row that a command of this batch found locked past the lock
     // timeout: the commands after it on the same row (they come next, in
     // lock order) are answered busy at once, not after a wait each.
-    let mut busy: Option<(Error, LockKey)> = None;
+    let mut busy: Option<(Error, (u8, String))> = None;
     for i in lock_order(batch) {
-        let q = &batch[i];
-        let reply = if let Some(e) = &broken {
-            Reply::new(Err(e.clone()))
-        } else if let Some((e, _)) = busy.as_ref().filter(|(_, row)| *row == lock_key(q)) {
-            Reply::new(Err(e.clone()))
+        let q = &mut batch[i];
+        let (kind, name) = lock_key(q);
+        let row = (kind, name.to_owned());
+        if let Some(e) = &broken {
+            q.command.fail(e.clone());
+        } else if let Some((e, _)) = busy.as_ref().filter(|(_, held)| *held == row) {
+            q.command.fail(e.clone());
         } else {
-            let (reply, end) = apply_in_savepoint(conn, q, now).await;
-            broken = end.err();
-            if let Err(e @ Error::Busy(_)) = &reply.outcome {
-                busy = Some((e.clone(), lock_key(q)));
+            broken = apply_in_savepoint(conn, q, now).await.err();
+            if let Some(Err(e @ Error::Busy(_))) = q.command.outcome() {
+                busy = Some((e.clone(), row));
             }
-            reply
-        };
-        replies[i] = Some(reply);
+        }
     }
-    let commit = match broken {
+    match broken {
         Some(e) => {
             if began {
                 let _ = conn.exec("ROLLBACK").await;
@@ -178,17 +176,7 @@ async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &[Queued]) -> Applied {
             Err(e)
         }
         None => commit(conn).await,
-    };
-    let missing = || {
-        Reply::new(Err(Error::Internal(
-            "a command of the batch was never applied".into(),
-        )))
-    };
-    let replies = replies
-        .into_iter()
-        .map(|r| r.unwrap_or_else(missing))
-        .collect();
-    Applied { replies, commit }
+    }
 }
 
 /// The order a batch is applied in: counters before budgets, each by name,
@@ -217,101 +205,120 @@ fn lock_key(q: &Queued) -> LockKey<'_> {
     }
 }
 
-/// Applies one command inside a savepoint. A command that fails is
-/// rolled back to its savepoint and answers its own error; the others in
-/// the batch are untouched. The second value is an error if the
-/// savepoint could not be taken or ended: then the batch is broken.
-async fn apply_in_savepoint(
-    conn: &mut impl Store,
-    q: &Queued,
-    now: Timestamp,
-) -> (Reply, Result<(), Error>) {
+/// Applies one command inside a savepoint, setting its result. A command
+/// that fails is rolled back to its savepoint and answers its own error;
+/// the others in the batch are untouched. An error back is the batch's:
+/// the savepoint could not be taken or ended, or the command's error broke
+/// the transaction.
+async fn apply_in_savepoint(conn: &mut impl Store, q: &mut Queued, now: Timestamp) -> Applied {
     if let Err(e) = conn.exec("SAVEPOINT cmd").await {
-        return (Reply::new(Err(e.clone())), Err(e));
+        q.command.fail(e.clone());
+        return Err(e);
     }
-    let reply = match &q.key {
-        None => Reply::new(apply(conn, &q.command, now).await),
-        Some(key) => apply_once(conn, &q.command, key, now).await,
+    match &q.key {
+        None => apply(conn, &mut q.command, now).await,
+        Some(key) => apply_once(conn, &mut q.command, key, now).await,
+    }
+    let failed = match q.command.outcome() {
+        // A lost connection, a deadlock or a serialization failure is the
+        // whole transaction's, not this command's: the batch is retried or
+        // failed as one.
+        Some(Err(e)) if e.breaks_transaction() => return Err(e.clone()),
+        Some(Ok(())) => false,
+        _ => true,
     };
-    // A lost connection, a deadlock or a serialization failure is the
-    // whole transaction's, not this command's: the batch is retried or
-    // failed as one.
-    if let Err(e) = &reply.outcome
-        && e.breaks_transaction()
-    {
-        let e = e.clone();
-        return (reply, Err(e));
-    }
-    let end = match reply.outcome.is_ok() {
-        true => conn.exec("RELEASE cmd").await,
-        false => match conn.exec("ROLLBACK TO cmd").await {
+    match failed {
+        false => conn.exec("RELEASE cmd").await,
+        true => match conn.exec("ROLLBACK TO cmd").await {
             Ok(()) => conn.exec("RELEASE cmd").await,
             Err(e) => Err(e),
         },
-    };
-    (reply, end)
+    }
 }
 
-/// Applies one command; `now` is the batch's time
+/// Applies one command and sets its result; `now` is the batch's time
 /// ([`Command::goes_by_the_time`]).
-async fn apply(conn: &mut impl Store, command: &Command, now: Timestamp) -> Result<Outcome, Error> {
+async fn apply(conn: &mut impl Store, command: &mut Command, now: Timestamp) {
     match command {
-        Command::Increment { name, by } => counters::increment(conn, name, *by)
-            .await
-            .map(Outcome::Value),
-        Command::PutBudget { name, spec } => {
-            budgets::put(conn, name, spec).await.map(Outcome::Budget)
+        Command::Increment { name, by, reply } => {
+            reply.set(counters::increment(conn, name, *by).await)
         }
+        Command::PutBudget { name, spec, reply } => reply.set(budgets::put(conn, name, spec).await),
         Command::Check {
             budget,
             visitor,
             day,
+            reply,
         } => {
             let item = budgets::CheckItem {
                 budget,
                 visitor,
                 day: *day,
             };
-            budgets::check(conn, item, now).await.map(Outcome::Decision)
+            reply.set(budgets::check(conn, item, now).await)
         }
         Command::Reset {
             budget,
             day,
             visitor,
-        } => budgets::reset(conn, budget, *day, visitor.as_ref(), now)
-            .await
-            .map(|(day, deleted_rows)| Outcome::Reset { day, deleted_rows }),
+            reply,
+        } => reply.set(
+            budgets::reset(conn, budget, *day, visitor.as_ref(), now)
+                .await
+                .map(|(day, deleted_rows)| Cleared { day, deleted_rows }),
+        ),
     }
 }
 
 /// Applies a keyed command once: if its key is known, answers what was
 /// stored for it (or refuses a different command reusing the key);
-/// otherwise applies the command and stores its outcome under the key, in
-/// the same savepoint.
+/// otherwise applies the command and stores its answer under the key, in
+/// the same savepoint. Only increments and checks take keys.
 async fn apply_once(
     conn: &mut impl Store,
-    command: &Command,
+    command: &mut Command,
     key: &IdempotencyKey,
     now: Timestamp,
-) -> Reply {
+) {
     let fingerprint = command.fingerprint();
-    let outcome = match keys::claim(conn, key, &fingerprint).await {
-        Err(e) => Err(e),
-        Ok(Some(stored)) if stored.fingerprint != fingerprint => Err(Refusal::KeyReused.into()),
-        Ok(Some(stored)) => {
-            return Reply {
-                outcome: keys::replay(command, &stored),
-                replayed: true,
-            };
+    let stored = match keys::claim(conn, key, &fingerprint).await {
+        Err(e) => return command.fail(e),
+        Ok(Some(stored)) if stored.fingerprint != fingerprint => {
+            return command.fail(Refusal::KeyReused.into());
         }
-        Ok(None) => match apply(conn, command, now).await {
-            Ok(outcome) => keys::remember(conn, key, &fingerprint, &outcome)
-                .await
-                .map(|()| outcome),
-            Err(e) => Err(e),
-        },
+        Ok(stored) => stored,
     };
-    Reply::new(outcome)
+    if let Some(stored) = &stored {
+        return match command {
+            Command::Increment { reply, .. } => reply.set_replayed(keys::replay(stored)),
+            Command::Check { reply, .. } => reply.set_replayed(keys::replay(stored)),
+            other => other.fail(Error::Internal(
+                format!("{} takes no key, yet one is stored", other.kind()).into(),
+            )),
+        };
+    }
+    apply(conn, command, now).await;
+    let remembered = match &*command {
+        Command::Increment { reply, .. } => remember(conn, key, &fingerprint, reply).await,
+        Command::Check { reply, .. } => remember(conn, key, &fingerprint, reply).await,
+        _ => Ok(()),
+    };
+    if let Err(e) = remembered {
+        command.fail(e);
+    }
+}
+
+/// Stores a command's answer under its key, if it succeeded.
+async fn remember<T: Kept + std::fmt::Debug>(
+    conn: &mut impl Store,
+    key: &IdempotencyKey,
+    fingerprint: &str,
+    reply: &Reply<T>,
+) -> Result<(), Error> {
+    match reply.value() {
+        Some(answer) => keys::remember(conn, key, fingerprint, answer).await,
+        None => Ok(()),
+    }
 }
 
 /// Opens the batch's transaction with `begin` ([`Store::BEGIN`] or
@@ -345,30 +352,24 @@ async fn commit(conn: &mut impl Store) -> Result<(), Error> {
     r.map_err(Error::at_commit)
 }
 
-/// Pairs each command of a set-based batch, in queue order, with its
-/// result: the next value for an increment, the next decision for a check.
-fn in_queue_order(
-    batch: &[Queued],
-    values: Vec<i64>,
-    decisions: Vec<Result<crate::meter::Decision, Error>>,
-) -> Vec<Reply> {
+/// Sets each command of a set-based batch, in queue order, to its result:
+/// the next value for an increment, the next decision for a check.
+fn in_queue_order(batch: &mut [Queued], values: Vec<i64>, decisions: Vec<Result<Decision, Error>>) {
     let mut values = values.into_iter();
     let mut decisions = decisions.into_iter();
-    batch
-        .iter()
-        .map(|q| {
-            let outcome = match q.command {
-                Command::Increment { .. } => values.next().map(|v| Ok(Outcome::Value(v))),
-                Command::Check { .. } => decisions.next().map(|d| d.map(Outcome::Decision)),
-                _ => None,
-            };
-            // Results are produced per command, in order; if one were ever
-            // missing, its caller gets an error rather than a wrong answer.
-            Reply::new(outcome.unwrap_or_else(|| {
-                Err(Error::Internal(
-                    "the set-based batch produced no result for this command".into(),
-                ))
-            }))
-        })
-        .collect()
+    // Results are produced per command, in order; if one were ever missing,
+    // its caller gets an error rather than a wrong answer.
+    let missing =
+        || Error::Internal("the set-based batch produced no result for this command".into());
+    for q in batch {
+        match &mut q.command {
+            Command::Increment { reply, .. } => reply.set(values.next().ok_or_else(missing)),
+            Command::Check { reply, .. } => {
+                reply.set(decisions.next().unwrap_or_else(|| Err(missing())))
+            }
+            other => other.fail(Error::Internal(
+                "a set-based batch holds only increments and checks".into(),
+            )),
+        }
+    }
 }

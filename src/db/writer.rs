@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     Error,
-    command::{NOT_COMMITTED, Outcome, Queued, Reply},
+    command::{Command, NOT_COMMITTED, Queued, Sent},
     stats::QueueStats,
     txn::Applied,
 };
@@ -82,7 +82,7 @@ pub(super) struct WriterLoop<E: Engine> {
 /// module asks which engine it is.
 pub(super) trait Engine: Send + 'static {
     /// Applies a batch in one transaction ([`super::txn::apply_batch`]).
-    async fn apply(&mut self, batch: &[Queued]) -> Applied;
+    async fn apply(&mut self, batch: &mut [Queued]) -> Applied;
 
     /// Whether the storage is still where it was opened: SQLite's files
     /// can be deleted or replaced underneath it (see [`super::files`]); a
@@ -251,7 +251,7 @@ impl<E: Engine> WriterLoop<E> {
         loop {
             refused += batch.len();
             for q in batch.drain(..) {
-                answer(q, Reply::new(Err(err.clone())), &Ok(()));
+                answer(q, &Err(err.clone()));
             }
             // The queue is closed: this ends once it is empty.
             if self.rx.recv_many(batch, self.max_batch).await == 0 {
@@ -271,7 +271,7 @@ impl<E: Engine> WriterLoop<E> {
         let size = batch.len();
         let started = std::time::Instant::now();
         let keyed = batch.iter().any(|q| q.key.is_some());
-        let Applied { replies, commit } = self.engine.apply(batch).await;
+        let commit = self.engine.apply(batch).await;
         // Before anyone hears of the batch: a commit into a deleted file
         // succeeded for SQLite and is lost all the same.
         let lost = self.engine.check().err();
@@ -287,17 +287,9 @@ impl<E: Engine> WriterLoop<E> {
         self.stats.record_batch(size, took);
         metrics::histogram!("tally_commit_batch_size").record(size as f64);
         metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
-        let ok = replies.iter().filter(|r| r.outcome.is_ok()).count();
-        tracing::debug!(batch = size, ok, elapsed = ?took, "batch done");
-        // One reply per command, by construction; should one ever be
-        // missing, its caller hears an error rather than nothing.
-        let missing = std::iter::repeat_with(|| {
-            Reply::new(Err(Error::Internal(
-                "the batch produced no reply for this command".into(),
-            )))
-        });
-        for (q, reply) in batch.drain(..).zip(replies.into_iter().chain(missing)) {
-            answer(q, reply, &commit);
+        tracing::debug!(batch = size, elapsed = ?took, "batch done");
+        for q in batch.drain(..) {
+            answer(q, &commit);
         }
         // After the answers: nobody waits for the clean-up.
         if keyed && lost.is_none() {
@@ -383,12 +375,12 @@ impl<E: Engine> WriterLoop<E> {
     }
 }
 
-/// Answers one caller: with its command's reply if the batch committed, or
-/// with the commit's error if it did not. A caller that has gone away
+/// Answers one caller: with its command's result if the batch committed,
+/// or with the commit's error if it did not. A caller that has gone away
 /// after its write committed is logged, so the write can be accounted for.
-fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
+fn answer(mut q: Queued, commit: &Result<(), Error>) {
     let kind = q.command.kind();
-    let result = match (commit, &reply.outcome) {
+    let result = match (commit, q.command.outcome()) {
         // Why the batch failed, when the reason is the storage's.
         (
             Err(
@@ -400,42 +392,41 @@ fn answer(q: Queued, reply: Reply, commit: &Result<(), Error>) {
             _,
         ) => e.kind(),
         (Err(_), _) => NOT_COMMITTED,
-        (Ok(()), Ok(_)) => "ok",
-        (Ok(()), Err(e)) => e.kind(),
+        (Ok(()), Some(Ok(()))) => "ok",
+        (Ok(()), Some(Err(e))) => e.kind(),
+        // No result: answered as tally's own error (see `Reply::send`).
+        (Ok(()), None) => "database_error",
     };
     metrics::counter!("tally_write_commands_total", "command" => kind, "result" => result)
         .increment(1);
-    let reply = match commit {
-        Ok(()) => reply,
-        Err(e) => Reply::new(Err(e.clone())),
-    };
-    let committed = reply.outcome.is_ok();
-    if let Ok(Outcome::Decision(d)) = &reply.outcome
+    if let (Ok(()), Command::Check { reply, .. }) = (commit, &q.command)
+        && let Some(d) = reply.value()
         && d.pruned_rows > 0
     {
         metrics::counter!("tally_budget_prunes_total").increment(1);
         metrics::counter!("tally_budget_pruned_rows_total").increment(d.pruned_rows);
     }
-    if let Err(unheard) = q.reply.send(reply) {
-        let request_id = q.request_id.as_deref();
-        if committed {
-            metrics::counter!("tally_write_committed_caller_gone_total", "command" => kind)
-                .increment(1);
-            tracing::warn!(
-                command = kind,
-                target = %q.command,
-                request_id,
-                result = ?unheard.outcome.ok(),
-                "write committed but its caller had gone; it did land"
-            );
-        } else {
-            tracing::info!(
-                command = kind,
-                target = %q.command,
-                request_id,
-                error = ?unheard.outcome.err(),
-                "write failed and its caller had gone; it did not land"
-            );
-        }
+    let Sent::Unheard { committed, what } = q.command.send(commit) else {
+        return;
+    };
+    let request_id = q.request_id.as_deref();
+    if committed {
+        metrics::counter!("tally_write_committed_caller_gone_total", "command" => kind)
+            .increment(1);
+        tracing::warn!(
+            command = kind,
+            target = %q.command,
+            request_id,
+            result = %what,
+            "write committed but its caller had gone; it did land"
+        );
+    } else {
+        tracing::info!(
+            command = kind,
+            target = %q.command,
+            request_id,
+            error = %what,
+            "write failed and its caller had gone; it did not land"
+        );
     }
 }
