@@ -29,7 +29,7 @@ mod budgets;
 mod command;
 pub mod contention;
 mod counters;
-mod files;
+
 mod keys;
 mod open;
 mod postgres;
@@ -40,7 +40,11 @@ mod store;
 mod txn;
 mod writer;
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -48,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use command::Command;
 pub(crate) use command::WRITE_RESULTS;
 use command::{Answer, Cleared, Queued, Reply};
-pub use open::{Database, OpenError};
+pub use open::Database;
 use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
 
@@ -77,6 +81,30 @@ pub struct DbOptions {
     /// Test hook: the writer panics on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub writer_panic_after: Option<u64>,
+}
+
+/// Why the database could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot create directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open database {path}: {source}")]
+    Open { path: PathBuf, source: sqlx::Error },
+    /// WAL is what lets readers run beside the writer; some file systems
+    /// cannot give it, and then serving would be wrong, not just slow.
+    #[error("database {path} runs in journal mode {mode}, not WAL")]
+    NotWal { path: PathBuf, mode: String },
+    #[error("cannot migrate database {path}: {source}")]
+    Migrate {
+        path: PathBuf,
+        source: sqlx::migrate::MigrateError,
+    },
+    /// The URL is shown with its password replaced.
+    #[error("cannot use PostgreSQL at {url}: {reason}")]
+    Postgres { url: String, reason: String },
 }
 
 /// Why a storage call gave no result.

@@ -65,7 +65,7 @@ async fn reference_check(
     item: &CheckItem<'_>,
     now: Timestamp,
 ) -> Result<Decision, String> {
-    let rows = crate::db::sqlite::load_budgets(&mut *conn, &[item.budget.as_str()])
+    let rows = crate::db::sqlite::store::load_budgets(&mut *conn, &[item.budget.as_str()])
         .await
         .map_err(|e| e.to_string())?;
     let budget = budgets::one(rows, item.budget).map_err(|e| e.to_string())?;
@@ -376,7 +376,7 @@ async fn readers_cannot_write() {
         .await
         .unwrap();
     // The pool as `Database::open` opens it for the handle.
-    let pool = &super::open::open_readers(&dir.path().join("t.db"), 1)
+    let pool = &super::sqlite::open_readers(&dir.path().join("t.db"), 1)
         .await
         .unwrap();
     for sql in [

@@ -1,60 +1,18 @@
-//! The SQLite engine's statements: the writer's ([`Store`] for its one
-//! connection) and the readers'. Lists go in as one JSON parameter read by
-//! `json_each`, so a batch of any size is one statement, one round trip to
-//! the connection's thread.
-//!
-//! There is one writable connection in the process and its transactions
-//! are `BEGIN IMMEDIATE`: nothing else can write between two statements, so
-//! [`Store::lock_days`] has nothing to do.
+//! The SQLite engine's statements: the writer's ([`Store`]) and the
+//! readers'.
 
 use std::time::Duration;
 
 use jiff::Timestamp;
-use sqlx::{Connection, Executor, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
-use super::{
-    Error,
-    files::DbFiles,
-    keys,
-    reads::{BoxFuture, Reads},
+use super::error;
+use crate::db::{
+    Error, keys,
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    to_json, txn,
-    writer::{Engine, Lost},
+    to_json,
 };
 use crate::meter::BudgetSpec;
-
-/// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
-/// reports every failed `write()` with `ENOSPC` this way.
-const SQLITE_FULL: i32 = 13;
-
-/// What a SQLite error means: a full disk is told apart (nothing was
-/// written, and the same write succeeds once space is freed); the rest is
-/// [`Error::from_sqlx`]'s.
-pub(super) fn error(e: sqlx::Error) -> Error {
-    match is_storage_full(&e) {
-        true => Error::StorageFull(std::sync::Arc::new(e)),
-        false => Error::from_sqlx(e),
-    }
-}
-
-/// Whether `e` says the disk is full. SQLite hands out extended result
-/// codes, whose low byte is the primary code. An fsync or truncate that
-/// fails with `ENOSPC` is an `SQLITE_IOERR_*` carrying no errno through
-/// sqlx, so it stays an [`Error::Database`]: it cannot be told from a
-/// failing disk.
-fn is_storage_full(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| c & 0xff == SQLITE_FULL),
-        sqlx::Error::Io(io) => matches!(
-            io.kind(),
-            std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-        ),
-        _ => false,
-    }
-}
 
 /// Adds every `(name, total)` of the JSON object `?1` (creating counters at
 /// 0) and returns each counter's new value. An overflowing sum makes SQLite
@@ -87,62 +45,6 @@ fn totals_json(totals: &[(&str, i64)]) -> String {
         }
     }
     to_json(&AsObject(totals))
-}
-
-/// The SQLite writer: the process's one writable connection, and the
-/// files it must still find at the database's path.
-pub(super) struct SqliteWriter {
-    pub conn: SqliteConnection,
-    /// The database's files as opened, to notice them being deleted.
-    pub files: DbFiles,
-    /// Checkpoint and truncate the WAL when the queue is drained. Off when
-    /// another process (Litestream) owns checkpointing.
-    pub checkpoint_on_close: bool,
-}
-
-impl Engine for SqliteWriter {
-    async fn apply(&mut self, batch: &mut [super::command::Queued]) -> txn::Applied {
-        txn::apply_batch(&mut self.conn, batch).await
-    }
-
-    fn check(&mut self) -> Result<(), Lost> {
-        self.files.check()
-    }
-
-    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
-        keys::forget_expired(&mut self.conn).await
-    }
-
-    /// Checkpoints (unless Litestream owns that) and closes the database.
-    /// Every accepted command has been answered by now and every commit is
-    /// in the WAL, which the next open replays: a failure here (a full disk
-    /// cannot take the checkpointed pages) loses nothing, so it is logged,
-    /// and the writer's end is still a clean one. Under Litestream a
-    /// non-zero exit would skip its final sync, exactly when it matters.
-    async fn close(mut self) {
-        if self.checkpoint_on_close {
-            match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(TRUNCATE)")
-                .fetch_one(&mut self.conn)
-                .await
-            {
-                Ok((0, _, _)) => {}
-                Ok(_) => {
-                    tracing::warn!("final WAL checkpoint was blocked by a reader; the WAL stays")
-                }
-                Err(e) => tracing::error!(
-                    error = %e,
-                    "final WAL checkpoint failed; the WAL stays and is replayed at the next start, \
-                     nothing is lost"
-                ),
-            }
-        }
-        if let Err(e) = self.conn.close().await {
-            tracing::error!(
-                error = %e,
-                "closing the database failed after every write was committed and answered"
-            );
-        }
-    }
 }
 
 impl Store for SqliteConnection {
@@ -398,42 +300,4 @@ pub async fn usage_counts(
     .fetch_one(pool)
     .await
     .map_err(error)
-}
-
-/// The read-only pool: connections opened read-only *and* with
-/// `query_only`.
-pub(super) struct SqliteReaders(pub SqlitePool);
-
-impl Reads for SqliteReaders {
-    fn counters<'a>(
-        &'a self,
-        names: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
-        Box::pin(read_counters(&self.0, names))
-    }
-
-    /// This process's clock: it is the database's only writer.
-    fn budgets_and_now<'a>(
-        &'a self,
-        names: &'a [&'a str],
-    ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>> {
-        Box::pin(async move { Ok((load_budgets(&self.0, names).await?, Timestamp::now())) })
-    }
-
-    fn usage_counts<'a>(
-        &'a self,
-        budget: &'a str,
-        day: &'a str,
-        visitor: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
-        Box::pin(usage_counts(&self.0, budget, day, visitor))
-    }
-
-    fn size_and_idle(&self) -> (u32, usize) {
-        (self.0.size(), self.0.num_idle())
-    }
-
-    fn close(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.0.close())
-    }
 }

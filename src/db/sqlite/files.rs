@@ -14,7 +14,7 @@ use std::{
     sync::Arc,
 };
 
-use super::writer::Lost;
+use crate::db::writer::Lost;
 
 /// The three files SQLite uses in WAL mode, as the writer opened them.
 pub(super) struct DbFiles {

@@ -1,0 +1,262 @@
+//! The PostgreSQL engine: any number of tally processes on one database.
+//!
+//! Each process keeps its own queue and writer: a batch is one transaction
+//! on the writer's one connection, answered only after COMMIT. What the
+//! single SQLite writer gets for free, many processes get from row locks
+//! taken in one order: counters are upserted in name order, a budget's
+//! day is locked (its global row, created if need be) before any of its
+//! usage is read, and an idempotency key is claimed by inserting it, so a
+//! concurrent duplicate waits on the unique index and then replays the
+//! first answer. A deadlock or serialization failure reruns the whole
+//! batch, a few times, so a client never sees one.
+//!
+//! The writer's connection is opened when a batch needs it and dropped when
+//! it breaks: while the server is unreachable every batch is answered 503
+//! at once, and the first batch after it answers again reconnects. A COMMIT
+//! whose connection broke has an unknown outcome and is answered so.
+//!
+//! One clock decides for every process: the database server's. The day a
+//! check counts on, a day's window and an idempotency key's age are read
+//! from `now()` inside the transaction, never from the clock of the
+//! process that happens to run it.
+//!
+//! A row held by a transaction outside tally (an operator's session left
+//! open) is waited for at most the lock timeout: then only the commands on
+//! that row are answered busy, and the rest of their batch commits.
+//!
+//! A connection that reaches a server which cannot take writes (a standby,
+//! or a primary demoted by a switchover that a Service or DNS name still
+//! points to) is of no use: it is dropped, and the next batch or read
+//! connects anew. Readers go to the primary too, so that a read after a
+//! `200` sees that write.
+//!
+//! The SQL stays within what PostgreSQL 15 and CockroachDB both accept:
+//! `ON CONFLICT`, `RETURNING`, `unnest` of arrays, `= ANY`. Names are
+//! compared and ordered byte by byte (`COLLATE "C"`, as Rust orders
+//! strings), whatever the database's default collation.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use deadpool::managed::{self, Object, PoolError, RecycleError};
+use jiff::Timestamp;
+use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
+
+use super::{
+    Error,
+    command::Queued,
+    keys,
+    reads::{BoxFuture, Reads},
+    store::{BudgetRow, Store, StoredKey, UsageRow},
+    txn::{Applied, apply_batch},
+    writer::{Engine, Lost},
+};
+use crate::{
+    config::PostgresUrl,
+    db::{DbOptions, OpenError, reads::Readers as ReadPool},
+    meter::BudgetSpec,
+};
+
+/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
+fn pg_code(e: &sqlx::Error) -> Option<&str> {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .map(|pg| pg.code())
+}
+
+/// What a PostgreSQL error means:
+/// - 53100 disk_full: [`Error::StorageFull`];
+/// - 55P03 lock_not_available, a lock not had within `lock_timeout`:
+///   [`Error::Busy`], this command's alone;
+/// - 40001 serialization failure, 40P01 deadlock: [`Error::Raced`], the
+///   whole batch runs again;
+/// - the server out of reach or unable to take writes now:
+///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
+///   57P01-57P03, shutting down or starting; 53300, out of connection
+///   slots; 57014, a statement cancelled by `statement_timeout`; 25006, a
+///   read-only transaction: a standby, or a primary demoted by a
+///   switchover, that a connection still reaches. The server did not do
+///   it, and a retry later (on a new connection where
+///   [`needs_new_connection`]) can succeed;
+/// - the rest as [`Error::from_sqlx`] says.
+pub(super) fn error(e: sqlx::Error) -> Error {
+    let code = pg_code(&e);
+    let unreachable = code.is_some_and(|c| {
+        c.starts_with("08")
+            || matches!(c, "57P01" | "57P02" | "57P03" | "53300" | "57014" | "25006")
+    });
+    match code {
+        Some("53100") => Error::StorageFull(Arc::new(e)),
+        Some("55P03") => Error::Busy(Arc::new(e)),
+        Some("40001" | "40P01") => Error::Raced(Arc::new(e)),
+        _ if unreachable => Error::Unavailable(Arc::new(e)),
+        _ => Error::from_sqlx(e),
+    }
+}
+
+/// Whether the connection that gave this error is of no more use: it
+/// broke, the server ended it, or the server it reaches cannot take writes
+/// (a standby, a demoted primary). A new connection, resolving the host
+/// name again, may reach the server that can.
+fn needs_new_connection(e: &Error) -> bool {
+    let Error::Unavailable(e) = e else {
+        return false;
+    };
+    match &**e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        e => pg_code(e).is_some_and(|code| {
+            code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
+        }),
+    }
+}
+
+/// Longest wait for a connection to the server, the writer's or a reader's.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest a statement may run before the server cancels it.
+pub const STATEMENT_TIMEOUT: &str = "10s";
+
+/// Longest a transaction may sit idle before the server ends it. The writer
+/// never waits between the statements of a batch.
+pub const IDLE_IN_TRANSACTION_TIMEOUT: &str = "30s";
+
+/// Longest a batch may take, all its statements and its COMMIT together:
+/// this, plus [`BATCH_TIMEOUT_PER_COMMAND`] for each of its commands. A
+/// server that stops answering without closing the connection (a network
+/// partition, a frozen host) would otherwise hold the writer, and every
+/// write queued behind it, until TCP gives up, minutes later.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What each command adds to [`BATCH_TIMEOUT`]: a batch run command by
+/// command (keyed writes) costs several round trips per command, and a
+/// large one on a distant server must not be cut off while it progresses.
+const BATCH_TIMEOUT_PER_COMMAND: Duration = Duration::from_millis(40);
+
+/// Longest a read may take; see [`BATCH_TIMEOUT`].
+pub const READ_TIMEOUT: Duration = Duration::from_secs(12);
+
+/// How many times a batch that lost a race (deadlock, serialization
+/// failure) is run again before its callers hear 503.
+const RACE_RETRIES: u32 = 8;
+
+/// Longest an idle read connection is kept.
+const READER_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The connection options every connection of the process uses: the URL's,
+/// plus the statement, lock and idle-transaction timeouts and the
+/// application's name (seen in `pg_stat_activity`).
+pub fn connect_options(url: &str, lock_timeout: Duration) -> Result<PgConnectOptions, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    let lock_timeout = format!("{}ms", lock_timeout.as_millis().max(1));
+    Ok(options.application_name("tally").options([
+        ("statement_timeout", STATEMENT_TIMEOUT),
+        // A row held by a session outside tally (an operator's open
+        // transaction) is waited for this long, no more: then the command
+        // that needs it is answered busy, and the rest of its batch goes
+        // on without it.
+        ("lock_timeout", lock_timeout.as_str()),
+        // A transaction whose client vanished (a partition that lost the
+        // close) would otherwise keep its row locks for hours, and every
+        // process's writes to those rows would time out behind it.
+        (
+            "idle_in_transaction_session_timeout",
+            IDLE_IN_TRANSACTION_TIMEOUT,
+        ),
+    ]))
+}
+
+/// One connection to a server that takes writes, or
+/// [`Error::Unavailable`] within [`CONNECT_TIMEOUT`], at the server's first
+/// refusal: the host name is resolved anew every time.
+pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> {
+    let connected = async {
+        let mut conn = PgConnection::connect_with(options).await?;
+        // What libpq's `target_session_attrs=read-write` asks: a standby,
+        // or a database whose sessions start read-only, cannot take a
+        // write, and a read there may not see the last one.
+        let read_only: bool = sqlx::query_scalar(
+            "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool",
+        )
+        .fetch_one(&mut conn)
+        .await?;
+        Ok::<_, sqlx::Error>((conn, read_only))
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, connected).await {
+        Ok(Ok((conn, false))) => Ok(conn),
+        Ok(Ok((conn, true))) => {
+            let _ = conn.close().await;
+            Err(Error::Unavailable(Arc::new(sqlx::Error::Io(
+                std::io::Error::other(
+                    "the server takes no writes (a standby, or read-only): \
+                     tally needs the primary",
+                ),
+            ))))
+        }
+        Ok(Err(e)) => Err(match error(e) {
+            // Refused credentials or an unknown database are not a
+            // passing outage, but they are the server's answer all the
+            // same: nothing was written, and retrying is safe.
+            Error::Database(e) => Error::Unavailable(e),
+            e => e,
+        }),
+        Err(_) => Err(timed_out(CONNECT_TIMEOUT)),
+    }
+}
+
+fn timed_out(after: Duration) -> Error {
+    Error::Unavailable(std::sync::Arc::new(sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("PostgreSQL did not answer within {after:?}"),
+    ))))
+}
+
+/// `now()` (the transaction's start) as a timestamp: microseconds since
+/// the epoch, which every PostgreSQL keeps.
+macro_rules! now_micros {
+    () => {
+        "(extract(epoch FROM now()) * 1000000)::int8"
+    };
+}
+
+fn timestamp(micros: i64) -> Result<Timestamp, Error> {
+    Timestamp::from_microsecond(micros)
+        .map_err(|e| Error::Internal(format!("the server's clock reads {micros} us: {e}").into()))
+}
+
+mod readers;
+mod store;
+mod writer;
+
+pub use readers::Readers;
+pub use writer::WriterConn;
+
+/// Runs PostgreSQL's migrations on a connection of their own. sqlx holds
+/// an advisory lock while it migrates, so replicas starting together
+/// migrate one after the other, and the later ones find nothing to do.
+pub async fn open(
+    url: &PostgresUrl,
+    opts: &DbOptions,
+) -> Result<(ReadPool, WriterConn), OpenError> {
+    let fail = |reason: String| OpenError::Postgres {
+        url: url.to_string(),
+        reason,
+    };
+    let options = connect_options(url.expose(), opts.lock_timeout)
+        .map_err(|e| fail(format!("not a usable URL: {e}")))?;
+    let mut conn = connect(&options)
+        .await
+        .map_err(|e| fail(format!("cannot connect: {e}")))?;
+    sqlx::migrate!("./migrations/postgres")
+        .run(&mut conn)
+        .await
+        .map_err(|e| fail(format!("cannot migrate: {e}")))?;
+    let _ = sqlx::Connection::close(conn).await;
+    tracing::info!(url = %url, readers = opts.readers, "PostgreSQL open");
+    let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
+    Ok((readers, WriterConn::new(options)))
+}

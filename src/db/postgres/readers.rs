@@ -1,0 +1,244 @@
+//! The PostgreSQL engine's reads: a pool of connections to the primary,
+//! each read bounded in time and run once more on a new connection when
+//! it finds its pooled one dead.
+
+use super::*;
+
+/// The read connections: at most `readers`, opened on demand.
+///
+/// Not sqlx's pool: it keeps trying to connect until its acquire timeout
+/// while the server refuses (down, or out of connection slots), so a read
+/// took seconds to be answered 503; and it hands out one idle connection
+/// after another that a server restart had killed. Here a refused
+/// connection is answered at once, and a read that finds its pooled
+/// connection dead drops every idle one and runs once more on a new one.
+pub struct Readers {
+    pool: managed::Pool<ReaderConnections>,
+    /// Whether reads fail for an unreachable server now: its start and end
+    /// are logged once, not once per failed read.
+    failing: AtomicBool,
+}
+
+struct ReaderConnections {
+    options: PgConnectOptions,
+}
+
+impl managed::Manager for ReaderConnections {
+    type Type = PgConnection;
+    type Error = Error;
+
+    async fn create(&self) -> Result<PgConnection, Error> {
+        connect(&self.options).await
+    }
+
+    async fn recycle(
+        &self,
+        _: &mut PgConnection,
+        metrics: &managed::Metrics,
+    ) -> managed::RecycleResult<Error> {
+        // No ping: it would double every read's round trips. A dead
+        // connection is found by the read itself (see `Readers::read`).
+        match metrics.last_used() > READER_IDLE_TIMEOUT {
+            true => Err(RecycleError::message("idle too long")),
+            false => Ok(()),
+        }
+    }
+}
+
+impl Readers {
+    pub fn new(options: PgConnectOptions, readers: u32) -> Self {
+        let pool = managed::Pool::builder(ReaderConnections { options })
+            .max_size(usize::try_from(readers.max(1)).unwrap_or(1))
+            .wait_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(deadpool::Runtime::Tokio1)
+            .build();
+        let pool = match pool {
+            Ok(pool) => pool,
+            // Only a missing runtime fails a build, and one is given.
+            Err(e) => unreachable!("the read pool cannot be built: {e}"),
+        };
+        Readers {
+            pool,
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// Runs `read` on a connection, within [`READ_TIMEOUT`]. A connection
+    /// found dead (it died while idle: a server restart, a proxy's idle
+    /// timeout) is dropped with every idle one, which died with it most
+    /// likely, and the read runs once more on a new connection: a read
+    /// changes nothing.
+    ///
+    /// `read` is called once per try with the connection; what it reads
+    /// with is owned by its future (async closures borrowing both would not
+    /// be `Send` for every lifetime, which a spawned task needs).
+    pub async fn read<T>(
+        &self,
+        read: impl Fn(&mut PgConnection) -> BoxFuture<'_, Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let mut again = true;
+        let result = loop {
+            let mut conn = match self.pool.get().await {
+                Ok(conn) => conn,
+                Err(PoolError::Backend(e)) => break Err(e),
+                Err(PoolError::Closed) => break Err(Error::Closed),
+                Err(PoolError::Timeout(_)) => break Err(timed_out(CONNECT_TIMEOUT)),
+                Err(e) => break Err(Error::Internal(format!("read pool: {e}").into())),
+            };
+            let pooled = Object::metrics(&conn).recycle_count > 0;
+            let Ok(r) = tokio::time::timeout(READ_TIMEOUT, read(&mut conn)).await else {
+                // Left in the middle of a statement: of no more use.
+                drop(Object::take(conn));
+                break Err(timed_out(READ_TIMEOUT));
+            };
+            match r {
+                Err(e) if needs_new_connection(&e) => {
+                    drop(Object::take(conn));
+                    if pooled && again {
+                        again = false;
+                        self.pool.retain(|_, _| false);
+                        continue;
+                    }
+                    break Err(e);
+                }
+                r => break r,
+            }
+        };
+        self.note_outage(&result);
+        result
+    }
+
+    /// Logs when reads start failing for an unreachable server, and when
+    /// they stop: once each, however many reads fail in between (each is
+    /// counted by route and status in the HTTP metrics).
+    fn note_outage<T>(&self, result: &Result<T, Error>) {
+        let failing = matches!(result, Err(Error::Unavailable(_)));
+        if self.failing.swap(failing, Ordering::Relaxed) == failing {
+            return;
+        }
+        match result {
+            Err(e) if failing => {
+                tracing::error!(error = %e, "reads: the database cannot be reached")
+            }
+            _ => tracing::warn!("reads: the database answers again"),
+        }
+    }
+}
+
+impl Reads for Readers {
+    fn counters<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
+        let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+        Box::pin(self.read(move |conn| {
+            let names = names.clone();
+            Box::pin(async move { read_counters(conn, &names).await })
+        }))
+    }
+
+    fn budgets_and_now<'a>(
+        &'a self,
+        names: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>> {
+        let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+        Box::pin(self.read(move |conn| {
+            let names = names.clone();
+            Box::pin(async move { load_budgets(conn, &names).await })
+        }))
+    }
+
+    fn usage_counts<'a>(
+        &'a self,
+        budget: &'a str,
+        day: &'a str,
+        visitor: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
+        Box::pin(self.read(move |conn| {
+            let (b, d, v) = (
+                budget.to_owned(),
+                day.to_owned(),
+                visitor.map(str::to_owned),
+            );
+            Box::pin(usage_counts(conn, b, d, v))
+        }))
+    }
+
+    fn size_and_idle(&self) -> (u32, usize) {
+        let status = self.pool.status();
+        (
+            u32::try_from(status.size).unwrap_or(u32::MAX),
+            status.available,
+        )
+    }
+
+    /// Closes every idle connection now, and each busy one when its read
+    /// returns it.
+    fn close(&self) -> BoxFuture<'_, ()> {
+        self.pool.close();
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// The named budgets that exist, in one statement, and the server's clock.
+pub async fn load_budgets(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<(Vec<BudgetRow>, Timestamp), Error> {
+    #[derive(sqlx::FromRow)]
+    struct WithNow {
+        #[sqlx(flatten)]
+        budget: BudgetRow,
+        now_micros: i64,
+    }
+    let rows: Vec<WithNow> = sqlx::query_as(concat!(
+        "SELECT name, visitor_limit, global_limit, retention_days, timezone, ",
+        now_micros!(),
+        " AS now_micros FROM budgets WHERE name = ANY($1)"
+    ))
+    .bind(names)
+    .fetch_all(conn)
+    .await
+    .map_err(error)?;
+    // No budget, no day to tell: this process's clock does as well.
+    let now = match rows.first() {
+        Some(row) => timestamp(row.now_micros)?,
+        None => Timestamp::now(),
+    };
+    Ok((rows.into_iter().map(|r| r.budget).collect(), now))
+}
+
+/// The current values of many counters in one statement; names never
+/// written are absent.
+pub async fn read_counters(
+    conn: &mut PgConnection,
+    names: &[String],
+) -> Result<Vec<(String, i64)>, Error> {
+    sqlx::query_as("SELECT name, value FROM counters WHERE name = ANY($1)")
+        .bind(names)
+        .fetch_all(conn)
+        .await
+        .map_err(error)
+}
+
+/// A day's global calls of a budget and, if asked, one visitor's, in one
+/// statement (one snapshot); absent rows read as 0.
+pub async fn usage_counts(
+    conn: &mut PgConnection,
+    budget: String,
+    day: String,
+    visitor: Option<String>,
+) -> Result<(i64, Option<i64>), Error> {
+    sqlx::query_as(
+        "SELECT
+           coalesce((SELECT calls FROM budget_global_usage WHERE budget = $1 AND day = $2), 0),
+           CASE WHEN $3::text IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
+             WHERE budget = $1 AND day = $2 AND visitor = $3::text), 0) END",
+    )
+    .bind(budget)
+    .bind(day)
+    .bind(visitor)
+    .fetch_one(conn)
+    .await
+    .map_err(error)
+}

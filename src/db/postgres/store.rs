@@ -1,0 +1,311 @@
+//! The PostgreSQL engine's statements inside the writer's transaction
+//! ([`Store`]): arrays through `unnest`, rows locked in byte order.
+
+use super::*;
+
+/// SQLSTATE 22003, numeric_value_out_of_range: a counter left `bigint`.
+fn is_overflow(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "22003")
+}
+
+/// Columns of a list of tuples, as arrays for `unnest`.
+fn column<T, U>(rows: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
+    rows.iter().map(f).collect()
+}
+
+impl Store for PgConnection {
+    const BEGIN: &'static str = "BEGIN";
+
+    /// A row lock is waited for 250 ms at most: past that the batch runs
+    /// again command by command, where only the commands on the busy row
+    /// wait for it (up to the configured lock timeout). Batches of other
+    /// tally processes hold their rows for milliseconds.
+    const BEGIN_SET_BASED: &'static str = "BEGIN; SET LOCAL lock_timeout = '250ms'";
+
+    /// The server's clock, at the transaction's start: the same for every
+    /// process, however far their own clocks drift.
+    async fn now(&mut self) -> Result<Timestamp, Error> {
+        let micros: i64 = sqlx::query_scalar(concat!("SELECT ", now_micros!()))
+            .fetch_one(self)
+            .await
+            .map_err(error)?;
+        timestamp(micros)
+    }
+
+    async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
+        sqlx::raw_sql(sql).execute(self).await.map_err(error)?;
+        Ok(())
+    }
+
+    async fn upsert_counters(
+        &mut self,
+        totals: &[(&str, i64)],
+    ) -> Result<Option<Vec<(String, i64)>>, Error> {
+        let rows = sqlx::query_as(
+            "INSERT INTO counters AS c (name, value)
+             SELECT name, value FROM unnest($1::text[], $2::int8[]) AS t (name, value)
+             ORDER BY name COLLATE \"C\"
+             ON CONFLICT (name) DO UPDATE SET value = c.value + excluded.value
+             RETURNING name, value",
+        )
+        .bind(column(totals, |t| t.0))
+        .bind(column(totals, |t| t.1))
+        .fetch_all(self)
+        .await;
+        match rows {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if is_overflow(&e) => Ok(None),
+            Err(e) => Err(error(e)),
+        }
+    }
+
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
+             VALUES ($1, $2, $3, $4, $5,
+                     to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'))
+             ON CONFLICT (name) DO UPDATE SET
+                 visitor_limit = excluded.visitor_limit,
+                 global_limit = excluded.global_limit,
+                 retention_days = excluded.retention_days,
+                 timezone = excluded.timezone,
+                 updated_at = excluded.updated_at",
+        )
+        .bind(name)
+        .bind(i64::from(spec.visitor_limit))
+        .bind(i64::from(spec.global_limit))
+        .bind(i64::from(spec.retention_days))
+        .bind(&spec.timezone_name)
+        .execute(self)
+        .await.map_err(error)?;
+        Ok(())
+    }
+
+    /// With a share lock on each budget until COMMIT: a check decides with
+    /// the limits that hold when it commits. A `PUT` committed on another
+    /// process while this one waited for a day's lock is seen (the lock
+    /// waits for it, then reads its row), and a later `PUT` waits for this
+    /// transaction.
+    async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
+        sqlx::query_as(
+            "SELECT name, visitor_limit, global_limit, retention_days, timezone
+             FROM budgets WHERE name = ANY($1) ORDER BY name COLLATE \"C\" FOR SHARE",
+        )
+        .bind(names)
+        .fetch_all(self)
+        .await
+        .map_err(error)
+    }
+
+    /// Creates each day's global row if missing and locks it: the no-op
+    /// update takes the row lock, in the order given (sorted by the
+    /// caller), and a concurrent creator of the same row is waited for.
+    async fn lock_days(&mut self, days: &[(&str, &str)]) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budget_global_usage AS g (budget, day, calls)
+             SELECT budget, day, 0 FROM unnest($1::text[], $2::text[]) AS t (budget, day)
+             ORDER BY budget COLLATE \"C\", day COLLATE \"C\"
+             ON CONFLICT (budget, day) DO UPDATE SET calls = g.calls",
+        )
+        .bind(column(days, |d| d.0))
+        .bind(column(days, |d| d.1))
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
+    /// Planned anew for its arrays every time (an unnamed statement,
+    /// never cached): a plan cached while the tables were small joins the
+    /// keys against a sequential scan, and keeps doing so as they grow.
+    async fn read_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str)],
+        globals: &[(&str, &str)],
+    ) -> Result<Vec<UsageRow>, Error> {
+        sqlx::query_as(
+            "SELECT u.budget, u.day, u.visitor, u.calls
+             FROM budget_visitor_usage AS u
+             JOIN unnest($1::text[], $2::text[], $3::text[]) AS k (budget, day, visitor)
+               ON u.budget = k.budget AND u.day = k.day AND u.visitor = k.visitor
+             UNION ALL
+             SELECT g.budget, g.day, NULL::text, g.calls
+             FROM budget_global_usage AS g
+             JOIN unnest($4::text[], $5::text[]) AS k (budget, day)
+               ON g.budget = k.budget AND g.day = k.day",
+        )
+        .bind(column(visitors, |v| v.0))
+        .bind(column(visitors, |v| v.1))
+        .bind(column(visitors, |v| v.2))
+        .bind(column(globals, |g| g.0))
+        .bind(column(globals, |g| g.1))
+        .persistent(false)
+        .fetch_all(self)
+        .await
+        .map_err(error)
+    }
+
+    async fn write_usage(
+        &mut self,
+        visitors: &[(&str, &str, &str, i64)],
+        globals: &[(&str, &str, i64)],
+    ) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[])
+             ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls",
+        )
+        .bind(column(visitors, |v| v.0))
+        .bind(column(visitors, |v| v.1))
+        .bind(column(visitors, |v| v.2))
+        .bind(column(visitors, |v| v.3))
+        .execute(&mut *self)
+        .await
+        .map_err(error)?;
+        if globals.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO budget_global_usage (budget, day, calls)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls",
+        )
+        .bind(column(globals, |g| g.0))
+        .bind(column(globals, |g| g.1))
+        .bind(column(globals, |g| g.2))
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
+    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error> {
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day < $2",
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day < $2",
+        ] {
+            let r = sqlx::query(sql)
+                .bind(budget)
+                .bind(before)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?;
+            deleted += r.rows_affected();
+        }
+        Ok(deleted)
+    }
+
+    async fn delete_usage(
+        &mut self,
+        budget: &str,
+        day: &str,
+        visitor: Option<&str>,
+    ) -> Result<u64, Error> {
+        if let Some(v) = visitor {
+            let r = sqlx::query(
+                "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2 AND visitor = $3",
+            )
+            .bind(budget)
+            .bind(day)
+            .bind(v)
+            .execute(self)
+            .await
+            .map_err(error)?;
+            return Ok(r.rows_affected());
+        }
+        let visitors =
+            sqlx::query("DELETE FROM budget_visitor_usage WHERE budget = $1 AND day = $2")
+                .bind(budget)
+                .bind(day)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?
+                .rows_affected();
+        // The day's lock may have created its global row at 0 calls: that
+        // one held no usage, and is not counted as deleted.
+        let globals: i64 = sqlx::query_scalar(
+            "WITH d AS (DELETE FROM budget_global_usage WHERE budget = $1 AND day = $2 RETURNING calls)
+             SELECT count(*) FROM d WHERE calls > 0",
+        )
+        .bind(budget)
+        .bind(day)
+        .fetch_one(self)
+        .await.map_err(error)?;
+        Ok(visitors + u64::try_from(globals).unwrap_or(0))
+    }
+
+    /// Inserts the key with an empty answer. If another transaction holds
+    /// the same key uncommitted, the insert waits for it; if the key is
+    /// there (committed, or claimed earlier in this transaction), nothing is
+    /// inserted and its row is read instead.
+    async fn claim_key(
+        &mut self,
+        key: &str,
+        fingerprint: &str,
+    ) -> Result<Option<StoredKey>, Error> {
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+             VALUES ($1, $2, '', extract(epoch FROM now())::int8)
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .bind(key)
+        .bind(fingerprint)
+        .execute(&mut *self)
+        .await
+        .map_err(error)?
+        .rows_affected();
+        if claimed == 1 {
+            return Ok(None);
+        }
+        let stored: Option<StoredKey> =
+            sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = $1")
+                .bind(key)
+                .fetch_optional(self)
+                .await
+                .map_err(error)?;
+        // Gone between the two statements (forgotten as expired by another
+        // process, which only forgets keys a day old): the caller hears an
+        // error and may retry.
+        stored
+            .map(Some)
+            .ok_or_else(|| Error::Internal("an idempotency key vanished while claimed".into()))
+    }
+
+    async fn remember_key(
+        &mut self,
+        key: &str,
+        _fingerprint: &str,
+        result: &str,
+    ) -> Result<(), Error> {
+        sqlx::query("UPDATE idempotency_keys SET result = $2 WHERE key = $1")
+            .bind(key)
+            .bind(result)
+            .execute(self)
+            .await
+            .map_err(error)?;
+        Ok(())
+    }
+
+    /// By the server's clock: a process whose own clock runs a day ahead
+    /// must not forget a key another process has just stored.
+    async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
+        Ok(
+            // A bounded share at a time, so that a backlog of millions
+            // never runs into the statement timeout; the rest goes next
+            // time (once a minute).
+            sqlx::query(
+                "DELETE FROM idempotency_keys WHERE key IN
+                   (SELECT key FROM idempotency_keys
+                    WHERE created_at < extract(epoch FROM now())::int8 - $1 LIMIT 10000)",
+            )
+            .bind(i64::try_from(age.as_secs()).unwrap_or(i64::MAX))
+            .execute(self)
+            .await
+            .map_err(error)?
+            .rows_affected(),
+        )
+    }
+}

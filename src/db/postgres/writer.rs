@@ -1,0 +1,176 @@
+//! The PostgreSQL engine's writer: a connection opened when a batch needs
+//! it and dropped when it breaks or reaches a server that takes no writes;
+//! a batch that lost a race with another process runs again.
+
+use super::*;
+
+/// The writer's connection: opened when a batch needs one, dropped when it
+/// breaks.
+pub struct WriterConn {
+    options: PgConnectOptions,
+    conn: Option<PgConnection>,
+}
+
+impl Engine for WriterConn {
+    async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
+        WriterConn::apply(self, batch).await
+    }
+
+    /// A server's storage cannot be deleted underneath tally.
+    fn check(&mut self) -> Result<(), Lost> {
+        Ok(())
+    }
+
+    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        WriterConn::forget_expired_keys(self).await
+    }
+
+    async fn close(self) {
+        WriterConn::close(self).await
+    }
+}
+
+impl WriterConn {
+    pub fn new(options: PgConnectOptions) -> Self {
+        WriterConn {
+            // Told apart from the readers in `pg_stat_activity`.
+            options: options.application_name("tally-writer"),
+            conn: None,
+        }
+    }
+
+    async fn conn(&mut self) -> Result<&mut PgConnection, Error> {
+        if self.conn.is_none() {
+            self.conn = Some(connect(&self.options).await?);
+            tracing::info!("writer connected to PostgreSQL");
+        }
+        self.conn
+            .as_mut()
+            .ok_or_else(|| Error::Internal("no writer connection".into()))
+    }
+
+    /// Applies a batch, running it again when it lost a race with another
+    /// process.
+    pub async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
+        let mut attempt = 0;
+        // A connection kept from an earlier batch may have died while idle
+        // (a server restart, a proxy's or firewall's idle timeout): a batch
+        // that finds it gone, before COMMIT, committed nothing and runs
+        // once more on a new one.
+        let mut stale = self.conn.is_some();
+        loop {
+            let conn = match self.conn().await {
+                Ok(conn) => conn,
+                Err(e) => return Err(e),
+            };
+            let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
+            let limit =
+                BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
+            let Ok(applied) = tokio::time::timeout(limit, apply_batch(conn, batch)).await else {
+                // Cut off somewhere between BEGIN and COMMIT's answer: the
+                // batch may have committed.
+                tracing::error!(
+                    timeout = ?limit,
+                    batch = batch.len(),
+                    "PostgreSQL did not answer the batch in time; dropping the connection, \
+                     its writes' outcome is unknown"
+                );
+                self.conn = None;
+                return Err(Error::OutcomeUnknown);
+            };
+            match &applied {
+                Err(e) if e.is_retryable() && attempt < RACE_RETRIES => {
+                    attempt += 1;
+                    metrics::counter!("tally_write_retries_total").increment(1);
+                    tracing::debug!(error = %e, attempt, "batch lost a race; running it again");
+                    // Back off a little, at random (every pod's tally is PID
+                    // 1, so nothing about the process tells them apart), so
+                    // that two processes that deadlocked do not meet again
+                    // at once.
+                    tokio::time::sleep(backoff(attempt)).await;
+                    continue;
+                }
+                // Lost every time: the server is too busy to take it now.
+                Err(Error::Raced(source)) => return Err(Error::Unavailable(source.clone())),
+                Err(e) if needs_new_connection(e) && stale => {
+                    stale = false;
+                    let e = e.clone();
+                    self.drop_connection(&e);
+                    continue;
+                }
+                Err(e) if needs_new_connection(e) => {
+                    let e = e.clone();
+                    self.drop_connection(&e);
+                }
+                Err(Error::OutcomeUnknown) => self.drop_connection(&Error::OutcomeUnknown),
+                _ => {}
+            }
+            log_busy(batch, &applied);
+            return applied;
+        }
+    }
+
+    /// Forgets the connection: the next batch connects anew.
+    fn drop_connection(&mut self, why: &Error) {
+        if self.conn.take().is_some() {
+            tracing::warn!(
+                error = %why,
+                "writer dropped its PostgreSQL connection; the next batch connects anew"
+            );
+        }
+    }
+
+    pub async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+        let conn = self.conn().await?;
+        let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn))
+            .await
+            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        if let Err(e) = &r
+            && needs_new_connection(e)
+        {
+            self.drop_connection(e);
+        }
+        r
+    }
+
+    pub async fn close(self) {
+        if let Some(conn) = self.conn
+            && let Err(e) = conn.close().await
+        {
+            tracing::warn!(error = %e, "closing the writer's PostgreSQL connection failed");
+        }
+    }
+}
+
+/// Names the commands of a committed batch that found their row held by
+/// another transaction past the lock timeout: one line per batch, and a
+/// batch that meets a held row waits the lock timeout, so a row held for
+/// long is not one line per request.
+fn log_busy(batch: &[Queued], applied: &Applied) {
+    if applied.is_err() {
+        return;
+    }
+    let busy: Vec<String> = batch
+        .iter()
+        .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(_)))))
+        .map(|q| q.command.to_string())
+        .collect();
+    if let Some(first) = busy.first() {
+        tracing::warn!(
+            commands = busy.len(),
+            first = %first,
+            "rows held by another transaction past the lock timeout (a session outside \
+             tally?): those commands were answered row-busy, the rest of the batch committed"
+        );
+    }
+}
+
+/// A random wait of up to 2^attempt ms (at most 256 ms).
+fn backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let ceiling = 1u64 << attempt.min(8);
+    Duration::from_micros(random % (ceiling * 1000))
+}

@@ -1,0 +1,65 @@
+//! The SQLite engine: one file, written by this process alone.
+//!
+//! - `open`: the one writable connection (WAL, the chosen `synchronous`,
+//!   migrations) and the pool of read-only ones.
+//! - `store`: the writer's statements (`Store` for its one connection).
+//!   Lists go in as one JSON parameter read by `json_each`, so a batch of
+//!   any size is one statement, one round trip to the connection's
+//!   thread. There is one writable connection in the process and its
+//!   transactions are `BEGIN IMMEDIATE`: nothing else can write between
+//!   two statements, so `Store::lock_days` has nothing to do, and this
+//!   process's clock is the only one.
+//! - `writer`: the `Engine` the writer loop drives: the connection, the
+//!   files it must still find (`files`), the final checkpoint.
+//! - `readers`: the read-only pool behind `Reads`.
+//!
+//! Errors: a full disk is told apart here ([`error`]).
+
+use std::sync::Arc;
+
+use super::Error;
+
+mod files;
+mod open;
+mod readers;
+pub(super) mod store;
+mod writer;
+
+pub use open::open;
+#[cfg(test)]
+pub(super) use open::open_readers;
+pub(super) use readers::SqliteReaders;
+pub(super) use writer::SqliteWriter;
+
+/// SQLite's primary result code for a full disk (`SQLITE_FULL`). SQLite
+/// reports every failed `write()` with `ENOSPC` this way.
+const SQLITE_FULL: i32 = 13;
+
+/// What a SQLite error means: a full disk is told apart (nothing was
+/// written, and the same write succeeds once space is freed); the rest is
+/// [`Error::from_sqlx`]'s.
+pub(super) fn error(e: sqlx::Error) -> Error {
+    match is_storage_full(&e) {
+        true => Error::StorageFull(Arc::new(e)),
+        false => Error::from_sqlx(e),
+    }
+}
+
+/// Whether `e` says the disk is full. SQLite hands out extended result
+/// codes, whose low byte is the primary code. An fsync or truncate that
+/// fails with `ENOSPC` is an `SQLITE_IOERR_*` carrying no errno through
+/// sqlx, so it stays an [`Error::Database`]: it cannot be told from a
+/// failing disk.
+fn is_storage_full(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == SQLITE_FULL),
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+        ),
+        _ => false,
+    }
+}

@@ -1,0 +1,144 @@
+//! Opening a SQLite database: the one writable connection (WAL, the
+//! chosen `synchronous`, migrations) and the pool of read-only ones.
+
+use std::{path::Path, sync::Arc, time::Duration};
+
+use sqlx::{
+    ConnectOptions, SqliteConnection, SqlitePool,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
+};
+
+use super::{SqliteReaders, SqliteWriter, files};
+use crate::{
+    config::Synchronous,
+    db::{DbOptions, OpenError, reads::Readers},
+};
+
+/// The database at `path`, created if need be and migrated: its read pool
+/// and its writer's engine.
+pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter), OpenError> {
+    {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+        let open_err = |source| OpenError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        // Whether tally's data was there before this start: a wrong replica
+        // path makes a restore step skip quietly, and a first deploy looks
+        // the same. Say which it was.
+        let file_existed = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+        let mut conn = open_writer(path, opts).await?;
+        let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
+        if had_tables {
+            tracing::info!(path = %path.display(), "opened an existing database");
+        } else {
+            tracing::warn!(
+                path = %path.display(),
+                file_existed,
+                "created a new, empty database; if this is not the first start, a restore \
+                 from the replica did not happen"
+            );
+        }
+        metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
+        sqlx::migrate!("./migrations/sqlite")
+            .run(&mut conn)
+            .await
+            .map_err(|source| OpenError::Migrate {
+                path: path.to_owned(),
+                source,
+            })?;
+        let readers = open_readers(path, opts.readers.max(1))
+            .await
+            .map_err(open_err)?;
+        let engine = SqliteWriter {
+            conn,
+            // After the migrations: by now SQLite has created -wal and -shm.
+            files: files::DbFiles::record(path),
+            checkpoint_on_close: opts.checkpoints,
+        };
+        Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
+    }
+}
+
+/// The one writable connection, in WAL mode (or an error).
+async fn open_writer(path: &Path, opts: &DbOptions) -> Result<SqliteConnection, OpenError> {
+    let open_err = |source| OpenError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let synchronous = match opts.synchronous {
+        Synchronous::Full => SqliteSynchronous::Full,
+        Synchronous::Normal => SqliteSynchronous::Normal,
+    };
+    let mut conn = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(synchronous)
+        .busy_timeout(Duration::from_secs(5))
+        // Litestream's guidance: the app must not checkpoint behind its
+        // back, or WAL frames can be lost to the replica.
+        .pragma(
+            "wal_autocheckpoint",
+            if opts.checkpoints { "1000" } else { "0" },
+        )
+        .connect()
+        .await
+        .map_err(open_err)?;
+    let (journal_mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+        .fetch_one(&mut conn)
+        .await
+        .map_err(open_err)?;
+    let (sync_level,): (i64,) = sqlx::query_as("PRAGMA synchronous")
+        .fetch_one(&mut conn)
+        .await
+        .map_err(open_err)?;
+    if !journal_mode.eq_ignore_ascii_case("wal") {
+        return Err(OpenError::NotWal {
+            path: path.to_owned(),
+            mode: journal_mode,
+        });
+    }
+    tracing::info!(
+        path = %path.display(),
+        journal_mode,
+        synchronous = sync_level,
+        checkpoints = opts.checkpoints,
+        "database open"
+    );
+    Ok(conn)
+}
+
+/// Whether the file already holds tally's tables.
+async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'counters'",
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok(n > 0)
+}
+
+/// The read-only pool: opened read-only *and* with `query_only`.
+pub(crate) async fn open_readers(path: &Path, readers: u32) -> Result<SqlitePool, sqlx::Error> {
+    SqlitePoolOptions::new()
+        .max_connections(readers)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(5))
+        // A local file does not drop connections; a ping before every read
+        // would be one more round trip to the connection's thread.
+        .test_before_acquire(false)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(path)
+                .read_only(true)
+                .pragma("query_only", "ON")
+                .busy_timeout(Duration::from_secs(5)),
+        )
+        .await
+}
