@@ -7,23 +7,28 @@
 //!   whole storage API (increment, counter, put budget, budget, check,
 //!   usage, reset). Reads go to a pool of their own (on SQLite, connections
 //!   opened read-only *and* with `PRAGMA query_only`; on PostgreSQL,
-//!   connections to the primary); writes are queued as plain [`Command`]s
-//!   on a bounded queue.
+//!   connections to the primary); writes are queued as [`Command`]s on a
+//!   bounded queue, each carrying a reply of exactly its own result.
 //! - a [`Writer`], which owns the one writable connection in the process and
 //!   the receiving end of the queue.
 //!
-//! No function hands out a writable connection: the only one is a private
-//! field of `Writer`, and `Writer::run` consumes it. Every write is a round
-//! trip through the queue (a command in, one [`command::Reply`] back), and a
-//! reply is sent only after the transaction holding the command has
-//! committed: on SQLite into the file that still has the database's name
-//! (`files`), on PostgreSQL on the server, where other tally processes
-//! write too (see `postgres` for how they stay correct together).
+//! No function hands out a writable connection: the only one belongs to
+//! the engine the writer drives, and running the writer consumes it. Every
+//! write is a round trip through the queue (a command in, its
+//! [`command::Reply`] back), and a reply is sent only after the transaction
+//! holding the command has committed: on SQLite into the file that still
+//! has the database's name, on PostgreSQL on the server, where other tally
+//! processes write too (see `postgres` for how they stay correct together).
 //!
-//! The rules are written once, against the [`store::Store`] trait: `counters`,
-//! `budgets`, `keys` (idempotency) and the writer's batch application; each
-//! engine's statements are in `sqlite` and `postgres`; `reads` coalesces
-//! counter reads for both.
+//! Layout:
+//! - `open`: chooses the engine, once, and assembles the two halves.
+//! - `writer`: the queue loop over an `Engine` (no SQL, no engine named);
+//!   `txn`: the transaction rules both engines call (set-based or one by
+//!   one, lock order, savepoints, keys); `command`: the commands.
+//! - `counters`, `budgets`, `keys`: the rules, written once against the
+//!   [`store::Store`] trait; `reads`: coalesced reads over a `Reads` trait.
+//! - `sqlite/`, `postgres/`: each engine's wing: its open, its `Store`,
+//!   its writer engine, its readers, its error classification.
 
 mod budgets;
 mod command;
