@@ -85,7 +85,7 @@ pub(super) trait Engine: Send + 'static {
     async fn apply(&mut self, batch: &mut [Queued]) -> Applied;
 
     /// Whether the storage is still where it was opened: SQLite's files
-    /// can be deleted or replaced underneath it (see [`super::files`]); a
+    /// can be deleted or replaced underneath it (see `sqlite::files`); a
     /// server's cannot.
     fn check(&mut self) -> Result<(), Lost>;
 
@@ -178,7 +178,7 @@ impl<E: Engine> WriterLoop<E> {
     /// committed and answered; then closes the database, logging (not
     /// returning) a failed final checkpoint or close: nothing is left to
     /// answer, and every commit is already in the WAL. It returns an error
-    /// only if the database files were lost (see [`super::files`]).
+    /// only if the database files were lost (see `sqlite::files`).
     pub async fn run(mut self) -> Result<(), WriterFailed> {
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut closing = false;
