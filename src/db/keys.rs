@@ -69,11 +69,9 @@ impl Kept for Decision {
 pub async fn remember(
     conn: &mut impl Store,
     key: &IdempotencyKey,
-    fingerprint: &str,
     answer: &impl Kept,
 ) -> Result<(), Error> {
-    conn.remember_key(key.as_str(), fingerprint, &answer.encode())
-        .await
+    conn.remember_key(key.as_str(), &answer.encode()).await
 }
 
 /// The answer stored for a key.

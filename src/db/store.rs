@@ -136,12 +136,7 @@ pub(super) trait Store {
     -> Result<Option<StoredKey>, Error>;
 
     /// Stores the answer for a key this transaction claimed.
-    async fn remember_key(
-        &mut self,
-        key: &str,
-        fingerprint: &str,
-        result: &str,
-    ) -> Result<(), Error>;
+    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error>;
 
     /// Forgets keys stored longer ago than `age` by [`Self::now`]'s clock
     /// (some of them, if there are very many); returns how many.

@@ -299,8 +299,8 @@ async fn apply_once(
     }
     apply(conn, command, now).await;
     let remembered = match &*command {
-        Command::Increment { reply, .. } => remember(conn, key, &fingerprint, reply).await,
-        Command::Check { reply, .. } => remember(conn, key, &fingerprint, reply).await,
+        Command::Increment { reply, .. } => remember(conn, key, reply).await,
+        Command::Check { reply, .. } => remember(conn, key, reply).await,
         _ => Ok(()),
     };
     if let Err(e) = remembered {
@@ -312,11 +312,10 @@ async fn apply_once(
 async fn remember<T: Kept + std::fmt::Debug>(
     conn: &mut impl Store,
     key: &IdempotencyKey,
-    fingerprint: &str,
     reply: &Reply<T>,
 ) -> Result<(), Error> {
     match reply.value() {
-        Some(answer) => keys::remember(conn, key, fingerprint, answer).await,
+        Some(answer) => keys::remember(conn, key, answer).await,
         None => Ok(()),
     }
 }

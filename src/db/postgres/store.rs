@@ -274,12 +274,7 @@ impl Store for PgConnection {
             .ok_or_else(|| Error::Internal("an idempotency key vanished while claimed".into()))
     }
 
-    async fn remember_key(
-        &mut self,
-        key: &str,
-        _fingerprint: &str,
-        result: &str,
-    ) -> Result<(), Error> {
+    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error> {
         sqlx::query("UPDATE idempotency_keys SET result = $2 WHERE key = $1")
             .bind(key)
             .bind(result)

@@ -208,34 +208,40 @@ impl Store for SqliteConnection {
         Ok(q.execute(self).await.map_err(error)?.rows_affected())
     }
 
-    /// A lookup: the one writer serialises every write, so an absent key
-    /// stays absent until this transaction stores it.
+    /// Inserts the key with an empty answer, or reads what is stored for
+    /// it: as on PostgreSQL, though here the one writer serialises every
+    /// write, so no other transaction can hold the key meanwhile.
     async fn claim_key(
         &mut self,
         key: &str,
-        _fingerprint: &str,
+        fingerprint: &str,
     ) -> Result<Option<StoredKey>, Error> {
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+             VALUES (?1, ?2, '', ?3)
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .bind(key)
+        .bind(fingerprint)
+        .bind(keys::unix_now())
+        .execute(&mut *self)
+        .await
+        .map_err(error)?
+        .rows_affected();
+        if claimed == 1 {
+            return Ok(None);
+        }
         let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
         q.bind(key).fetch_optional(self).await.map_err(error)
     }
 
-    async fn remember_key(
-        &mut self,
-        key: &str,
-        fingerprint: &str,
-        result: &str,
-    ) -> Result<(), Error> {
-        sqlx::query(
-            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-             VALUES (?1, ?2, ?3, ?4)",
-        )
-        .bind(key)
-        .bind(fingerprint)
-        .bind(result)
-        .bind(keys::unix_now())
-        .execute(self)
-        .await
-        .map_err(error)?;
+    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error> {
+        sqlx::query("UPDATE idempotency_keys SET result = ?2 WHERE key = ?1")
+            .bind(key)
+            .bind(result)
+            .execute(self)
+            .await
+            .map_err(error)?;
         Ok(())
     }
 
