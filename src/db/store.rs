@@ -53,6 +53,12 @@ pub(super) trait Store {
     /// commands on that row wait for it.
     const BEGIN_SET_BASED: &'static str = Self::BEGIN;
 
+    /// Shortens, for the rest of the transaction, how long a statement
+    /// waits for a row lock, once a command has waited the whole lock
+    /// timeout: see `txn::apply_one_by_one`. `None` where nothing waits
+    /// for a row (SQLite's one writer).
+    const AFTER_BUSY: Option<&'static str> = None;
+
     /// The time the transaction's rules go by (today, a day's window):
     /// the one clock every process writing the database shares.
     async fn now(&mut self) -> Result<jiff::Timestamp, Error>;

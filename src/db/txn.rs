@@ -149,23 +149,27 @@ async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Appli
             Err(e) => broken = Some(e),
         }
     }
-    // A row that a command of this batch found locked past the lock
-    // timeout: the commands after it on the same row (they come next, in
-    // lock order) are answered busy at once, not after a wait each.
-    let mut busy: Option<(Error, (u8, String))> = None;
+    // Once a command of this batch has waited the whole lock timeout for
+    // a row held elsewhere, the commands after it wait only briefly
+    // (`Store::AFTER_BUSY`): a session holding many rows would otherwise
+    // cost a lock timeout each, one after another, and hold up the whole
+    // batch past its deadline. A command whose row is free does not wait at
+    // all, whatever else its budget or counter has held.
+    let mut waited = false;
     for i in lock_order(batch) {
         let q = &mut batch[i];
-        let (kind, name) = lock_key(q);
-        let row = (kind, name.to_owned());
         if let Some(e) = &broken {
             q.command.fail(e.clone());
-        } else if let Some((e, _)) = busy.as_ref().filter(|(_, held)| *held == row) {
-            q.command.fail(e.clone());
-        } else {
-            broken = apply_in_savepoint(conn, q, now).await.err();
-            if let Some(Err(e @ Error::Busy(_))) = q.command.outcome() {
-                busy = Some((e.clone(), row));
-            }
+            continue;
+        }
+        broken = apply_in_savepoint(conn, q, now).await.err();
+        if !waited
+            && broken.is_none()
+            && let Some(Err(Error::Busy(_))) = q.command.outcome()
+            && let Some(shorter) = S::AFTER_BUSY
+        {
+            waited = true;
+            broken = conn.exec(shorter).await.err();
         }
     }
     match broken {

@@ -118,6 +118,9 @@ fn needs_new_connection(e: &Error) -> bool {
 /// Longest wait for a connection to the server, the writer's or a reader's.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Longest the migrations at start wait for a table lock.
+const MIGRATION_LOCK_TIMEOUT: &str = "10s";
+
 /// Longest a statement may run before the server cancels it.
 pub const STATEMENT_TIMEOUT: &str = "10s";
 
@@ -248,7 +251,17 @@ pub async fn open(
     };
     let options = connect_options(url.expose(), opts.lock_timeout)
         .map_err(|e| fail(format!("not a usable URL: {e}")))?;
-    let mut conn = connect(&options)
+    // A migration may rewrite a large table and its indexes: no statement
+    // timeout for it (a migration cut off is rolled back and tried again at
+    // every start, locking the tables each time), and a lock it cannot have
+    // within a while (other processes' transactions on those tables) is a
+    // startup failure to retry, not a wait that stalls every writer
+    // queued behind it.
+    let migrating = options.clone().options([
+        ("statement_timeout", "0"),
+        ("lock_timeout", MIGRATION_LOCK_TIMEOUT),
+    ]);
+    let mut conn = connect(&migrating)
         .await
         .map_err(|e| fail(format!("cannot connect: {e}")))?;
     sqlx::migrate!("./migrations/postgres")

@@ -417,6 +417,145 @@ async fn a_row_locked_outside_tally_holds_up_only_its_own_writes() {
     stop_all(bins).await;
 }
 
+/// An outside session holding many rows (a bulk `SELECT ... FOR UPDATE`)
+/// while one batch needs them all: the first command waits the lock
+/// timeout, the others on held rows are answered row-busy quickly, and a
+/// command on a free row commits, all well within the batch's deadline.
+/// (Waiting the whole lock timeout for each held row in turn ran the batch
+/// past its deadline, and every caller heard outcome-unknown.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_session_holding_many_rows_costs_only_the_writes_to_them() {
+    const HELD: usize = 12;
+    let url = postgres::fresh_database().await;
+    // The default lock timeout (2 s); a slow writer, so that the writes
+    // below share a batch.
+    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "300")]);
+    let client = Client::new();
+    let post = |name: String| {
+        client
+            .post(bins[0].url(&format!("/counters/{name}")))
+            .send()
+    };
+    for n in 0..HELD {
+        assert_eq!(
+            post(format!("h{n}")).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name LIKE 'h%' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let writes = (0..HELD)
+        .map(|n| format!("h{n}"))
+        .chain(["free".to_owned()])
+        .map(|name| {
+            let request = post(name.clone());
+            async move { (name, request.await.unwrap(), started.elapsed()) }
+        });
+    for (name, r, took) in join_all(writes).await {
+        assert!(
+            took < Duration::from_secs(8),
+            "{name} answered after {took:?}"
+        );
+        if name == "free" {
+            assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        } else {
+            let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+            assert_eq!(p["type"], "/problems/row-busy", "{name}: {p}");
+        }
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    for n in 0..HELD {
+        let v = json(
+            client
+                .get(bins[0].url(&format!("/counters/h{n}")))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(v["value"], 1, "h{n}: a busy write wrote nothing");
+    }
+    stop_all(bins).await;
+}
+
+/// One visitor's usage row held by an outside session: that visitor's
+/// check is denied (meter_error, nothing counted), and the checks of the
+/// budget's other visitors in the same batch are counted as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_visitor_row_denies_only_that_visitor() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(
+        1,
+        &url,
+        &[
+            ("TALLY_TEST_WRITER_DELAY_MS", "300"),
+            ("TALLY_POSTGRES_LOCK_TIMEOUT", "1"),
+        ],
+    );
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bins[0],
+        "m",
+        json!({"visitor_limit": 100, "global_limit": 1000}),
+    )
+    .await;
+    let check = |visitor: String| {
+        client
+            .post(bins[0].url("/budgets/m/check"))
+            .json(&json!({ "visitor": visitor }))
+            .send()
+    };
+    assert_eq!(check("vh".into()).await.unwrap().status(), StatusCode::OK);
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "BEGIN; UPDATE budget_visitor_usage SET calls = calls WHERE budget = 'm' AND visitor = 'vh'",
+    )
+    .execute(&mut holder)
+    .await
+    .unwrap();
+
+    // While the writer sleeps over a batch of its own, the held visitor
+    // queues first, then six others: the next batch.
+    let occupy = tokio::spawn(client.post(bins[0].url("/counters/occupy")).send());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let held = tokio::spawn(check("vh".into()));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let others = join_all((0..6).map(|n| check(format!("v{n}")))).await;
+    assert_eq!(occupy.await.unwrap().unwrap().status(), StatusCode::OK);
+    let p = problem(
+        held.await.unwrap().unwrap(),
+        StatusCode::SERVICE_UNAVAILABLE,
+    )
+    .await;
+    assert_eq!(p["reason"], "meter_error", "{p}");
+    for r in others {
+        let r = r.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["allowed"], true);
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    let u = json(
+        client
+            .get(bins[0].url("/budgets/m/usage?visitor=vh"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (&u["visitor_calls"], &u["global_calls"]),
+        (&json!(1), &json!(7)),
+        "{u}"
+    );
+    stop_all(bins).await;
+}
+
 /// PostgreSQL restarted while every read connection is pooled: the reads
 /// right after find theirs dead and are answered all the same, from new
 /// connections.
