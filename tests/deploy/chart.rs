@@ -235,30 +235,91 @@ fn data_volume(docs: &[Value]) -> &Value {
         .expect("a data volume")
 }
 
-/// A size limit may be a number of bytes, from `--set` (an integer to Helm)
-/// or from a values file (a float to Helm), and stays a whole number.
+/// A size limit is a quantity with a unit of bytes, as a string, of at
+/// least 64Mi. A bare number would be bytes (and a values file's 20 digits
+/// overflow to a negative number), a lower-case `m` is milli (`512m` is
+/// 0.512 bytes): both are refused with a message saying so.
 #[test]
-fn size_limit_takes_a_number_of_bytes() {
-    let docs = rendered(&[("persistence.sizeLimit", "2147483648")]);
-    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], 2147483648u64);
+fn size_limit_is_a_quantity_of_at_least_64mi() {
+    for good in [
+        "64Mi",
+        "2Gi",
+        "1.5Gi",
+        "1Ti",
+        "67108864k",
+        "512M",
+        "3G",
+        "1T",
+    ] {
+        let docs = rendered(&[("persistence.sizeLimit", good)]);
+        assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], good, "{good}");
+    }
 
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
-        file.path(),
-        "replica:\n  bucket: tally-test\npersistence:\n  sizeLimit: 3221225472\n",
-    )
-    .unwrap();
-    let docs = helm_template(
-        "tally",
-        "tally",
-        &["--values".to_owned(), file.path().display().to_string()],
-    )
-    .unwrap();
-    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], 3221225472u64);
+    let with_file = |yaml: &str| {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            file.path(),
+            format!("replica:\n  bucket: tally-test\n{yaml}"),
+        )
+        .unwrap();
+        helm_template(
+            "tally",
+            "tally",
+            &["--values".to_owned(), file.path().display().to_string()],
+        )
+    };
+    // From a values file a quoted quantity is as good as from --set.
+    let docs = with_file("persistence:\n  sizeLimit: \"2Gi\"\n").unwrap();
+    assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], "2Gi");
 
-    for bad in ["2 Gi", "lots", "-1"] {
+    // Bare numbers: an integer from --set, a float from a values file (20
+    // digits rendered as -9223372036854775808), digits as a string.
+    let mut bare = vec![
+        refused(&[BUCKET, ("persistence.sizeLimit", "2147483648")]),
+        refused(&[BUCKET, ("persistence.sizeLimit", "512")]),
+        with_file("persistence:\n  sizeLimit: 3221225472\n").unwrap_err(),
+        with_file("persistence:\n  sizeLimit: 12345678901234567890\n").unwrap_err(),
+    ];
+    bare.push(
+        helm_template(
+            "tally",
+            "tally",
+            &set_args(&[BUCKET])
+                .into_iter()
+                .chain([
+                    "--set-string".to_owned(),
+                    "persistence.sizeLimit=2147483648".to_owned(),
+                ])
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_err(),
+    );
+    for e in &bare {
+        assert!(
+            e.contains("persistence.sizeLimit") && e.contains("bare number") && e.contains("2Gi"),
+            "{e}"
+        );
+    }
+
+    // A lower-case m is milli.
+    let e = refused(&[BUCKET, ("persistence.sizeLimit", "512m")]);
+    assert!(
+        e.contains("persistence.sizeLimit") && e.contains("milli") && e.contains("512Mi"),
+        "{e}"
+    );
+
+    // Below the floor.
+    for small in ["63Mi", "1Ki", "67M", "0.05Gi", "0Gi"] {
+        let e = refused(&[BUCKET, ("persistence.sizeLimit", small)]);
+        assert!(
+            e.contains("persistence.sizeLimit") && e.contains("64Mi"),
+            "{small}: {e}"
+        );
+    }
+
+    for bad in ["2 Gi", "lots", "-1", "2gi", "2Pi", "1e9", "2GB", "Gi"] {
         let e = refused(&[BUCKET, ("persistence.sizeLimit", bad)]);
-        assert!(e.contains("sizeLimit"), "{bad}: {e}");
+        assert!(e.contains("persistence.sizeLimit"), "{bad}: {e}");
     }
 }
 
@@ -919,6 +980,60 @@ fn dashboards_of_releases_in_several_namespaces_do_not_collide() {
             json["uid"].clone(),
         )
     };
+    // Release a in namespace b-c and release a-tally-b in namespace c: a
+    // "-" between full name and namespace gave both a-tally-b-c-dashboard
+    // in the shared namespace. (Two releases of one namespace with one full
+    // name, such as a and a-tally, collide on every resource and cannot
+    // both be installed.)
+    let dashboard_of = |release: &str, namespace: &str| {
+        let docs = render(
+            release,
+            namespace,
+            &[
+                BUCKET,
+                ("grafanaDashboard.enabled", "true"),
+                ("grafanaDashboard.namespace", "monitoring"),
+            ],
+        );
+        let cm = of_kind(&docs, "ConfigMap")
+            .into_iter()
+            .find(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
+            .expect("the dashboard ConfigMap")
+            .clone();
+        let name = cm["metadata"]["name"].as_str().unwrap().to_owned();
+        let key = cm["data"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .next()
+            .unwrap()
+            .clone();
+        (name, key)
+    };
+    let pairs = [
+        ("a", "b-c"),
+        ("a-tally-b", "c"),
+        ("a-tally-b-c", "x"),
+        ("b-c-a", "tally"),
+        ("c-a", "tally-b"),
+    ];
+    let found: Vec<_> = pairs.iter().map(|(r, n)| dashboard_of(r, n)).collect();
+    for (i, x) in found.iter().enumerate() {
+        assert!(x.0.len() <= 253, "{}", x.0);
+        for y in &found[i + 1..] {
+            assert_ne!(x.0, y.0, "ConfigMap names of {pairs:?}");
+            assert_ne!(x.1, y.1, "file names of {pairs:?}");
+        }
+    }
+    // The longest release name and namespace: nothing cut, still valid.
+    let release = "r".repeat(53);
+    let namespace = "n".repeat(63);
+    let (name, _) = dashboard_of(&release, &namespace);
+    assert!(
+        name.len() <= 253 && name.ends_with(&format!(".{namespace}-dashboard")),
+        "{name}"
+    );
+
     let (a, b) = (dashboard("team-a"), dashboard("team-b"));
     // Neither the ConfigMap nor the sidecar's file replaces the other's.
     assert_ne!(a.0, b.0);
@@ -1150,6 +1265,92 @@ fn replica_values_that_litestreams_yaml_would_cut_are_refused() {
         env(c, "LITESTREAM_ENDPOINT"),
         "https://s3.example.com:9000/prefix"
     );
+}
+
+/// User information in the endpoint's URL would put the replica's
+/// credentials in clear into both containers' environment, the install
+/// notes and Litestream's log: refused, pointing at replica.credentials.
+#[test]
+fn credentials_in_the_replica_endpoint_are_refused() {
+    for bad in [
+        "https://KEY:SECRET@minio.example:9000",
+        "http://KEY@minio.example:9000",
+        "https://KEY:SECRET@minio.example:9000/path",
+        "https://:SECRET@minio.example",
+    ] {
+        let e = refused(&[BUCKET, ("replica.endpoint", bad)]);
+        assert!(
+            e.contains("replica.endpoint") && e.contains("replica.credentials"),
+            "{bad}: {e}"
+        );
+        assert!(!e.contains("SECRET"), "the message repeats the secret: {e}");
+    }
+    // An @ in the path is not user information.
+    let docs = rendered(&[("replica.endpoint", "https://minio.example:9000/a@b")]);
+    assert_eq!(
+        env(tally(&docs), "LITESTREAM_ENDPOINT"),
+        "https://minio.example:9000/a@b"
+    );
+}
+
+/// Two listeners of the pod on one port (tally exits at start), or a
+/// Service with one port twice (the API server refuses it): refused at
+/// render time, naming both values.
+#[test]
+fn colliding_ports_are_refused() {
+    for (sets, first, second) in [
+        (vec![("ports.http", "9100")], "ports.http", "ports.metrics"),
+        (
+            vec![("ports.http", "9090")],
+            "ports.http",
+            "ports.litestream",
+        ),
+        (
+            vec![("ports.metrics", "9090")],
+            "ports.metrics",
+            "ports.litestream",
+        ),
+        (
+            vec![("ports.http", "4000"), ("ports.metrics", "4000")],
+            "ports.http",
+            "ports.metrics",
+        ),
+        (
+            vec![("service.port", "9100")],
+            "service.port",
+            "ports.metrics",
+        ),
+        (
+            vec![("ports.metrics", "80")],
+            "service.port",
+            "ports.metrics",
+        ),
+    ] {
+        let mut all = vec![BUCKET];
+        all.extend(sets.iter().copied());
+        let e = refused(&all);
+        assert!(
+            e.contains(&format!("{first} and {second} are both")),
+            "{sets:?}: {e}"
+        );
+    }
+    // Litestream's port counts only where its listener runs.
+    let docs = rendered(&[
+        ("ports.http", "9090"),
+        ("metrics.litestream.enabled", "false"),
+    ]);
+    let ports = tally(&docs)["ports"].as_array().unwrap();
+    assert_eq!(ports.len(), 2, "{ports:?}");
+    // The Service's HTTP port may be the container's.
+    let docs = rendered(&[("service.port", "3000")]);
+    let svc = one(&docs, "Service");
+    let ports: Vec<_> = svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ports, [3000, 9100]);
 }
 
 #[test]

@@ -212,6 +212,30 @@ arithmetic, LITESTREAM_PATH the one-writer-per-path rule.
 {{- if and .Values.adminToken.value .Values.adminToken.existingSecret.name }}
 {{- fail "adminToken: set either value or existingSecret.name, not both" }}
 {{- end }}
+{{- include "tally.validatePorts" . }}
+{{- end }}
+
+{{/*
+No two listeners of the pod on one port (tally exits at start when its
+two share one; Litestream's would fail to bind), and no two ports of the
+Service alike (the API server refuses a Service with a duplicate port).
+Litestream's listener counts only where it runs (tally.litestreamMetrics).
+*/}}
+{{- define "tally.validatePorts" -}}
+{{- $listeners := list (list "ports.http" (int .Values.ports.http)) (list "ports.metrics" (int .Values.ports.metrics)) }}
+{{- if include "tally.litestreamMetrics" . }}
+{{- $listeners = append $listeners (list "ports.litestream" (int .Values.ports.litestream)) }}
+{{- end }}
+{{- range $i, $a := $listeners }}
+{{- range $j, $b := $listeners }}
+{{- if and (lt $i $j) (eq (index $a 1) (index $b 1)) }}
+{{- fail (printf "%s and %s are both %d: each listener of the pod needs a port of its own (tally exits at start when two share one); give one of them another port" (index $a 0) (index $b 0) (index $a 1)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if eq (int .Values.service.port) (int .Values.ports.metrics) }}
+{{- fail (printf "service.port and ports.metrics are both %d: the Service exposes the HTTP API on service.port and tally's metrics on ports.metrics, and a Service's ports must differ; give service.port another port" (int .Values.service.port)) }}
+{{- end }}
 {{- end }}
 
 {{- define "tally.validateSqlite" -}}
@@ -221,12 +245,48 @@ arithmetic, LITESTREAM_PATH the one-writer-per-path rule.
 {{- if not .Values.replica.bucket }}
 {{- fail "replica.bucket is required: the S3 bucket Litestream replicates the database to (--set replica.bucket=NAME)" }}
 {{- end }}
+{{- /*
+Credentials in the endpoint's URL would be in clear in both containers'
+environment, in the install notes and in Litestream's log at every start.
+*/}}
+{{- if regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@" .Values.replica.endpoint }}
+{{- fail "replica.endpoint carries user information (USER:PASSWORD@ before the host): it would appear in clear in the pod's environment, the install notes and Litestream's log. Give the endpoint without it (https://HOST:PORT) and the credentials in replica.credentials.accessKeyId/secretAccessKey, or in a Secret of your own (replica.credentials.existingSecret.name)" }}
+{{- end }}
+{{- include "tally.validateSizeLimit" . }}
 {{- with .Values.replica.credentials }}
 {{- if and .existingSecret.name (or .accessKeyId .secretAccessKey) }}
 {{- fail "replica.credentials: set either accessKeyId/secretAccessKey or existingSecret.name, not both" }}
 {{- end }}
 {{- if and (or .accessKeyId .secretAccessKey) (not (and .accessKeyId .secretAccessKey)) }}
 {{- fail "replica.credentials: accessKeyId and secretAccessKey go together" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+persistence.sizeLimit: empty (no limit) or a quantity of at least 64Mi
+with a unit of bytes. A bare number would be bytes (512 is half a
+kilobyte; a values file's 20 digits overflow to a negative number), and a
+lower-case m is milli (512m is 0.512 bytes): both are refused.
+*/}}
+{{- define "tally.validateSizeLimit" -}}
+{{- $v := .Values.persistence.sizeLimit }}
+{{- $units := "binary Ki Mi Gi Ti, or decimal k M G T" }}
+{{- if or (not (kindIs "string" $v)) (regexMatch `^[0-9]+(\.[0-9]+)?$` (toString $v)) }}
+{{- fail (printf "persistence.sizeLimit: %v is a bare number, which Kubernetes reads as bytes: give a quantity with its unit, as a string, such as 2Gi (%s), at least 64Mi" $v $units) }}
+{{- end }}
+{{- if $v }}
+{{- if regexMatch `^[0-9]+(\.[0-9]+)?m$` $v }}
+{{- fail (printf "persistence.sizeLimit: %s is milli (a lower-case m), %s thousandths of a byte: for megabytes write %sM or %sMi" $v (trimSuffix "m" $v) (trimSuffix "m" $v) (trimSuffix "m" $v)) }}
+{{- end }}
+{{- if not (regexMatch `^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)$` $v) }}
+{{- fail (printf "persistence.sizeLimit: %q is not a size: give a number and a unit, such as 2Gi (%s), at least 64Mi; empty for no limit" $v $units) }}
+{{- end }}
+{{- $unit := regexFind "[A-Za-z]+$" $v }}
+{{- $factors := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 }}
+{{- $bytes := mulf (float64 (trimSuffix $unit $v)) (get $factors $unit) }}
+{{- if lt $bytes 67108864.0 }}
+{{- fail (printf "persistence.sizeLimit: %s is below 64Mi, too small for the database, its WAL and Litestream's copies of it (about 3 times the database): give at least 64Mi, or leave it empty for no limit" $v) }}
 {{- end }}
 {{- end }}
 {{- end }}
