@@ -256,14 +256,18 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
 }
 
 fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
-    let d = parse_positive_seconds(s)?;
-    if d > Duration::from_secs(9) {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    // Written so that NaN fails too.
+    if !(0.001..=9.0).contains(&secs) {
         return Err(format!(
-            "`{s}` must be at most 9 seconds: a longer wait would be cut off by the \
-             statement timeout (10 s) and answered as an unreachable database"
+            "`{s}` must be between 0.001 and 9 seconds: no wait at all would make every \
+             row another process holds for a moment busy, and a longer one would be cut off \
+             by the statement timeout (10 s) and answered as an unreachable database"
         ));
     }
-    Ok(d)
+    Ok(Duration::from_secs_f64(secs))
 }
 
 fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
@@ -362,6 +366,30 @@ mod tests {
             let shown = u.to_string();
             assert!(!shown.contains(secret), "{url} -> {shown}");
         }
+    }
+
+    #[test]
+    fn the_lock_timeout_is_a_few_seconds_at_most() {
+        let parse = |s: &str| {
+            let flag = format!("--postgres-lock-timeout={s}");
+            Cli::try_parse_from(["tally", flag.as_str()]).map(|c| c.settings.postgres_lock_timeout)
+        };
+        assert_eq!(parse("2.5").unwrap(), Duration::from_millis(2500));
+        assert_eq!(parse("9").unwrap(), Duration::from_secs(9));
+        for bad in ["-1", "0", "9.5", "10", "nan", "inf"] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("between 0.001 and 9 seconds"), "{bad}: {e}");
+        }
+        assert!(
+            parse("abc")
+                .unwrap_err()
+                .to_string()
+                .contains("not a number")
+        );
+        assert_eq!(
+            Settings::for_database("x.db").postgres_lock_timeout,
+            Duration::from_secs(2)
+        );
     }
 
     #[test]

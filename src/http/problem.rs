@@ -228,8 +228,9 @@ impl From<db::Error> for Problem {
                 "Database unavailable",
             )
             .detail(
-                "the database server cannot be reached; nothing was written. \
-                 Retrying is safe and succeeds once it answers again",
+                "the database server cannot be reached, cannot take writes now, or did not \
+                 answer in time; nothing was done. Retrying is safe and succeeds once it \
+                 answers again",
             )
             .with("reason", "database_unavailable")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
@@ -241,7 +242,7 @@ impl From<db::Error> for Problem {
             )
             .detail(
                 "another transaction held a row this request needs for longer than the lock \
-                 timeout; nothing was written. Retrying is safe and succeeds once it is released",
+                 timeout; nothing was done. Retrying is safe and succeeds once it is released",
             )
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
