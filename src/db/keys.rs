@@ -6,19 +6,15 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{Error, store::Store};
+use super::{
+    Error,
+    store::{Store, StoredKey},
+};
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
 use serde::{Deserialize, Serialize};
 
 /// How long a key is remembered.
 pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
-
-/// What was stored for a key: the command it was first used for, and that
-/// command's answer.
-pub struct Stored {
-    pub fingerprint: String,
-    result: String,
-}
 
 /// What is stored for `key`, or `None`: then the key is the transaction's
 /// and [`remember`] stores the command's answer under it.
@@ -26,12 +22,8 @@ pub async fn claim(
     conn: &mut impl Store,
     key: &IdempotencyKey,
     fingerprint: &str,
-) -> Result<Option<Stored>, Error> {
-    let stored = conn.claim_key(key.as_str(), fingerprint).await?;
-    Ok(stored.map(|s| Stored {
-        fingerprint: s.fingerprint,
-        result: s.result,
-    }))
+) -> Result<Option<StoredKey>, Error> {
+    conn.claim_key(key.as_str(), fingerprint).await
 }
 
 /// An answer an idempotency key keeps: how it is stored with the key and
@@ -75,7 +67,7 @@ pub async fn remember(
 }
 
 /// The answer stored for a key.
-pub fn replay<T: Kept>(stored: &Stored) -> Result<T, Error> {
+pub fn replay<T: Kept>(stored: &StoredKey) -> Result<T, Error> {
     T::decode(&stored.result)
         .map_err(|e| Error::Internal(format!("stored idempotent answer: {e}").into()))
 }

@@ -86,10 +86,7 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 /// - the rest as [`Error::from_sqlx`] says.
 pub(super) fn error(e: sqlx::Error) -> Error {
     let code = pg_code(&e);
-    let unreachable = code.is_some_and(|c| {
-        c.starts_with("08")
-            || matches!(c, "57P01" | "57P02" | "57P03" | "53300" | "57014" | "25006")
-    });
+    let unreachable = code.is_some_and(|c| connection_done(c) || matches!(c, "53300" | "57014"));
     match code {
         Some("53100") => Error::StorageFull(Arc::new(e)),
         Some("55P03") => Error::Busy(Arc::new(e)),
@@ -109,10 +106,15 @@ fn needs_new_connection(e: &Error) -> bool {
     };
     match &**e {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
-        e => pg_code(e).is_some_and(|code| {
-            code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
-        }),
+        e => pg_code(e).is_some_and(connection_done),
     }
+}
+
+/// SQLSTATEs after which a connection is of no more use: class 08
+/// (connection exceptions), 57P01-57P03 (the server shutting down or
+/// starting), 25006 (it takes no writes: a standby, a demoted primary).
+fn connection_done(code: &str) -> bool {
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
 }
 
 /// Longest wait for a connection to the server, the writer's or a reader's.
