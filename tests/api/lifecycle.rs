@@ -33,10 +33,13 @@ async fn sigterm_commits_and_answers_every_accepted_write() {
             .to_owned(),
     };
     let db = db.as_str();
+    // A slow writer taking a few commands at a time: while it sleeps over
+    // its first batch, every other write queues, and the drain after
+    // SIGTERM takes several batches.
     let mut bin = Binary::start(&[
         ("TALLY_DATABASE", db),
-        ("TALLY_TEST_WRITER_DELAY_MS", "50"),
-        ("TALLY_MAX_BATCH", "2"),
+        ("TALLY_TEST_WRITER_DELAY_MS", "700"),
+        ("TALLY_MAX_BATCH", "4"),
     ]);
     let client = Client::new();
     let mut tasks = Vec::new();
@@ -45,7 +48,11 @@ async fn sigterm_commits_and_answers_every_accepted_write() {
         let url = bin.url("/counters/drain");
         tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
     }
-    wait_for_queue_depth(&client, &bin.url(""), 10).await;
+    // Every write accepted (at most one batch is out of the queue) before
+    // SIGTERM: a request tally has not read yet is not accepted, and its
+    // connection is closed, as shutdown should. The polls go on a client
+    // of their own, so that no write reuses their idle connection.
+    wait_for_queue_depth(&Client::new(), &bin.url(""), 16).await;
     bin.sigterm();
     let mut values = HashSet::new();
     for t in tasks {
