@@ -64,7 +64,10 @@ impl<S> Layer<S> for FrameLayer {
     type Service = Frame<S>;
 
     fn layer(&self, inner: S) -> Frame<S> {
-        Frame { inner, layer: *self }
+        Frame {
+            inner,
+            layer: *self,
+        }
     }
 }
 

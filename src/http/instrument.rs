@@ -52,7 +52,11 @@ pub fn is_safe_request_id(id: &[u8]) -> bool {
 /// status, registered once: building a metric's key with its labels and
 /// looking it up in the registry, on every request, cost more than
 /// everything else tally does for a no-op answer.
-pub(super) fn series(method: &'static str, route: &str, status: StatusCode) -> (Counter, Histogram) {
+pub(super) fn series(
+    method: &'static str,
+    route: &str,
+    status: StatusCode,
+) -> (Counter, Histogram) {
     type Series = (&'static str, StatusCode, Counter, Histogram);
     static SERIES: LazyLock<RwLock<HashMap<Box<str>, Vec<Series>>>> =
         LazyLock::new(Default::default);
