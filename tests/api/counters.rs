@@ -3,7 +3,7 @@ use std::collections::HashSet;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::spawn_app;
+use crate::helpers::{spawn_app, spawn_with};
 
 #[tokio::test]
 async fn default_counter_counts_from_plain_posts() {
