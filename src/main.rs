@@ -88,7 +88,9 @@ async fn restore_to(
     config: std::path::PathBuf,
 ) -> anyhow::Result<()> {
     let tally::Storage::Sqlite(db) = &settings.database else {
-        bail!("restore-to restores a SQLite database from Litestream's replica; TALLY_DATABASE is a PostgreSQL URL");
+        bail!(
+            "restore-to restores a SQLite database from Litestream's replica; TALLY_DATABASE is a PostgreSQL URL"
+        );
     };
     let ls = tally::restore::Litestream { binary, config };
     tally::restore::restore_to(db, timestamp, &ls).await?;

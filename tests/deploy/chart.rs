@@ -1438,11 +1438,17 @@ fn a_restore_timestamp_makes_the_init_container_restore_to_that_instant_once() {
         assert_eq!(env(init, "TALLY_DATABASE"), "/data/tally.db");
         assert_eq!(env(tally(&docs), "TALLY_DATABASE"), "/data/tally.db");
         // tally itself runs as always.
-        assert_eq!(strings(&tally(&docs)["command"])[..2], ["litestream", "replicate"]);
+        assert_eq!(
+            strings(&tally(&docs)["command"])[..2],
+            ["litestream", "replicate"]
+        );
     }
     // Empty is the latest state, as before.
     let docs = rendered(&[("restore.timestamp", "")]);
-    assert_eq!(strings(&restore(&docs)["command"])[..2], ["litestream", "restore"]);
+    assert_eq!(
+        strings(&restore(&docs)["command"])[..2],
+        ["litestream", "restore"]
+    );
 }
 
 #[test]
@@ -1452,12 +1458,15 @@ fn a_restore_timestamp_that_is_not_rfc_3339_is_refused_by_the_schema() {
         "2026-05-01T10:04:00",
         "2026-13-01T10:04:00Z",
         "yesterday",
-        "1714557840",
+        "1714557840Z",
     ] {
         let e = refused(&[BUCKET, ("restore.timestamp", bad)]);
         assert!(e.contains("restore.timestamp"), "{bad}: {e}");
         assert!(e.contains("date-time"), "{bad}: {e}");
     }
+    // A bare number (epoch seconds) is not a string at all.
+    let e = refused(&[BUCKET, ("restore.timestamp", "1714557840")]);
+    assert!(e.contains("restore.timestamp"), "{e}");
 }
 
 #[test]
@@ -1483,13 +1492,19 @@ fn history_is_litestreams_snapshot_interval_and_retention() {
 #[test]
 fn history_that_would_keep_nothing_is_refused() {
     let e = refused(&[BUCKET, ("history.retention", "24h")]);
-    assert!(e.contains("must be longer than history.snapshotInterval"), "{e}");
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
     let e = refused(&[
         BUCKET,
         ("history.snapshotInterval", "2h"),
         ("history.retention", "90m"),
     ]);
-    assert!(e.contains("must be longer than history.snapshotInterval"), "{e}");
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
     let e = refused(&[BUCKET, ("history.snapshotInterval", "30s")]);
     assert!(e.contains("at least 1m"), "{e}");
     for bad in ["1d", "24", "0h", "1h30m", "-1h"] {

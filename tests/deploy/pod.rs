@@ -381,7 +381,9 @@ async fn the_rendered_pod_restores_serves_drains_and_restores_again() {
 }
 
 /// Plays the chart rendered with `sets` as pod `name` (its data volume
-/// `volume`).
+/// `volume`), as release `pitrtest`: a release of its own, so that its
+/// Secret and ConfigMap (podman secrets and volumes named after them) are
+/// not another test's.
 fn played<'a>(
     podman: &'a Podman,
     sets: &[(&str, &str)],
@@ -389,7 +391,7 @@ fn played<'a>(
     volume: &str,
     http: u16,
 ) -> (PlayedPod<'a>, u64) {
-    let docs = crate::chart::render("podtest", "tally-test", sets);
+    let docs = crate::chart::render("pitrtest", "tally-test", sets);
     let (yaml, grace) = pod_yaml(&docs, name, volume);
     let yaml_path = podman.file(&format!("{name}.yaml"));
     std::fs::write(&yaml_path, &yaml).unwrap();

@@ -58,10 +58,7 @@ pub async fn find(db: &Path, target: &str) -> Result<Option<Restored>, sqlx::Err
 /// checkpoints the write into the database file, so Litestream finds one
 /// file, as a restore leaves it.
 pub async fn record(db: &Path, restored: &Restored) -> Result<(), sqlx::Error> {
-    let mut conn = SqliteConnectOptions::new()
-        .filename(db)
-        .connect()
-        .await?;
+    let mut conn = SqliteConnectOptions::new().filename(db).connect().await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS point_in_time_restores (
              target TEXT PRIMARY KEY NOT NULL,

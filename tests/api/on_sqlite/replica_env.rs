@@ -109,7 +109,13 @@ impl Deployment {
             .env_clear()
             .envs(self.env())
             .current_dir(self.dir.path())
-            .args(["restore-to", "--timestamp", at, "--litestream-config", &config()])
+            .args([
+                "restore-to",
+                "--timestamp",
+                at,
+                "--litestream-config",
+                &config(),
+            ])
             .arg("--litestream")
             .arg(tool("litestream"))
             .output()
