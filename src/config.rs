@@ -44,6 +44,21 @@ pub enum Command {
         #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         hold_ms: u64,
     },
+    /// Restore the database (TALLY_DATABASE) to an instant from
+    /// Litestream's replica, if it does not exist yet; at most once per
+    /// instant: a restore already made is found in the latest state, which
+    /// is then restored instead. See docs/runbooks.md.
+    RestoreTo {
+        /// The instant, RFC 3339 (2026-05-01T10:04:00Z).
+        #[arg(long)]
+        timestamp: jiff::Timestamp,
+        /// Litestream's configuration file.
+        #[arg(long, default_value = "/etc/litestream.yml")]
+        litestream_config: PathBuf,
+        /// The litestream program.
+        #[arg(long, default_value = "litestream")]
+        litestream: PathBuf,
+    },
 }
 
 /// Everything the service needs to run. Secrets are in types whose `Debug`

@@ -58,6 +58,8 @@ use command::Command;
 pub(crate) use command::WRITE_RESULTS;
 use command::{Answer, Cleared, Queued, Reply};
 pub use open::Database;
+/// The record of point-in-time restores inside a SQLite database (`tally restore-to`).
+pub use sqlite::restores;
 use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
 

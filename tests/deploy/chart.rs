@@ -1417,3 +1417,98 @@ pub(crate) fn base64(s: &str) -> String {
     }
     out
 }
+
+#[test]
+fn a_restore_timestamp_makes_the_init_container_restore_to_that_instant_once() {
+    for at in ["2026-05-01T10:04:00Z", "2026-05-01T12:04:00.250+02:00"] {
+        let docs = rendered(&[("restore.timestamp", at)]);
+        let init = restore(&docs);
+        assert_eq!(
+            strings(&init["command"]),
+            [
+                "tally",
+                "restore-to",
+                "--timestamp",
+                at,
+                "--litestream-config",
+                "/etc/litestream/litestream.yml"
+            ]
+        );
+        // The same database path as tally's, from the same variables.
+        assert_eq!(env(init, "TALLY_DATABASE"), "/data/tally.db");
+        assert_eq!(env(tally(&docs), "TALLY_DATABASE"), "/data/tally.db");
+        // tally itself runs as always.
+        assert_eq!(
+            strings(&tally(&docs)["command"])[..2],
+            ["litestream", "replicate"]
+        );
+    }
+    // Empty is the latest state, as before.
+    let docs = rendered(&[("restore.timestamp", "")]);
+    assert_eq!(
+        strings(&restore(&docs)["command"])[..2],
+        ["litestream", "restore"]
+    );
+}
+
+#[test]
+fn a_restore_timestamp_that_is_not_rfc_3339_is_refused_by_the_schema() {
+    for bad in [
+        "2026-05-01 10:04",
+        "2026-05-01T10:04:00",
+        "2026-13-01T10:04:00Z",
+        "yesterday",
+        "1714557840Z",
+    ] {
+        let e = refused(&[BUCKET, ("restore.timestamp", bad)]);
+        assert!(e.contains("restore.timestamp"), "{bad}: {e}");
+        assert!(e.contains("date-time"), "{bad}: {e}");
+    }
+    // A bare number (epoch seconds) is not a string at all.
+    let e = refused(&[BUCKET, ("restore.timestamp", "1714557840")]);
+    assert!(e.contains("restore.timestamp"), "{e}");
+}
+
+#[test]
+fn history_is_litestreams_snapshot_interval_and_retention() {
+    let config = litestream_config(&rendered(&[]));
+    assert_eq!(config["snapshot"]["interval"], "24h");
+    assert_eq!(config["snapshot"]["retention"], "48h");
+    let config = litestream_config(&rendered(&[
+        ("history.snapshotInterval", "6h"),
+        ("history.retention", "30h"),
+    ]));
+    assert_eq!(config["snapshot"]["interval"], "6h");
+    assert_eq!(config["snapshot"]["retention"], "30h");
+    // A changed history rolls the pod, as any configuration does.
+    let checksum = |sets: &[(&str, &str)]| {
+        one(&rendered(sets), "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+            ["checksum/config"]
+            .clone()
+    };
+    assert_ne!(checksum(&[("history.retention", "72h")]), checksum(&[]));
+}
+
+#[test]
+fn history_that_would_keep_nothing_is_refused() {
+    let e = refused(&[BUCKET, ("history.retention", "24h")]);
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
+    let e = refused(&[
+        BUCKET,
+        ("history.snapshotInterval", "2h"),
+        ("history.retention", "90m"),
+    ]);
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
+    let e = refused(&[BUCKET, ("history.snapshotInterval", "30s")]);
+    assert!(e.contains("at least 1m"), "{e}");
+    for bad in ["1d", "24", "0h", "1h30m", "-1h"] {
+        let e = refused(&[BUCKET, ("history.retention", bad)]);
+        assert!(e.contains("history.retention"), "{bad}: {e}");
+    }
+}

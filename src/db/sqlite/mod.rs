@@ -22,6 +22,7 @@ use super::Error;
 mod files;
 mod open;
 mod readers;
+pub mod restores;
 pub(super) mod store;
 mod writer;
 
