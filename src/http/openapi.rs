@@ -33,6 +33,8 @@ pub struct ProblemDoc {
     pub reason: Option<String>,
     /// On unknown budgets: the name asked for.
     pub budget: Option<String>,
+    /// On a delete of an unknown counter: the name asked for.
+    pub counter: Option<String>,
     /// On `/problems/day-outside-window`: the oldest day the budget keeps.
     #[schema(format = Date)]
     pub oldest_day: Option<String>,
