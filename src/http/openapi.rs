@@ -116,7 +116,7 @@ pub enum Problems {
     BadRequest(ProblemDoc),
     #[response(
         status = 404,
-        description = "No such budget or route",
+        description = "No such budget (or, on a delete, counter) or route",
         content_type = "application/problem+json"
     )]
     NotFound(ProblemDoc),

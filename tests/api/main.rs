@@ -16,6 +16,7 @@ mod hostile_connections;
 mod idempotency;
 mod input_contract;
 mod lifecycle;
+mod lists;
 #[path = "../common/loopback.rs"]
 mod loopback;
 mod observability;
