@@ -158,8 +158,8 @@ mod tests {
     #[test]
     fn a_range_is_the_prefix_and_after_filter() {
         let names = [
-            "0", "A", "B", "Z", "_", "a", "a-", "a-b", "a.b", "a0", "a:b", "aZ", "a_", "a_b",
-            "ab", "az", "azz", "b", "z", "zz",
+            "0", "A", "B", "Z", "_", "a", "a-", "a-b", "a.b", "a0", "a:b", "aZ", "a_", "a_b", "ab",
+            "az", "azz", "b", "z", "zz",
         ];
         let mut bytes: Vec<&str> = names.to_vec();
         bytes.sort_unstable();

@@ -207,12 +207,8 @@ type LockKey<'a> = (u8, &'a str);
 
 fn lock_key(q: &Queued) -> LockKey<'_> {
     match &q.command {
-        Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => {
-            (0, name.as_str())
-        }
-        Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => {
-            (1, name.as_str())
-        }
+        Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => (0, name.as_str()),
+        Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => (1, name.as_str()),
         Command::Check { budget, .. } | Command::Reset { budget, .. } => (1, budget.as_str()),
     }
 }

@@ -46,7 +46,11 @@ pub fn api_parts(
 ) -> (Router, utoipa::openapi::OpenApi) {
     let api = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(counters::increment_default, counters::get_default))
-        .routes(routes!(counters::increment, counters::get, counters::delete))
+        .routes(routes!(
+            counters::increment,
+            counters::get,
+            counters::delete
+        ))
         .routes(routes!(counters::list))
         .routes(routes!(budgets::get, budgets::put, budgets::delete))
         .routes(routes!(budgets::list))

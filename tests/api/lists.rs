@@ -34,7 +34,8 @@ impl Kind {
     async fn create(self, app: &TestApp, name: &str) {
         let r = match self {
             Kind::Budgets => {
-                let body = json!({"visitor_limit": 3, "global_limit": 9, "timezone": "Europe/Berlin"});
+                let body =
+                    json!({"visitor_limit": 3, "global_limit": 9, "timezone": "Europe/Berlin"});
                 app.admin_put_budget(name, body).await
             }
             Kind::Counters => app.post_json(&format!("/counters/{name}"), json!({})).await,
@@ -135,7 +136,11 @@ async fn lists_in_byte_order_with_true_prefixes(kind: Kind) {
     for limit in [1, 2, 3, 5, 12, 13, 14, 1000] {
         let (walked, pages) = kind.walk(&app, "", limit).await;
         assert_eq!(walked, all, "limit {limit}");
-        assert_eq!(pages, all.len().div_ceil(limit as usize).max(1), "limit {limit}");
+        assert_eq!(
+            pages,
+            all.len().div_ceil(limit as usize).max(1),
+            "limit {limit}"
+        );
     }
     // Prefixes are byte prefixes: `_` and `-` are themselves, no wildcard.
     let cases: &[(&str, &[&str])] = &[
@@ -200,8 +205,11 @@ async fn counters_list_in_byte_order_with_true_prefixes() {
 #[tokio::test]
 async fn entries_are_what_a_get_answers() {
     let app = spawn_app().await;
-    app.admin_put_budget("b1", json!({"visitor_limit": 0, "global_limit": 4294967295_u32}))
-        .await;
+    app.admin_put_budget(
+        "b1",
+        json!({"visitor_limit": 0, "global_limit": 4294967295_u32}),
+    )
+    .await;
     app.admin_put_budget(
         "b2",
         json!({"visitor_limit": 5, "global_limit": 7, "retention_days": 30, "timezone": "america/new_york"}),
@@ -212,7 +220,12 @@ async fn entries_are_what_a_get_answers() {
     assert_eq!(items.len(), 2);
     for item in &items {
         let name = item["name"].as_str().unwrap();
-        let one: Value = app.get(&format!("/budgets/{name}")).await.json().await.unwrap();
+        let one: Value = app
+            .get(&format!("/budgets/{name}"))
+            .await
+            .json()
+            .await
+            .unwrap();
         assert_eq!(*item, one);
     }
     assert_eq!(items[1]["timezone"], "America/New_York");
@@ -222,7 +235,10 @@ async fn entries_are_what_a_get_answers() {
     let (items, _) = Kind::Counters.page(&app, "").await;
     assert_eq!(
         items,
-        [json!({"name": "c1", "value": 42}), json!({"name": "default", "value": 3})]
+        [
+            json!({"name": "c1", "value": 42}),
+            json!({"name": "default", "value": 3})
+        ]
     );
     app.stop().await.unwrap();
 }
@@ -265,7 +281,13 @@ async fn bad_list_queries_are_400() {
             assert_eq!(body["type"], "/problems/invalid-query", "{q}: {body}");
         }
         // The edges of what is accepted.
-        for q in ["limit=1", "limit=1000", "limit=%2B5", "prefix=a&after=a", ""] {
+        for q in [
+            "limit=1",
+            "limit=1000",
+            "limit=%2B5",
+            "prefix=a&after=a",
+            "",
+        ] {
             let r = app.get(&format!("{}?{q}", kind.path())).await;
             assert_eq!(r.status(), StatusCode::OK, "{q}");
         }

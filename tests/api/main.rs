@@ -11,6 +11,7 @@
 mod budgets;
 mod clients;
 mod counters;
+mod deletes;
 mod helpers;
 mod hostile_connections;
 mod idempotency;

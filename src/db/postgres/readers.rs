@@ -263,8 +263,13 @@ pub async fn usage_counts(
 macro_rules! list_sql {
     ($columns:literal, $table:literal, $op:literal) => {
         concat!(
-            "SELECT ", $columns, " FROM ", $table,
-            " WHERE name COLLATE \"C\" ", $op, " $1 AND name COLLATE \"C\" < $2",
+            "SELECT ",
+            $columns,
+            " FROM ",
+            $table,
+            " WHERE name COLLATE \"C\" ",
+            $op,
+            " $1 AND name COLLATE \"C\" < $2",
             " ORDER BY name COLLATE \"C\" LIMIT $3"
         )
     };
@@ -277,8 +282,16 @@ pub async fn list_budgets(
     range: KeyRange,
 ) -> Result<Vec<BudgetRow>, Error> {
     let sql = match range.inclusive {
-        true => list_sql!("name, visitor_limit, global_limit, retention_days, timezone", "budgets", ">="),
-        false => list_sql!("name, visitor_limit, global_limit, retention_days, timezone", "budgets", ">"),
+        true => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">="
+        ),
+        false => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">"
+        ),
     };
     sqlx::query_as(sql)
         .bind(&range.from)

@@ -33,8 +33,13 @@ macro_rules! upsert_counters {
 macro_rules! list_sql {
     ($columns:literal, $table:literal, $op:literal) => {
         concat!(
-            "SELECT ", $columns, " FROM ", $table,
-            " WHERE name ", $op, " ?1 AND name < ?2 ORDER BY name LIMIT ?3"
+            "SELECT ",
+            $columns,
+            " FROM ",
+            $table,
+            " WHERE name ",
+            $op,
+            " ?1 AND name < ?2 ORDER BY name LIMIT ?3"
         )
     };
 }
@@ -355,8 +360,16 @@ pub async fn usage_counts(
 /// scan of the primary key. Text compares byte by byte (`BINARY`).
 pub async fn list_budgets(pool: &SqlitePool, range: &KeyRange) -> Result<Vec<BudgetRow>, Error> {
     let sql = match range.inclusive {
-        true => list_sql!("name, visitor_limit, global_limit, retention_days, timezone", "budgets", ">="),
-        false => list_sql!("name, visitor_limit, global_limit, retention_days, timezone", "budgets", ">"),
+        true => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">="
+        ),
+        false => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">"
+        ),
     };
     sqlx::query_as(sql)
         .bind(&range.from)
