@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{
     Error,
+    command::Deleted,
     store::{Store, StoredKey},
 };
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
@@ -27,8 +28,8 @@ pub async fn claim(
 }
 
 /// An answer an idempotency key keeps: how it is stored with the key and
-/// read back. Only counter values and decisions are: only increments and
-/// checks take keys.
+/// read back. Counter values, decisions and deletes are: only increments,
+/// checks and deletes take keys.
 pub trait Kept: Sized {
     fn encode(&self) -> String;
     fn decode(stored: &str) -> Result<Self, String>;
@@ -53,6 +54,21 @@ impl Kept for Decision {
 
     fn decode(stored: &str) -> Result<Self, String> {
         decode_decision(stored)
+    }
+}
+
+/// A delete keeps that it happened: its retry answers the same `204`,
+/// though the row is gone by then.
+impl Kept for Deleted {
+    fn encode(&self) -> String {
+        "deleted".to_owned()
+    }
+
+    fn decode(stored: &str) -> Result<Self, String> {
+        match stored {
+            "deleted" => Ok(Deleted),
+            other => Err(format!("`{other}` is no stored delete")),
+        }
     }
 }
 
