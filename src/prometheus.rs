@@ -131,12 +131,12 @@ fn describe() {
     describe_gauge!(
         "tally_database_bytes",
         Unit::Bytes,
-        "SQLite: disk space the database's files take (allocated blocks, as du counts them), by file: db, wal, shm. Measured about every second."
+        "SQLite: disk space the database's files take (allocated blocks, as du counts them), by file: db, wal, shm. Measured about four times a second."
     );
     describe_gauge!(
         "tally_data_dir_bytes",
         Unit::Bytes,
-        "SQLite: disk space the database's directory takes (allocated blocks, as du and the kubelet count them), Litestream's staging files included. Measured about every second."
+        "SQLite: disk space the database's directory takes (allocated blocks, as du and the kubelet count them), Litestream's staging files included. Measured about four times a second."
     );
     describe_gauge!(
         "tally_database_free_bytes",
@@ -146,7 +146,7 @@ fn describe() {
     describe_gauge!(
         "tally_storage_used_bytes",
         Unit::Bytes,
-        "SQLite: what the storage limit measures: tally_data_dir_bytes less tally_database_free_bytes."
+        "SQLite: what the storage limit measures: tally_data_dir_bytes, plus the database's pages not yet checkpointed into its file, less tally_database_free_bytes."
     );
     describe_gauge!(
         "tally_storage_limit_bytes",

@@ -12,11 +12,15 @@
 //! entries, on one device, and never more than about 5% of its time
 //! walking) and asks a read-only connection how many pages inside the
 //! database are free. The writer never waits for it: before each batch it
-//! reads the last sample (a few atomic loads) and adds what it has let in
-//! since ([`PER_COMMAND`] a command).
+//! reads the last sample (a few atomic loads), adds what its own three
+//! files have grown since (three `stat` calls, as cheap as the files check
+//! after every commit), and what the batch may add ([`PER_BATCH`] and
+//! [`PER_COMMAND`] a command). Only Litestream's staging files can grow
+//! unseen, for a sample's interval.
 //!
-//! What the limit measures: the directory's usage less the database's free
-//! pages. Deleted rows (expired idempotency keys, resets) do not shrink the
+//! What the limit measures: the directory's usage, plus what the database
+//! file grows by at the next checkpoint (its new pages, so far in the WAL
+//! only), less the database's free pages. Deleted rows (expired idempotency keys, resets) do not shrink the
 //! file, so the usage the kubelet sees stays, but SQLite reuses those pages
 //! before it grows the file: they are room.
 
@@ -33,18 +37,23 @@ use std::{
 use sqlx::SqlitePool;
 
 /// How often the directory is measured, at most.
-const INTERVAL: Duration = Duration::from_secs(1);
+const INTERVAL: Duration = Duration::from_millis(250);
 
 /// Most directory entries one walk looks at: a directory holding more than
 /// tally and Litestream put there is counted in part (and said so, once).
 const MAX_ENTRIES: usize = 100_000;
 
-/// What the writer reckons a command that adds data adds on disk, until the
-/// next sample measures it: a keyed increment adds about 150 bytes to the
-/// database (its key), and as much again to the WAL and to Litestream's
-/// staging files until they are checkpointed and shipped. An
-/// overestimate only makes the limit bite a moment early.
-pub(super) const PER_COMMAND: u64 = 512;
+/// What the writer reckons a command that adds data may add on disk in its
+/// batch: a keyed increment adds about 150 bytes to the database (its key)
+/// and more to the WAL. An overestimate only makes the limit bite a batch
+/// early.
+pub(super) const PER_COMMAND: u64 = 256;
+
+/// And what a batch adds whatever its size: two pages of the WAL (a small
+/// keyed batch writes three or four, but the WAL's pages are reused after
+/// each checkpoint). The reckoning is good to a few pages: the limit is a
+/// soft one, set well below the volume's.
+pub(super) const PER_BATCH: u64 = 8192;
 
 /// The last sample, shared by the sampler and the writer.
 #[derive(Default)]
@@ -53,8 +62,12 @@ struct Sampled {
     dir_bytes: AtomicU64,
     /// Bytes of free pages inside the database.
     free_bytes: AtomicU64,
-    /// Samples taken: the writer's own reckoning starts over with each.
-    generation: AtomicU64,
+    /// Bytes the database file will grow by at the next checkpoint: its
+    /// pages that are in the WAL only.
+    pending_bytes: AtomicU64,
+    /// The database's three files' part of [`Self::dir_bytes`]: the writer
+    /// measures their growth since.
+    files_bytes: AtomicU64,
 }
 
 /// What one walk found, in allocated bytes.
@@ -75,10 +88,8 @@ pub(super) struct Space {
 
 struct Limit {
     bytes: u64,
-    /// The sample [`Self::added`] counts from.
-    generation: u64,
-    /// What the writer let in since that sample, reckoned.
-    added: u64,
+    /// The database, its `-wal` and its `-shm`.
+    files: [PathBuf; 3],
     /// Since when writes are refused, to log the start and the end.
     refusing_since: Option<Instant>,
 }
@@ -120,8 +131,7 @@ impl Space {
         });
         let limit = limit.map(|bytes| Limit {
             bytes,
-            generation: u64::MAX,
-            added: 0,
+            files: db_files(db),
             refusing_since: None,
         });
         Space { sampled, limit }
@@ -134,15 +144,18 @@ impl Space {
         let Some(limit) = &mut self.limit else {
             return Ok(());
         };
-        let generation = self.sampled.generation.load(Ordering::Acquire);
-        if generation != limit.generation {
-            limit.generation = generation;
-            limit.added = 0;
-        }
         let dir = self.sampled.dir_bytes.load(Ordering::Relaxed);
         let free = self.sampled.free_bytes.load(Ordering::Relaxed);
-        let used = dir.saturating_sub(free).saturating_add(limit.added);
-        let adds = adding as u64 * PER_COMMAND;
+        let then = self.sampled.files_bytes.load(Ordering::Relaxed);
+        let now: u64 = limit.files.iter().map(|f| allocated_at(f)).sum();
+        let pending = self.sampled.pending_bytes.load(Ordering::Relaxed);
+        let used = (dir.saturating_add(now).saturating_add(pending))
+            .saturating_sub(then)
+            .saturating_sub(free);
+        let adds = match adding {
+            0 => 0,
+            n => PER_BATCH + n as u64 * PER_COMMAND,
+        };
         if used.saturating_add(adds) > limit.bytes {
             if limit.refusing_since.is_none() {
                 limit.refusing_since = Some(Instant::now());
@@ -159,15 +172,16 @@ impl Space {
                 limit: limit.bytes,
             });
         }
-        limit.added += adds;
-        if adding > 0
+        // Near the limit a fresh sample lets a few writes in between
+        // refusals: the end is logged once there is room again.
+        if used < limit.bytes / 10 * 9
             && let Some(since) = limit.refusing_since.take()
         {
             tracing::warn!(
                 refused_for = ?since.elapsed(),
                 used,
                 limit = limit.bytes,
-                "below the storage limit again: writes commit again"
+                "below 90% of the storage limit again: writes commit again"
             );
         }
         Ok(())
@@ -200,20 +214,27 @@ impl Sampler {
         let usage = tokio::task::spawn_blocking(move || walk(&dir, &db))
             .await
             .ok()?;
-        let free = match sqlx::query_as::<_, (i64,)>(
-            "SELECT f.freelist_count * p.page_size FROM pragma_freelist_count() AS f, \
-             pragma_page_size() AS p",
+        // The database as SQLite sees it (WAL included): its free pages,
+        // and its size, which the file reaches at the next checkpoint.
+        let (free, size) = match sqlx::query_as::<_, (i64, i64)>(
+            "SELECT f.freelist_count * s.page_size, c.page_count * s.page_size \
+             FROM pragma_freelist_count() AS f, pragma_page_count() AS c, \
+             pragma_page_size() AS s",
         )
         .fetch_one(&self.readers)
         .await
         {
-            Ok((bytes,)) => u64::try_from(bytes).unwrap_or(0),
+            Ok((free, size)) => (
+                u64::try_from(free).unwrap_or(0),
+                u64::try_from(size).unwrap_or(0),
+            ),
             Err(sqlx::Error::PoolClosed) => return None,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read the database's free pages");
-                0
+                (0, 0)
             }
         };
+        let pending = size.saturating_sub(usage.files[0]);
         if usage.truncated && !self.said_truncated {
             self.said_truncated = true;
             tracing::warn!(
@@ -226,13 +247,17 @@ impl Sampler {
         let sampled = self.sampled.upgrade()?;
         sampled.dir_bytes.store(usage.dir, Ordering::Relaxed);
         sampled.free_bytes.store(free, Ordering::Relaxed);
-        sampled.generation.fetch_add(1, Ordering::Release);
+        sampled.pending_bytes.store(pending, Ordering::Relaxed);
+        sampled
+            .files_bytes
+            .store(usage.files.iter().sum(), Ordering::Relaxed);
         for (file, bytes) in ["db", "wal", "shm"].into_iter().zip(usage.files) {
             metrics::gauge!("tally_database_bytes", "file" => file).set(bytes as f64);
         }
         metrics::gauge!("tally_data_dir_bytes").set(usage.dir as f64);
         metrics::gauge!("tally_database_free_bytes").set(free as f64);
-        metrics::gauge!("tally_storage_used_bytes").set(usage.dir.saturating_sub(free) as f64);
+        metrics::gauge!("tally_storage_used_bytes")
+            .set((usage.dir + pending).saturating_sub(free) as f64);
         Some(())
     }
 }
@@ -241,15 +266,8 @@ impl Sampler {
 /// leaving its device), and those of the database's three files.
 fn walk(dir: &Path, db: &Path) -> Usage {
     let mut usage = Usage::default();
-    let files = ["", "-wal", "-shm"].map(|suffix| {
-        let mut p = db.as_os_str().to_owned();
-        p.push(suffix);
-        PathBuf::from(p)
-    });
-    for (bytes, path) in usage.files.iter_mut().zip(&files) {
-        *bytes = std::fs::symlink_metadata(path)
-            .map(|m| allocated(&m))
-            .unwrap_or(0);
+    for (bytes, path) in usage.files.iter_mut().zip(&db_files(db)) {
+        *bytes = allocated_at(path);
     }
     let Ok(root) = std::fs::symlink_metadata(dir) else {
         return usage;
@@ -281,6 +299,22 @@ fn walk(dir: &Path, db: &Path) -> Usage {
         }
     }
     usage
+}
+
+/// The database's three files.
+fn db_files(db: &Path) -> [PathBuf; 3] {
+    ["", "-wal", "-shm"].map(|suffix| {
+        let mut p = db.as_os_str().to_owned();
+        p.push(suffix);
+        PathBuf::from(p)
+    })
+}
+
+/// What the file at `path` takes on disk; 0 if there is none.
+fn allocated_at(path: &Path) -> u64 {
+    std::fs::symlink_metadata(path)
+        .map(|m| allocated(&m))
+        .unwrap_or(0)
 }
 
 /// What a file takes on disk: its allocated blocks, as `du` counts them (a
@@ -378,33 +412,50 @@ mod tests {
     }
 
     #[test]
-    fn the_limit_counts_free_pages_as_room_and_reckons_what_it_lets_in() {
+    fn the_limit_counts_free_pages_as_room_and_sees_its_files_grow() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        std::fs::write(&db, vec![1u8; 8192]).unwrap();
         let sampled = Arc::new(Sampled::default());
+        let limit = 100_000;
         let mut space = Space {
             sampled: Arc::clone(&sampled),
             limit: Some(Limit {
-                bytes: 10_000,
-                generation: u64::MAX,
-                added: 0,
+                bytes: limit,
+                files: db_files(&db),
                 refusing_since: None,
             }),
         };
         let sample = |dir: u64, free: u64| {
+            let usage = walk(dir_of(&db), &db);
             sampled.dir_bytes.store(dir, Ordering::Relaxed);
             sampled.free_bytes.store(free, Ordering::Relaxed);
-            sampled.generation.fetch_add(1, Ordering::Release);
+            sampled.pending_bytes.store(pending, Ordering::Relaxed);
+            sampled
+                .files_bytes
+                .store(usage.files.iter().sum(), Ordering::Relaxed);
         };
-        sample(8_000, 0);
-        // 3 commands reckoned at 512 bytes each fit; 4 more do not.
-        space.admit(3).unwrap();
-        let over = space.admit(4).unwrap_err();
-        assert_eq!((over.used, over.limit), (8_000 + 3 * 512, 10_000));
+        sample(limit - PER_BATCH - 10 * PER_COMMAND, 0);
+        // A batch of 10 fits, 11 do not.
+        space.admit(10).unwrap();
+        let over = space.admit(11).unwrap_err();
+        assert_eq!(
+            (over.used, over.limit),
+            (limit - PER_BATCH - 10 * PER_COMMAND, limit)
+        );
         // Nothing that adds data always passes.
         space.admit(0).unwrap();
+        // The WAL grew since the sample: that counts at once.
+        std::fs::write(dir.path().join("t.db-wal"), vec![1u8; 8192]).unwrap();
+        let over = space.admit(1).unwrap_err();
+        assert!(
+            over.used >= limit - PER_BATCH - 10 * PER_COMMAND + 8192,
+            "{over:?}"
+        );
         // Full: refused until free pages make room.
-        sample(10_000, 0);
+        sample(limit, 0);
         assert!(space.admit(1).is_err());
-        sample(10_000, 4_000);
+        sample(limit, 20_000);
         space.admit(1).unwrap();
         // Without a limit everything is admitted.
         let mut unlimited = Space {
@@ -412,5 +463,9 @@ mod tests {
             limit: None,
         };
         unlimited.admit(1_000_000).unwrap();
+    }
+
+    fn dir_of(db: &Path) -> &Path {
+        db.parent().unwrap()
     }
 }

@@ -250,8 +250,8 @@ impl Store for SqliteConnection {
         // A bounded share, found by the age index: the writer runs
         // the next one after its next keyed batch (see `keys::FORGET_SHARE`).
         Ok(sqlx::query(
-            "DELETE FROM idempotency_keys WHERE rowid IN
-               (SELECT rowid FROM idempotency_keys WHERE created_at < ?1 LIMIT ?2)",
+            "DELETE FROM idempotency_keys WHERE key IN
+               (SELECT key FROM idempotency_keys WHERE created_at < ?1 LIMIT ?2)",
         )
         .bind(cutoff)
         .bind(keys::FORGET_SHARE as i64)

@@ -16,3 +16,4 @@ mod lifecycle;
 mod replica_env;
 mod replication;
 mod storage_faults;
+mod storage_limit;
