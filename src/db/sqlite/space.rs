@@ -430,7 +430,6 @@ mod tests {
             let usage = walk(dir_of(&db), &db);
             sampled.dir_bytes.store(dir, Ordering::Relaxed);
             sampled.free_bytes.store(free, Ordering::Relaxed);
-            sampled.pending_bytes.store(pending, Ordering::Relaxed);
             sampled
                 .files_bytes
                 .store(usage.files.iter().sum(), Ordering::Relaxed);

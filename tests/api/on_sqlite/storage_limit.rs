@@ -155,7 +155,7 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
     // After a clean stop the WAL is checkpointed into the file.
     let db_before = std::fs::metadata(&db).unwrap().len();
-    let mut bin = Binary::start(&env(limit_static, "1h"));
+    let bin = Binary::start(&env(limit_static, "1h"));
 
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
