@@ -14,8 +14,14 @@ use super::{
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
 use serde::{Deserialize, Serialize};
 
-/// How long a key is remembered.
-pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// How long a key is remembered unless configured
+/// (`TALLY_IDEMPOTENCY_KEY_TTL`).
+pub const DEFAULT_KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Most keys one clean-up deletes (both engines' statements take this
+/// share): one statement stays short however large the backlog, and the
+/// writer runs the next share after its next keyed batch.
+pub const FORGET_SHARE: u64 = 10_000;
 
 /// What is stored for `key`, or `None`: then the key is the transaction's
 /// and [`remember`] stores the command's answer under it.
@@ -88,9 +94,10 @@ pub fn replay<T: Kept>(stored: &StoredKey) -> Result<T, Error> {
         .map_err(|e| Error::Internal(format!("stored idempotent answer: {e}").into()))
 }
 
-/// Forgets keys older than [`KEY_TTL`]; returns how many.
-pub async fn forget_expired(conn: &mut impl Store) -> Result<u64, Error> {
-    conn.forget_keys_older_than(KEY_TTL).await
+/// Forgets one share of the keys older than `ttl` (how long a key is
+/// remembered, `TALLY_IDEMPOTENCY_KEY_TTL`); returns how many.
+pub async fn forget_expired(conn: &mut impl Store, ttl: Duration) -> Result<u64, Error> {
+    conn.forget_keys_older_than(ttl).await
 }
 
 /// This process's clock in unix seconds: the keys' clock on SQLite, where

@@ -85,6 +85,12 @@ pub struct DbOptions {
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,
+    /// How long an idempotency key is remembered; `None`: a day.
+    pub key_ttl: Option<Duration>,
+    /// SQLite: the most the database's directory may use on disk, beyond
+    /// which writes that add data are refused as on a full disk
+    /// (`sqlite::space`). `None`: no limit.
+    pub storage_limit: Option<u64>,
     /// Test hook: the writer sleeps this long before each batch.
     #[cfg(feature = "test-hooks")]
     pub writer_delay: Option<Duration>,

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    DbOptions, Handle, HandleInner, OpenError, Writer, postgres,
+    DbOptions, Handle, HandleInner, OpenError, Writer, keys, postgres,
     reads::{self, Readers},
     sqlite,
     stats::QueueStats,
@@ -30,6 +30,14 @@ impl Database {
                 Ok(assemble(readers, engine, opts))
             }
             Storage::Postgres(url) => {
+                if opts.storage_limit.is_some() {
+                    return Err(OpenError::Postgres {
+                        url: url.to_string(),
+                        reason: "TALLY_STORAGE_LIMIT applies to a SQLite database only (the \
+                                 server keeps its own disk): unset it"
+                            .into(),
+                    });
+                }
                 let (readers, engine) = postgres::open(url, opts).await?;
                 Ok(assemble(readers, engine, opts))
             }
@@ -59,6 +67,7 @@ fn assemble(readers: Readers, engine: impl Engine, opts: &DbOptions) -> (Handle,
         #[cfg(feature = "test-hooks")]
         delay: opts.writer_delay,
         keys_forgotten_at: None,
+        key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]
         panic_after: opts.writer_panic_after,
         batches: 0,

@@ -226,6 +226,46 @@ fn database_on_an_empty_dir_without_volume_claims() {
     assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], "2Gi");
 }
 
+/// With a size limit, tally's soft limit is a third of it in bytes (the
+/// next pod holds the database three times over), and the binary takes
+/// the value; without one there is no soft limit.
+#[test]
+fn the_storage_limit_is_a_third_of_the_size_limit() {
+    assert!(env_entry(tally(&rendered(&[])), "TALLY_STORAGE_LIMIT").is_none());
+    for (size, bytes) in [
+        ("2Gi", 2u64 * 1024 * 1024 * 1024 / 3),
+        ("64Mi", 64 * 1024 * 1024 / 3),
+        ("1.5T", 500_000_000_000),
+        ("600M", 200_000_000),
+    ] {
+        let docs = rendered(&[("persistence.sizeLimit", size)]);
+        assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], size);
+        let limit = env(tally(&docs), "TALLY_STORAGE_LIMIT");
+        assert_eq!(limit, bytes.to_string(), "{size}");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(["--storage-limit", limit, "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{size}: tally refuses {limit}");
+    }
+}
+
+/// The keys' lifetime is a value, rendered as tally reads it; a value tally
+/// would refuse is refused by the schema.
+#[test]
+fn the_idempotency_key_lifetime_is_a_value() {
+    assert_eq!(
+        env(tally(&rendered(&[])), "TALLY_IDEMPOTENCY_KEY_TTL"),
+        "24h"
+    );
+    let docs = rendered(&[("config.idempotencyKeyTTL", "90m")]);
+    assert_eq!(env(tally(&docs), "TALLY_IDEMPOTENCY_KEY_TTL"), "90m");
+    for bad in ["1w", "24 h", "-1h"] {
+        let e = refused(&[BUCKET, ("config.idempotencyKeyTTL", bad)]);
+        assert!(e.contains("idempotencyKeyTTL"), "{bad}: {e}");
+    }
+}
+
 fn data_volume(docs: &[Value]) -> &Value {
     pod_spec(docs)["volumes"]
         .as_array()

@@ -295,14 +295,18 @@ impl Store for SqliteConnection {
 
     async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
         let cutoff = keys::unix_now() - i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
-        Ok(
-            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
-                .bind(cutoff)
-                .execute(self)
-                .await
-                .map_err(error)?
-                .rows_affected(),
+        // A bounded share, found by the age index: the writer runs
+        // the next one after its next keyed batch (see `keys::FORGET_SHARE`).
+        Ok(sqlx::query(
+            "DELETE FROM idempotency_keys WHERE key IN
+               (SELECT key FROM idempotency_keys WHERE created_at < ?1 LIMIT ?2)",
         )
+        .bind(cutoff)
+        .bind(keys::FORGET_SHARE as i64)
+        .execute(self)
+        .await
+        .map_err(error)?
+        .rows_affected())
     }
 }
 

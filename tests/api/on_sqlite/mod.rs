@@ -17,3 +17,4 @@ mod point_in_time;
 mod replica_env;
 mod replication;
 mod storage_faults;
+mod storage_limit;
