@@ -53,6 +53,8 @@ impl Application {
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,
             lock_timeout: settings.postgres_lock_timeout,
+            key_ttl: Some(settings.idempotency_key_ttl),
+            storage_limit: settings.storage_limit,
             #[cfg(feature = "test-hooks")]
             writer_delay: settings
                 .test_writer_delay_ms

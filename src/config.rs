@@ -44,6 +44,21 @@ pub enum Command {
         #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         hold_ms: u64,
     },
+    /// Restore the database (TALLY_DATABASE) to an instant from
+    /// Litestream's replica, if it does not exist yet; at most once per
+    /// instant: a restore already made is found in the latest state, which
+    /// is then restored instead. See docs/runbooks.md.
+    RestoreTo {
+        /// The instant, RFC 3339 (2026-05-01T10:04:00Z).
+        #[arg(long)]
+        timestamp: jiff::Timestamp,
+        /// Litestream's configuration file.
+        #[arg(long, default_value = "/etc/litestream.yml")]
+        litestream_config: PathBuf,
+        /// The litestream program.
+        #[arg(long, default_value = "litestream")]
+        litestream: PathBuf,
+    },
 }
 
 /// Everything the service needs to run. Secrets are in types whose `Debug`
@@ -136,6 +151,24 @@ pub struct Settings {
     /// seconds; tally exits non-zero when it passes.
     #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_seconds)]
     pub replica_wait_timeout: Duration,
+
+    /// SQLite only: the most the database's directory may use on disk
+    /// (allocated blocks, as `du` and the kubelet count them, less the free
+    /// pages inside the database, which SQLite reuses before it grows the
+    /// file). Past it, writes that would add data are answered 507
+    /// storage-full, as on a full disk; resets still run. Bytes, or a
+    /// number with a unit: k, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti
+    /// (powers of 1024). No limit when unset.
+    #[arg(long, env = "TALLY_STORAGE_LIMIT", value_parser = parse_bytes)]
+    pub storage_limit: Option<u64>,
+
+    /// How long an idempotency key is remembered (a retry with it within
+    /// that time replays the first answer): seconds, or a number with a
+    /// unit s, m, h or d. From 1 s to 30 d; each key costs about 150 bytes
+    /// of the database while it is kept.
+    #[arg(long, env = "TALLY_IDEMPOTENCY_KEY_TTL", default_value = "24h",
+          value_parser = parse_key_ttl)]
+    pub idempotency_key_ttl: Duration,
 
     /// Pause the writer this many milliseconds before each batch. For tests of
     /// backpressure only: a build with the `test-hooks` feature (the test
@@ -285,6 +318,78 @@ fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A size in bytes: a whole number, bare or with a unit (`k`, `M`, `G`,
+/// `T` decimal; `Ki`, `Mi`, `Gi`, `Ti` binary), or a decimal number with
+/// a unit (`1.5Gi`). At least 1 MiB: less is not room for a database.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    const UNITS: [(&str, f64); 8] = [
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+    ];
+    let not_a_size = || {
+        format!(
+            "`{s}` is not a size: give bytes (1073741824) or a number with a unit, such as 1Gi \
+             (Ki Mi Gi Ti are powers of 1024, k M G T of 1000)"
+        )
+    };
+    let t = s.trim();
+    let (number, factor) = match UNITS.iter().find(|(u, _)| t.ends_with(u)) {
+        Some((u, f)) => (&t[..t.len() - u.len()], *f),
+        None => (t, 1.0),
+    };
+    let digits_and_point =
+        |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    if !digits_and_point(number) || (factor == 1.0 && number.contains('.')) {
+        return Err(not_a_size());
+    }
+    let value: f64 = number.parse().map_err(|_| not_a_size())?;
+    let bytes = (value * factor).floor();
+    if !(1048576.0..=9.0e18).contains(&bytes) {
+        return Err(format!("`{s}` must be at least 1Mi (1048576 bytes)"));
+    }
+    Ok(bytes as u64)
+}
+
+/// How long a key is kept: seconds, or a number with a unit (`s`, `m`,
+/// `h`, `d`), from 1 s to 30 days.
+fn parse_key_ttl(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let (number, unit) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let factor = match unit {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        "d" => 86_400.0,
+        _ => {
+            return Err(format!(
+                "`{s}` is not a duration: give seconds or a number with a unit s, m, h or d \
+                 (such as 24h)"
+            ));
+        }
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration: give seconds or a number with a unit s, m, h or d (such as 24h)"))?;
+    let secs = value * factor;
+    // Written so that NaN fails too.
+    if !(1.0..=30.0 * 86_400.0).contains(&secs) {
+        return Err(format!(
+            "`{s}` must be between 1s and 30d: a key must outlive a client's retries, and every \
+             key is kept (about 150 bytes of the database) for that long"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 impl Settings {
     /// Settings for a SQLite database at `path`, everything else at its
     /// default.
@@ -397,6 +502,58 @@ mod tests {
             Settings::for_database("x.db").postgres_lock_timeout,
             Duration::from_secs(2)
         );
+    }
+
+    #[test]
+    fn the_storage_limit_takes_bytes_or_a_unit() {
+        let parse = |s: &str| {
+            let flag = format!("--storage-limit={s}");
+            Cli::try_parse_from(["tally", flag.as_str()]).map(|c| c.settings.storage_limit)
+        };
+        assert_eq!(Settings::for_database("x.db").storage_limit, None);
+        assert_eq!(parse("1073741824").unwrap(), Some(1 << 30));
+        assert_eq!(parse("1Gi").unwrap(), Some(1 << 30));
+        assert_eq!(parse("1.5Gi").unwrap(), Some(3 << 29));
+        assert_eq!(parse("2G").unwrap(), Some(2_000_000_000));
+        assert_eq!(parse("600Mi").unwrap(), Some(600 << 20));
+        assert_eq!(parse("4096k").unwrap(), Some(4_096_000));
+        for bad in [
+            "", "Gi", "1GB", "1 g", "-1Gi", "1.5", "0x10", "512m", "nan", "1e9",
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("is not a size"), "{bad}: {e}");
+        }
+        for small in ["0", "1000", "1000k", "1023Ki"] {
+            let e = parse(small).unwrap_err().to_string();
+            assert!(e.contains("at least 1Mi"), "{small}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_key_ttl_is_a_duration_from_a_second_to_thirty_days() {
+        let parse = |s: &str| {
+            let flag = format!("--idempotency-key-ttl={s}");
+            Cli::try_parse_from(["tally", flag.as_str()]).map(|c| c.settings.idempotency_key_ttl)
+        };
+        assert_eq!(
+            Settings::for_database("x.db").idempotency_key_ttl,
+            Duration::from_secs(24 * 3600)
+        );
+        assert_eq!(parse("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse("15m").unwrap(), Duration::from_secs(900));
+        assert_eq!(parse("1.5h").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        for bad in [
+            "", "h", "1w", "24 hours", "abc", "1h30m", "nan", "inf", "1e9",
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("is not a duration"), "{bad}: {e}");
+        }
+        for out in ["0", "0.5s", "-1h", "31d", "1000000000"] {
+            let e = parse(out).unwrap_err().to_string();
+            assert!(e.contains("between 1s and 30d"), "{out}: {e}");
+        }
     }
 
     #[test]

@@ -30,6 +30,8 @@
 //! - [`prometheus`]: Prometheus metrics: the recorder, every metric's
 //!   meaning, and what is sampled at scrape time. (Per-request ids and
 //!   metrics by route are `http::instrument`.)
+//! - [`restore`]: `tally restore-to`, a restore to a point in time from
+//!   Litestream's replica that acts once, not at every start.
 //! - [`telemetry`]: structured logs.
 //!
 //! Data flows one way: handler -> command -> writer -> reply. A handler never
@@ -45,6 +47,7 @@ mod http;
 mod meter;
 mod prometheus;
 mod replica;
+pub mod restore;
 pub mod server;
 pub mod telemetry;
 

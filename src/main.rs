@@ -25,6 +25,11 @@ async fn main() -> ExitCode {
         Command::Contention { writers, hold_ms } => {
             contention(writers as usize, Duration::from_millis(hold_ms)).await
         }
+        Command::RestoreTo {
+            timestamp,
+            litestream_config,
+            litestream,
+        } => restore_to(&cli.settings, timestamp, litestream, litestream_config).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -38,6 +43,17 @@ async fn main() -> ExitCode {
 
 async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
+    if let tally::Storage::Sqlite(db) = &settings.database
+        && let Some(m) = tally::restore::marker(db)
+    {
+        tracing::info!(
+            target = m.target,
+            txid = m.txid,
+            last_transaction_at = m.last_transaction_at,
+            restored_at = m.restored_at,
+            "the database comes from a restore to a point in time"
+        );
+    }
     // Under Litestream, tally stops with its parent.
     let parent = settings.litestream_socket.is_some().then_some(parent);
     // Before anything is served: a SIGTERM from then on drains.
@@ -62,5 +78,21 @@ async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {
     );
     let outcomes = tally::db::contention::run(writers, hold).await?;
     print!("{}", tally::db::contention::render(&outcomes));
+    Ok(())
+}
+
+async fn restore_to(
+    settings: &tally::Settings,
+    timestamp: jiff::Timestamp,
+    binary: std::path::PathBuf,
+    config: std::path::PathBuf,
+) -> anyhow::Result<()> {
+    let tally::Storage::Sqlite(db) = &settings.database else {
+        bail!(
+            "restore-to restores a SQLite database from Litestream's replica; TALLY_DATABASE is a PostgreSQL URL"
+        );
+    };
+    let ls = tally::restore::Litestream { binary, config };
+    tally::restore::restore_to(db, timestamp, &ls).await?;
     Ok(())
 }

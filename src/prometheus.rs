@@ -128,6 +128,31 @@ fn describe() {
         Unit::Bytes,
         "Size of the database's WAL file."
     );
+    describe_gauge!(
+        "tally_database_bytes",
+        Unit::Bytes,
+        "SQLite: disk space the database's files take (allocated blocks, as du counts them), by file: db, wal, shm. Measured about four times a second."
+    );
+    describe_gauge!(
+        "tally_data_dir_bytes",
+        Unit::Bytes,
+        "SQLite: disk space the database's directory takes (allocated blocks, as du and the kubelet count them), Litestream's staging files included. Measured about four times a second."
+    );
+    describe_gauge!(
+        "tally_database_free_bytes",
+        Unit::Bytes,
+        "SQLite: free pages inside the database file, which SQLite reuses before it grows the file."
+    );
+    describe_gauge!(
+        "tally_storage_used_bytes",
+        Unit::Bytes,
+        "SQLite: what the storage limit measures: tally_data_dir_bytes, plus the database's pages not yet checkpointed into its file, less tally_database_free_bytes."
+    );
+    describe_gauge!(
+        "tally_storage_limit_bytes",
+        Unit::Bytes,
+        "SQLite: the storage limit (TALLY_STORAGE_LIMIT); absent without one. Past it, writes that add data are answered 507."
+    );
     describe_gauge!("tally_db_readers_in_use", "Read-only connections in use.");
     describe_gauge!("tally_db_readers_open", "Read-only connections open.");
     describe_gauge!(

@@ -10,6 +10,7 @@ use jiff::Timestamp;
 
 use super::{
     Error,
+    command::Deleted,
     store::{BudgetRow, Store},
 };
 use crate::meter::{
@@ -27,32 +28,35 @@ pub async fn put(conn: &mut impl Store, name: &Name, spec: &BudgetSpec) -> Resul
 
 /// Budgets as stored, by name.
 pub fn from_rows(rows: Vec<BudgetRow>) -> Result<HashMap<String, Budget>, Error> {
-    let mut budgets = HashMap::with_capacity(rows.len());
-    for BudgetRow {
+    rows.into_iter()
+        .map(|row| Ok((row.name.clone(), from_row(row)?)))
+        .collect()
+}
+
+/// A budget as stored. A row tally cannot read back is its own
+/// inconsistency, never the client's.
+pub fn from_row(row: BudgetRow) -> Result<Budget, Error> {
+    let BudgetRow {
         name,
         visitor_limit,
         global_limit,
         retention_days,
         timezone: timezone_name,
-    } in rows
-    {
-        let bad = |what: &str| Error::Internal(format!("stored budget `{name}`: {what}").into());
-        let timezone = meter::load_timezone(&timezone_name)
-            .map_err(|e| bad(&format!("bad time zone: {e}")))?;
-        let limit = |n: i64| u32::try_from(n).map_err(|_| bad(&format!("{n} is no limit")));
-        let budget = Budget {
-            name: Name::parse(&name).map_err(|e| bad(&e.0))?,
-            spec: BudgetSpec {
-                visitor_limit: limit(visitor_limit)?,
-                global_limit: limit(global_limit)?,
-                retention_days: limit(retention_days)?,
-                timezone,
-                timezone_name,
-            },
-        };
-        budgets.insert(name, budget);
-    }
-    Ok(budgets)
+    } = row;
+    let bad = |what: &str| Error::Internal(format!("stored budget `{name}`: {what}").into());
+    let timezone =
+        meter::load_timezone(&timezone_name).map_err(|e| bad(&format!("bad time zone: {e}")))?;
+    let limit = |n: i64| u32::try_from(n).map_err(|_| bad(&format!("{n} is no limit")));
+    Ok(Budget {
+        name: Name::parse(&name).map_err(|e| bad(&e.0))?,
+        spec: BudgetSpec {
+            visitor_limit: limit(visitor_limit)?,
+            global_limit: limit(global_limit)?,
+            retention_days: limit(retention_days)?,
+            timezone,
+            timezone_name,
+        },
+    })
 }
 
 /// One budget from what was loaded for it, or [`Refusal::UnknownBudget`].
@@ -254,4 +258,15 @@ pub async fn reset(
         .delete_usage(b, &d, visitor.map(VisitorId::as_str))
         .await?;
     Ok((day, deleted))
+}
+
+/// Deletes a budget and all its usage, or refuses with
+/// [`Refusal::UnknownBudget`] (and deletes nothing). A check of the same
+/// budget earlier in the queue was counted, and its calls go with the
+/// budget; one later in the queue finds no budget.
+pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error> {
+    match conn.delete_budget(name.as_str()).await? {
+        true => Ok(Deleted),
+        false => Err(Refusal::UnknownBudget(name.clone()).into()),
+    }
 }

@@ -40,7 +40,16 @@ pub enum Command {
         visitor: Option<VisitorId>,
         reply: Reply<Cleared>,
     },
+    /// Deletes a budget, its configuration and every day of its usage, in
+    /// one transaction.
+    DeleteBudget { name: Name, reply: Reply<Deleted> },
+    /// Deletes a counter: a later increment starts again from 0.
+    DeleteCounter { name: Name, reply: Reply<Deleted> },
 }
+
+/// What a delete answers: that the row was there and is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deleted;
 
 /// What a reset did: the day it cleared and how many usage rows it deleted.
 #[derive(Debug, Clone, Copy)]
@@ -177,6 +186,8 @@ pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
     ("put_budget", &["ok", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("delete_budget", &["ok", "unknown_budget", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("delete_counter", &["ok", "unknown_counter", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
 ];
 
 const FULL: &str = "storage_full";
@@ -190,12 +201,16 @@ pub const NOT_COMMITTED: &str = "not_committed";
 impl Command {
     /// The counter value this command committed, for
     /// [`super::committed::Committed::publish`]: an increment's new value,
-    /// unless it was replayed for an idempotency key (then it is an old
-    /// value, not the counter's).
+    /// 0 for a deleted counter; nothing for a command replayed for an
+    /// idempotency key (its answer is old, not the counter's value).
     pub fn committed_counter(&self) -> Option<(&str, i64)> {
         match self {
             Command::Increment { name, reply, .. } if !reply.is_replayed() => {
                 reply.value().map(|&v| (name.as_str(), v))
+            }
+            // Gone, so read as 0, until an increment starts it again.
+            Command::DeleteCounter { name, reply } if !reply.is_replayed() => {
+                reply.value().map(|_| (name.as_str(), 0))
             }
             _ => None,
         }
@@ -208,6 +223,8 @@ impl Command {
             Command::PutBudget { .. } => "put_budget",
             Command::Check { .. } => "check",
             Command::Reset { .. } => "reset",
+            Command::DeleteBudget { .. } => "delete_budget",
+            Command::DeleteCounter { .. } => "delete_counter",
         }
     }
 
@@ -216,7 +233,10 @@ impl Command {
     pub fn goes_by_the_time(&self) -> bool {
         match self {
             Command::Check { .. } | Command::Reset { .. } => true,
-            Command::Increment { .. } | Command::PutBudget { .. } => false,
+            Command::Increment { .. }
+            | Command::PutBudget { .. }
+            | Command::DeleteBudget { .. }
+            | Command::DeleteCounter { .. } => false,
         }
     }
 
@@ -228,6 +248,8 @@ impl Command {
             Command::PutBudget { reply, .. } => reply.outcome(),
             Command::Check { reply, .. } => reply.outcome(),
             Command::Reset { reply, .. } => reply.outcome(),
+            Command::DeleteBudget { reply, .. } => reply.outcome(),
+            Command::DeleteCounter { reply, .. } => reply.outcome(),
         }
     }
 
@@ -238,6 +260,8 @@ impl Command {
             Command::PutBudget { reply, .. } => reply.set(Err(e)),
             Command::Check { reply, .. } => reply.set(Err(e)),
             Command::Reset { reply, .. } => reply.set(Err(e)),
+            Command::DeleteBudget { reply, .. } => reply.set(Err(e)),
+            Command::DeleteCounter { reply, .. } => reply.set(Err(e)),
         }
     }
 
@@ -248,6 +272,8 @@ impl Command {
             Command::PutBudget { reply, .. } => reply.send(commit),
             Command::Check { reply, .. } => reply.send(commit),
             Command::Reset { reply, .. } => reply.send(commit),
+            Command::DeleteBudget { reply, .. } => reply.send(commit),
+            Command::DeleteCounter { reply, .. } => reply.send(commit),
         }
     }
 
@@ -270,6 +296,8 @@ impl Command {
             } => format!("check {budget} today {visitor}"),
             Command::PutBudget { name, .. } => format!("put_budget {name}"),
             Command::Reset { budget, .. } => format!("reset {budget}"),
+            Command::DeleteBudget { name, .. } => format!("delete_budget {name}"),
+            Command::DeleteCounter { name, .. } => format!("delete_counter {name}"),
         }
     }
 }
@@ -280,7 +308,10 @@ impl fmt::Display for Command {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Command::Increment { name, .. } => write!(f, "counter={name}"),
-            Command::PutBudget { name, .. } => write!(f, "budget={name}"),
+            Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => {
+                write!(f, "budget={name}")
+            }
+            Command::DeleteCounter { name, .. } => write!(f, "counter={name}"),
             Command::Check {
                 budget, visitor, ..
             } => write!(f, "budget={budget} visitor={visitor:?}"),
@@ -319,6 +350,7 @@ mod tests {
         let outside = budget.day(Some(day), jiff::Timestamp::now()).unwrap_err();
         let kinds: Vec<&str> = [
             Refusal::UnknownBudget(name.clone()).into(),
+            Refusal::UnknownCounter(name.clone()).into(),
             Refusal::Overflow(name).into(),
             Refusal::KeyReused.into(),
             outside.into(),
@@ -334,7 +366,17 @@ mod tests {
         .chain(["ok", NOT_COMMITTED])
         .collect();
         let commands: Vec<&str> = WRITE_RESULTS.iter().map(|(c, _)| *c).collect();
-        assert_eq!(commands, ["increment", "put_budget", "check", "reset"]);
+        assert_eq!(
+            commands,
+            [
+                "increment",
+                "put_budget",
+                "check",
+                "reset",
+                "delete_budget",
+                "delete_counter"
+            ]
+        );
         for (command, results) in WRITE_RESULTS {
             for r in *results {
                 assert!(kinds.contains(r), "{command}: {r}");

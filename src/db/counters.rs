@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{Error, store::Store};
+use super::{Error, command::Deleted, store::Store};
 use crate::meter::{Name, Refusal};
 
 /// Adds `by` to one counter and returns its new value.
@@ -13,6 +13,16 @@ pub async fn increment(conn: &mut impl Store, name: &Name, by: i64) -> Result<i6
     match increment_many(conn, &[(name, by)]).await? {
         Some(values) => values.first().copied().ok_or_else(fewer_rows),
         None => Err(Refusal::Overflow(name.clone()).into()),
+    }
+}
+
+/// Deletes a counter, or refuses with [`Refusal::UnknownCounter`]: one
+/// never written (or deleted already) reads as 0 but is not there to
+/// delete.
+pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error> {
+    match conn.delete_counter(name.as_str()).await? {
+        true => Ok(Deleted),
+        false => Err(Refusal::UnknownCounter(name.clone()).into()),
     }
 }
 

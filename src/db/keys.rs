@@ -8,13 +8,20 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{
     Error,
+    command::Deleted,
     store::{Store, StoredKey},
 };
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
 use serde::{Deserialize, Serialize};
 
-/// How long a key is remembered.
-pub const KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// How long a key is remembered unless configured
+/// (`TALLY_IDEMPOTENCY_KEY_TTL`).
+pub const DEFAULT_KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Most keys one clean-up deletes (both engines' statements take this
+/// share): one statement stays short however large the backlog, and the
+/// writer runs the next share after its next keyed batch.
+pub const FORGET_SHARE: u64 = 10_000;
 
 /// What is stored for `key`, or `None`: then the key is the transaction's
 /// and [`remember`] stores the command's answer under it.
@@ -27,8 +34,8 @@ pub async fn claim(
 }
 
 /// An answer an idempotency key keeps: how it is stored with the key and
-/// read back. Only counter values and decisions are: only increments and
-/// checks take keys.
+/// read back. Counter values, decisions and deletes are: only increments,
+/// checks and deletes take keys.
 pub trait Kept: Sized {
     fn encode(&self) -> String;
     fn decode(stored: &str) -> Result<Self, String>;
@@ -56,6 +63,21 @@ impl Kept for Decision {
     }
 }
 
+/// A delete keeps that it happened: its retry answers the same `204`,
+/// though the row is gone by then.
+impl Kept for Deleted {
+    fn encode(&self) -> String {
+        "deleted".to_owned()
+    }
+
+    fn decode(stored: &str) -> Result<Self, String> {
+        match stored {
+            "deleted" => Ok(Deleted),
+            other => Err(format!("`{other}` is no stored delete")),
+        }
+    }
+}
+
 /// Stores `answer` for the key, in the command's savepoint: the write and
 /// its key land together or not at all.
 pub async fn remember(
@@ -72,9 +94,10 @@ pub fn replay<T: Kept>(stored: &StoredKey) -> Result<T, Error> {
         .map_err(|e| Error::Internal(format!("stored idempotent answer: {e}").into()))
 }
 
-/// Forgets keys older than [`KEY_TTL`]; returns how many.
-pub async fn forget_expired(conn: &mut impl Store) -> Result<u64, Error> {
-    conn.forget_keys_older_than(KEY_TTL).await
+/// Forgets one share of the keys older than `ttl` (how long a key is
+/// remembered, `TALLY_IDEMPOTENCY_KEY_TTL`); returns how many.
+pub async fn forget_expired(conn: &mut impl Store, ttl: Duration) -> Result<u64, Error> {
+    conn.forget_keys_older_than(ttl).await
 }
 
 /// This process's clock in unix seconds: the keys' clock on SQLite, where

@@ -5,7 +5,7 @@
 //!
 //! - a [`Handle`], cheap to clone, for HTTP handlers: its methods are the
 //!   whole storage API (increment, counter, put budget, budget, check,
-//!   usage, reset). Reads go to a pool of their own (on SQLite, connections
+//!   usage, reset, the deletes and the lists). Reads go to a pool of their own (on SQLite, connections
 //!   opened read-only *and* with `PRAGMA query_only`; on PostgreSQL,
 //!   connections to the primary); writes are queued as [`Command`]s on a
 //!   bounded queue, each carrying a reply of exactly its own result.
@@ -26,7 +26,8 @@
 //!   `txn`: the transaction rules both engines call (set-based or one by
 //!   one, lock order, savepoints, keys); `command`: the commands.
 //! - `counters`, `budgets`, `keys`: the rules, written once against the
-//!   [`store::Store`] trait; `reads`: coalesced reads over a `Reads` trait.
+//!   [`store::Store`] trait; `reads`: coalesced reads over a `Reads` trait;
+//!   `list`: pages of names, as key ranges.
 //! - `sqlite/`, `postgres/`: each engine's wing: its open, its `Store`,
 //!   its writer engine, its readers, its error classification.
 
@@ -37,6 +38,7 @@ pub mod contention;
 mod counters;
 
 mod keys;
+pub mod list;
 mod open;
 mod postgres;
 mod reads;
@@ -57,8 +59,11 @@ use tokio_util::sync::CancellationToken;
 
 use command::Command;
 pub(crate) use command::WRITE_RESULTS;
-use command::{Answer, Cleared, Queued, Reply};
+use command::{Answer, Cleared, Deleted, Queued, Reply};
+use list::{Page, PageRequest};
 pub use open::Database;
+/// The record of point-in-time restores inside a SQLite database (`tally restore-to`).
+pub use sqlite::restores;
 use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
 
@@ -84,6 +89,12 @@ pub struct DbOptions {
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,
+    /// How long an idempotency key is remembered; `None`: a day.
+    pub key_ttl: Option<Duration>,
+    /// SQLite: the most the database's directory may use on disk, beyond
+    /// which writes that add data are refused as on a full disk
+    /// (`sqlite::space`). `None`: no limit.
+    pub storage_limit: Option<u64>,
     /// Test hook: the writer sleeps this long before each batch.
     #[cfg(feature = "test-hooks")]
     pub writer_delay: Option<Duration>,
@@ -382,6 +393,50 @@ impl Handle {
         self.submit(command, None, request_id, answer)
             .await
             .map(|(Cleared { day, deleted_rows }, _)| (day, deleted_rows))
+    }
+
+    /// Deletes a budget and all its usage, in one transaction, under an
+    /// idempotency key if given. A check queued before it was counted (and
+    /// its calls go with the budget); one queued after it finds no budget.
+    /// Answers whether the delete was replayed for its key.
+    pub async fn delete_budget(
+        &self,
+        name: Name,
+        key: Option<IdempotencyKey>,
+        request_id: Option<Arc<str>>,
+    ) -> Result<bool, Error> {
+        let (reply, answer) = Reply::new();
+        let command = Command::DeleteBudget { name, reply };
+        self.submit(command, key, request_id, answer)
+            .await
+            .map(|(Deleted, replayed)| replayed)
+    }
+
+    /// Deletes a counter, under an idempotency key if given; a later
+    /// increment starts again from 0. Answers whether the delete was
+    /// replayed for its key.
+    pub async fn delete_counter(
+        &self,
+        name: Name,
+        key: Option<IdempotencyKey>,
+        request_id: Option<Arc<str>>,
+    ) -> Result<bool, Error> {
+        let (reply, answer) = Reply::new();
+        let command = Command::DeleteCounter { name, reply };
+        self.submit(command, key, request_id, answer)
+            .await
+            .map(|(Deleted, replayed)| replayed)
+    }
+
+    /// A page of budgets, by name in byte order, from the read pool.
+    pub async fn list_budgets(&self, page: &PageRequest) -> Result<Page<Budget>, Error> {
+        self.0.readers.list_budgets(page).await
+    }
+
+    /// A page of counters and their values, by name in byte order, from
+    /// the read pool.
+    pub async fn list_counters(&self, page: &PageRequest) -> Result<Page<(Name, i64)>, Error> {
+        self.0.readers.list_counters(page).await
     }
 
     /// Whether the queue still accepts commands. A full queue still does.

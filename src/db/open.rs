@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     DbOptions, Handle, HandleInner, OpenError, Writer,
     committed::Committed,
-    postgres,
+    keys, postgres,
     reads::{self, Readers},
     sqlite,
     stats::QueueStats,
@@ -35,6 +35,14 @@ impl Database {
                 Ok(assemble(readers, engine, committed, opts))
             }
             Storage::Postgres(url) => {
+                if opts.storage_limit.is_some() {
+                    return Err(OpenError::Postgres {
+                        url: url.to_string(),
+                        reason: "TALLY_STORAGE_LIMIT applies to a SQLite database only (the \
+                                 server keeps its own disk): unset it"
+                            .into(),
+                    });
+                }
                 let (readers, engine) = postgres::open(url, opts).await?;
                 // Other processes write too: reads go to the database.
                 Ok(assemble(readers, engine, None, opts))
@@ -72,6 +80,7 @@ fn assemble(
         #[cfg(feature = "test-hooks")]
         delay: opts.writer_delay,
         keys_forgotten_at: None,
+        key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]
         panic_after: opts.writer_panic_after,
         batches: 0,

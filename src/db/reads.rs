@@ -15,7 +15,11 @@ use std::{collections::HashMap, pin::Pin, sync::Arc};
 use jiff::Timestamp;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::{Error, budgets, store::BudgetRow};
+use super::{
+    Error, budgets,
+    list::{KeyRange, Page, PageRequest},
+    store::BudgetRow,
+};
 use crate::meter::{Budget, Day, Name, Usage, VisitorId};
 
 /// A boxed future, as a read hands it over.
@@ -46,6 +50,18 @@ pub(super) trait Reads: Send + Sync {
         day: &'a str,
         visitor: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>>;
+
+    /// The budgets whose names are in `range`, by name in byte order.
+    fn list_budgets<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<BudgetRow>, Error>>;
+
+    /// The counters whose names are in `range`, by name in byte order.
+    fn list_counters<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>>;
 
     /// Connections open, and how many of them are idle.
     fn size_and_idle(&self) -> (u32, usize);
@@ -98,6 +114,31 @@ impl Readers {
             global_calls,
             visitor_calls,
         })
+    }
+
+    /// A page of budgets, by name in byte order.
+    pub async fn list_budgets(&self, page: &PageRequest) -> Result<Page<Budget>, Error> {
+        let rows = self.0.list_budgets(&page.range()).await?;
+        let budgets = rows
+            .into_iter()
+            .map(budgets::from_row)
+            .collect::<Result<_, _>>()?;
+        Ok(page.page(budgets, |b: &Budget| &b.name))
+    }
+
+    /// A page of counters and their values, by name in byte order.
+    pub async fn list_counters(&self, page: &PageRequest) -> Result<Page<(Name, i64)>, Error> {
+        let rows = self.0.list_counters(&page.range()).await?;
+        let counters = rows
+            .into_iter()
+            .map(|(name, value)| {
+                let name = Name::parse(&name).map_err(|e| {
+                    Error::Internal(format!("stored counter `{name}`: {}", e.0).into())
+                })?;
+                Ok((name, value))
+            })
+            .collect::<Result<_, Error>>()?;
+        Ok(page.page(counters, |(name, _): &(Name, i64)| name))
     }
 
     /// Connections open, and how many of them are idle.

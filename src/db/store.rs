@@ -133,6 +133,15 @@ pub(super) trait Store {
         visitor: Option<&str>,
     ) -> Result<u64, Error>;
 
+    /// Deletes a budget and every day of its usage: the budget's row
+    /// first, so that on PostgreSQL its lock is taken before the days',
+    /// in the order a check takes them. Whether the budget existed; if
+    /// not, nothing was deleted.
+    async fn delete_budget(&mut self, name: &str) -> Result<bool, Error>;
+
+    /// Deletes a counter; whether it existed.
+    async fn delete_counter(&mut self, name: &str) -> Result<bool, Error>;
+
     /// What is stored for `key`, or `None`: then the key is this
     /// transaction's until it ends, and [`Self::remember_key`] stores the
     /// answer. A concurrent transaction claiming the same key waits for

@@ -396,3 +396,135 @@ async fn readers_cannot_write() {
         .unwrap();
     assert_eq!(mode, "wal");
 }
+
+/// A delete in a batch is applied in queue order with the checks and
+/// increments of the same name, whichever way the rest of the batch would
+/// run: a check before the delete of its budget is counted (and its calls
+/// go with the budget), one after it finds no budget, and a budget created
+/// again starts with no usage; an increment after the delete of its
+/// counter starts from 0.
+#[tokio::test]
+async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
+    use super::{
+        command::{Command, Deleted, Queued, Reply},
+        txn::apply_batch,
+    };
+    use tokio::sync::oneshot::Receiver;
+
+    let mut conn = fresh_db().await;
+    let b = Name::parse("b").unwrap();
+    let other = Name::parse("b-other").unwrap();
+    let c = Name::parse("c").unwrap();
+    let spec = BudgetSpec::new(100, 100, None, None).unwrap();
+    for name in [&b, &other] {
+        budgets::put(&mut conn, name, &spec).await.unwrap();
+    }
+    let visitor = VisitorId::parse("v").unwrap();
+    let queued = |command| Queued {
+        command,
+        key: None,
+        request_id: None,
+    };
+    let check = |budget: &Name| {
+        let (reply, rx) = Reply::new();
+        let command = Command::Check {
+            budget: budget.clone(),
+            visitor: visitor.clone(),
+            day: None,
+            reply,
+        };
+        (queued(command), rx)
+    };
+    type Answer<T> = Receiver<super::command::Answer<T>>;
+    async fn decided(rx: Answer<Decision>) -> Result<i64, Error> {
+        rx.await.unwrap().result.map(|d| d.global_calls)
+    }
+    async fn deleted(rx: Answer<Deleted>) -> Result<Deleted, Error> {
+        rx.await.unwrap().result
+    }
+
+    for keyed in [false, true] {
+        // Checks of `b` around its delete, a check of another budget, and
+        // increments of `c` around its delete; `b` created again last.
+        let (q1, before) = check(&b);
+        let (q2, before_other) = check(&other);
+        let (reply, delete_b) = Reply::new();
+        let q3 = queued(Command::DeleteBudget {
+            name: b.clone(),
+            reply,
+        });
+        let (q4, after) = check(&b);
+        let (reply, inc_before) = Reply::new();
+        let q5 = queued(Command::Increment {
+            name: c.clone(),
+            by: 5,
+            reply,
+        });
+        let (reply, delete_c) = Reply::new();
+        let q6 = queued(Command::DeleteCounter {
+            name: c.clone(),
+            reply,
+        });
+        let (reply, inc_after) = Reply::new();
+        let q7 = queued(Command::Increment {
+            name: c.clone(),
+            by: 2,
+            reply,
+        });
+        let (reply, put) = Reply::new();
+        let q8 = queued(Command::PutBudget {
+            name: b.clone(),
+            spec: spec.clone(),
+            reply,
+        });
+        let (q9, recreated) = check(&b);
+        let mut batch = vec![q1, q2, q3, q4, q5, q6, q7, q8, q9];
+        if keyed {
+            for (i, q) in batch.iter_mut().enumerate() {
+                q.key = Some(crate::meter::IdempotencyKey::parse(&format!("k{i}")).unwrap());
+            }
+        }
+        apply_batch(&mut conn, &mut batch).await.unwrap();
+        for mut q in batch {
+            q.command.send(&Ok(()));
+        }
+        // The second round's `b` holds the first round's last check.
+        let round = i64::from(keyed) + 1;
+        assert_eq!(decided(before).await.unwrap(), round, "keyed: {keyed}");
+        assert_eq!(decided(before_other).await.unwrap(), round);
+        assert_eq!(deleted(delete_b).await.unwrap(), Deleted);
+        assert!(matches!(
+            decided(after).await,
+            Err(Error::Refused(Refusal::UnknownBudget(_)))
+        ));
+        assert_eq!(inc_before.await.unwrap().result.unwrap(), 5);
+        assert_eq!(deleted(delete_c).await.unwrap(), Deleted);
+        assert_eq!(inc_after.await.unwrap().result.unwrap(), 2);
+        put.await.unwrap().result.unwrap();
+        // The first check's call went with the deleted budget.
+        assert_eq!(decided(recreated).await.unwrap(), 1);
+        // Deleting the counter again in a later batch: it was written
+        // again, so it exists; deleting twice in a row does not.
+        let rows = dump(&mut conn).await;
+        let counter = rows.iter().find(|r| r.0 == "c").map(|r| r.3);
+        assert_eq!(counter, Some(2));
+        sqlx::raw_sql("DELETE FROM counters")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    // Deleting what is not there is refused and changes nothing.
+    let (reply, gone) = Reply::new();
+    let mut batch = vec![queued(Command::DeleteCounter {
+        name: c.clone(),
+        reply,
+    })];
+    let before = dump(&mut conn).await;
+    apply_batch(&mut conn, &mut batch).await.unwrap();
+    batch[0].command.send(&Ok(()));
+    assert!(matches!(
+        deleted(gone).await,
+        Err(Error::Refused(Refusal::UnknownCounter(_)))
+    ));
+    assert_eq!(dump(&mut conn).await, before);
+}

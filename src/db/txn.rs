@@ -73,6 +73,10 @@ async fn run_set_based<S: Store>(
                 visitor,
                 day: *day,
             }),
+            // Any other command, a delete among them: a check queued after
+            // the delete of its budget must find it gone, and one queued
+            // before it must be counted first; only one by one, in queue
+            // order per name, gives both.
             _ => return None,
         }
     }
@@ -203,8 +207,8 @@ type LockKey<'a> = (u8, &'a str);
 
 fn lock_key(q: &Queued) -> LockKey<'_> {
     match &q.command {
-        Command::Increment { name, .. } => (0, name.as_str()),
-        Command::PutBudget { name, .. } => (1, name.as_str()),
+        Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => (0, name.as_str()),
+        Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => (1, name.as_str()),
         Command::Check { budget, .. } | Command::Reset { budget, .. } => (1, budget.as_str()),
     }
 }
@@ -271,13 +275,15 @@ async fn apply(conn: &mut impl Store, command: &mut Command, now: Timestamp) {
                 .await
                 .map(|(day, deleted_rows)| Cleared { day, deleted_rows }),
         ),
+        Command::DeleteBudget { name, reply } => reply.set(budgets::delete(conn, name).await),
+        Command::DeleteCounter { name, reply } => reply.set(counters::delete(conn, name).await),
     }
 }
 
 /// Applies a keyed command once: if its key is known, answers what was
 /// stored for it (or refuses a different command reusing the key);
 /// otherwise applies the command and stores its answer under the key, in
-/// the same savepoint. Only increments and checks take keys.
+/// the same savepoint. Increments, checks and deletes take keys.
 async fn apply_once(
     conn: &mut impl Store,
     command: &mut Command,
@@ -296,6 +302,9 @@ async fn apply_once(
         return match command {
             Command::Increment { reply, .. } => reply.set_replayed(keys::replay(stored)),
             Command::Check { reply, .. } => reply.set_replayed(keys::replay(stored)),
+            Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
+                reply.set_replayed(keys::replay(stored))
+            }
             other => other.fail(Error::Internal(
                 format!("{} takes no key, yet one is stored", other.kind()).into(),
             )),
@@ -305,6 +314,9 @@ async fn apply_once(
     let remembered = match &*command {
         Command::Increment { reply, .. } => remember(conn, key, reply).await,
         Command::Check { reply, .. } => remember(conn, key, reply).await,
+        Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
+            remember(conn, key, reply).await
+        }
         _ => Ok(()),
     };
     if let Err(e) = remembered {

@@ -68,6 +68,8 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) delay: Option<Duration>,
     /// When expired idempotency keys were last deleted.
     pub(super) keys_forgotten_at: Option<std::time::Instant>,
+    /// How long an idempotency key is remembered.
+    pub(super) key_ttl: Duration,
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
@@ -92,8 +94,9 @@ pub(super) trait Engine: Send + 'static {
     /// server's cannot.
     fn check(&mut self) -> Result<(), Lost>;
 
-    /// Forgets idempotency keys past their day; returns how many.
-    async fn forget_expired_keys(&mut self) -> Result<u64, Error>;
+    /// Forgets one share (at most [`super::keys::FORGET_SHARE`]) of the
+    /// idempotency keys older than `ttl`; returns how many.
+    async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error>;
 
     /// Closes the connection once every accepted command has been
     /// answered: what fails here is logged, since nothing is left to
@@ -364,17 +367,25 @@ impl<E: Engine> WriterLoop<E> {
         }
     }
 
-    /// Forgets idempotency keys past their day, at most once a minute, in a
-    /// statement of its own after a batch that used keys.
+    /// Forgets expired idempotency keys, a bounded share at a time, in a
+    /// statement of its own after a batch that used keys: at most once a
+    /// minute (or once per key lifetime, when that is shorter), and after
+    /// every keyed batch while a backlog lasts (a full share), so that
+    /// deletion keeps up with any rate of new keys.
     async fn forget_expired_keys(&mut self) {
+        let every = self.key_ttl.min(Duration::from_secs(60));
         let due = self
             .keys_forgotten_at
-            .is_none_or(|at| at.elapsed() >= Duration::from_secs(60));
+            .is_none_or(|at| at.elapsed() >= every);
         if !due {
             return;
         }
         self.keys_forgotten_at = Some(std::time::Instant::now());
-        match self.engine.forget_expired_keys().await {
+        match self.engine.forget_expired_keys(self.key_ttl).await {
+            Ok(n) if n >= super::keys::FORGET_SHARE => {
+                self.keys_forgotten_at = None;
+                tracing::info!(keys = n, "forgot expired idempotency keys; more are due");
+            }
             Ok(n) if n > 0 => tracing::info!(keys = n, "forgot expired idempotency keys"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),

@@ -14,6 +14,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
+    pages::ListQuery,
 };
 use crate::{
     db,
@@ -94,6 +95,55 @@ pub async fn get(
     Path(name): Path<Name>,
 ) -> Result<Json<BudgetView>, Problem> {
     Ok(Json(state.db.budget(&name).await?.into()))
+}
+
+/// A page of budgets.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BudgetList {
+    /// Each as `GET /budgets/{name}` answers it, by name in byte order.
+    budgets: Vec<BudgetView>,
+    /// The last name of this page, to pass as `after` for the next one;
+    /// `null` on the last page.
+    #[schema(value_type = Option<String>)]
+    next: Option<Name>,
+}
+
+/// Budgets by name in byte order, a page at a time. Pages are keyed by
+/// name: a budget that exists from the first page to the last is listed
+/// exactly once, whatever is written or deleted meanwhile.
+#[utoipa::path(get, path = "/budgets", operation_id = "listBudgets", tag = "budgets",
+    params(ListQuery),
+    responses((status = 200, description = "A page of budgets", body = BudgetList), Problems))]
+pub async fn list(
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<BudgetList>, Problem> {
+    let page = state.db.list_budgets(&q.page()?).await?;
+    Ok(Json(BudgetList {
+        budgets: page.items.into_iter().map(BudgetView::from).collect(),
+        next: page.next,
+    }))
+}
+
+/// Deletes a budget and all its usage (admin).
+#[utoipa::path(delete, path = "/budgets/{name}", operation_id = "deleteBudget", tag = "budgets",
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
+    security(("admin" = [])),
+    responses((status = 204, description = "Deleted, with all its usage",
+        headers(("Idempotent-Replayed" = bool, description = "On a delete replayed for its Idempotency-Key"))),
+        AdminProblems, WriteProblems, Problems))]
+/// Deletes a budget: its configuration and every day of its usage, in one
+/// transaction. A check queued before the delete was counted, and goes
+/// with it; one queued after it is `404`. A budget created again under the
+/// same name starts with no usage.
+pub async fn delete(
+    _: Admin,
+    State(state): State<AppState>,
+    Path(name): Path<Name>,
+    key: IdempotencyKeyHeader,
+) -> Result<(StatusCode, HeaderMap), Problem> {
+    let replayed = state.db.delete_budget(name, key.0, request_id()).await?;
+    Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))
 }
 
 /// One call against a budget.

@@ -1,12 +1,17 @@
-use axum::{Json, extract::State, http::HeaderMap};
+use axum::{
+    Json,
+    extract::State,
+    http::{HeaderMap, StatusCode},
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::{
     AppState, Problem,
-    extract::{IdempotencyKeyHeader, OptionalJson, Path, replayed_header},
+    extract::{Admin, IdempotencyKeyHeader, OptionalJson, Path, Query, replayed_header},
     instrument::request_id,
-    openapi::{CounterProblems, Problems, WriteProblems},
+    openapi::{AdminProblems, CounterProblems, Problems, WriteProblems},
+    pages::ListQuery,
 };
 use crate::meter::Name;
 
@@ -119,4 +124,55 @@ pub async fn get(
 ) -> Result<Json<NamedValue>, Problem> {
     let value = state.db.counter(name.clone()).await?;
     Ok(Json(NamedValue { name, value }))
+}
+
+/// A page of counters.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CounterList {
+    /// By name in byte order.
+    counters: Vec<NamedValue>,
+    /// The last name of this page, to pass as `after` for the next one;
+    /// `null` on the last page.
+    #[schema(value_type = Option<String>)]
+    next: Option<Name>,
+}
+
+/// Counters and their values by name in byte order, a page at a time
+/// (counters never written, or deleted, are not listed). Pages are keyed
+/// by name: a counter that exists from the first page to the last is
+/// listed exactly once, whatever is written or deleted meanwhile.
+#[utoipa::path(get, path = "/counters", operation_id = "listCounters", tag = "counters",
+    params(ListQuery),
+    responses((status = 200, description = "A page of counters", body = CounterList), Problems))]
+pub async fn list(
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<CounterList>, Problem> {
+    let page = state.db.list_counters(&q.page()?).await?;
+    Ok(Json(CounterList {
+        counters: page
+            .items
+            .into_iter()
+            .map(|(name, value)| NamedValue { name, value })
+            .collect(),
+        next: page.next,
+    }))
+}
+
+/// Deletes a counter (admin): `404` if it does not exist; a later
+/// increment starts again from 0.
+#[utoipa::path(delete, path = "/counters/{name}", operation_id = "deleteCounter", tag = "counters",
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
+    security(("admin" = [])),
+    responses((status = 204, description = "Deleted",
+        headers(("Idempotent-Replayed" = bool, description = "On a delete replayed for its Idempotency-Key"))),
+        AdminProblems, WriteProblems, Problems))]
+pub async fn delete(
+    _: Admin,
+    State(state): State<AppState>,
+    Path(name): Path<Name>,
+    key: IdempotencyKeyHeader,
+) -> Result<(StatusCode, HeaderMap), Problem> {
+    let replayed = state.db.delete_counter(name, key.0, request_id()).await?;
+    Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))
 }

@@ -10,6 +10,7 @@ mod health;
 pub mod instrument;
 pub mod limits;
 pub mod openapi;
+mod pages;
 mod problem;
 
 use std::{
@@ -38,8 +39,14 @@ pub fn api_parts(
 ) -> (Router, utoipa::openapi::OpenApi) {
     let api = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(counters::increment_default, counters::get_default))
-        .routes(routes!(counters::increment, counters::get))
-        .routes(routes!(budgets::get, budgets::put))
+        .routes(routes!(
+            counters::increment,
+            counters::get,
+            counters::delete
+        ))
+        .routes(routes!(counters::list))
+        .routes(routes!(budgets::get, budgets::put, budgets::delete))
+        .routes(routes!(budgets::list))
         .routes(routes!(budgets::check))
         .routes(routes!(budgets::usage))
         .routes(routes!(budgets::reset))

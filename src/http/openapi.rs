@@ -33,6 +33,8 @@ pub struct ProblemDoc {
     pub reason: Option<String>,
     /// On unknown budgets: the name asked for.
     pub budget: Option<String>,
+    /// On a delete of an unknown counter: the name asked for.
+    pub counter: Option<String>,
     /// On `/problems/day-outside-window`: the oldest day the budget keeps.
     #[schema(format = Date)]
     pub oldest_day: Option<String>,
@@ -114,7 +116,7 @@ pub enum Problems {
     BadRequest(ProblemDoc),
     #[response(
         status = 404,
-        description = "No such budget or route",
+        description = "No such budget (or, on a delete, counter) or route",
         content_type = "application/problem+json"
     )]
     NotFound(ProblemDoc),

@@ -148,6 +148,7 @@ impl From<Refusal> for Problem {
         let detail = r.to_string();
         match r {
             Refusal::UnknownBudget(name) => Self::not_found(detail).with("budget", name.as_str()),
+            Refusal::UnknownCounter(name) => Self::not_found(detail).with("counter", name.as_str()),
             Refusal::Overflow(_) => {
                 Self::new(S::CONFLICT, "counter-overflow", "Counter would overflow").detail(detail)
             }

@@ -18,6 +18,8 @@ pub use types::{
 pub enum Refusal {
     #[error("budget `{0}` does not exist")]
     UnknownBudget(Name),
+    #[error("counter `{0}` does not exist")]
+    UnknownCounter(Name),
     #[error("counter `{0}` would exceed the largest 64-bit integer; it was not changed")]
     Overflow(Name),
     /// The idempotency key was first used for another request.
@@ -46,6 +48,7 @@ impl Refusal {
     pub fn kind(&self) -> &'static str {
         match self {
             Refusal::UnknownBudget(_) => "unknown_budget",
+            Refusal::UnknownCounter(_) => "unknown_counter",
             Refusal::Overflow(_) => "overflow",
             Refusal::KeyReused => "key_reused",
             Refusal::DayOutsideWindow { .. } => "day_outside_window",

@@ -281,10 +281,12 @@ async fn admin_is_disabled_without_a_token() {
 async fn unknown_routes_and_methods() {
     let app = spawn_app().await;
     problem(app.get("/nope").await, StatusCode::NOT_FOUND).await;
-    problem(app.get("/counters").await, StatusCode::NOT_FOUND).await;
+    problem(app.get("/counterz").await, StatusCode::NOT_FOUND).await;
     problem(app.get("/counters/a/b").await, StatusCode::NOT_FOUND).await;
     for (m, path) in [
         (Method::DELETE, "/counter"),
+        (Method::POST, "/counters"),
+        (Method::DELETE, "/budgets"),
         (Method::PUT, "/counters/x"),
         (Method::POST, "/budgets/x"),
         (Method::GET, "/budgets/x/check"),

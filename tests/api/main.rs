@@ -11,11 +11,13 @@
 mod budgets;
 mod clients;
 mod counters;
+mod deletes;
 mod helpers;
 mod hostile_connections;
 mod idempotency;
 mod input_contract;
 mod lifecycle;
+mod lists;
 #[path = "../common/loopback.rs"]
 mod loopback;
 mod observability;

@@ -226,6 +226,46 @@ fn database_on_an_empty_dir_without_volume_claims() {
     assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], "2Gi");
 }
 
+/// With a size limit, tally's soft limit is a third of it in bytes (the
+/// next pod holds the database three times over), and the binary takes
+/// the value; without one there is no soft limit.
+#[test]
+fn the_storage_limit_is_a_third_of_the_size_limit() {
+    assert!(env_entry(tally(&rendered(&[])), "TALLY_STORAGE_LIMIT").is_none());
+    for (size, bytes) in [
+        ("2Gi", 2u64 * 1024 * 1024 * 1024 / 3),
+        ("64Mi", 64 * 1024 * 1024 / 3),
+        ("1.5T", 500_000_000_000),
+        ("600M", 200_000_000),
+    ] {
+        let docs = rendered(&[("persistence.sizeLimit", size)]);
+        assert_eq!(data_volume(&docs)["emptyDir"]["sizeLimit"], size);
+        let limit = env(tally(&docs), "TALLY_STORAGE_LIMIT");
+        assert_eq!(limit, bytes.to_string(), "{size}");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(["--storage-limit", limit, "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{size}: tally refuses {limit}");
+    }
+}
+
+/// The keys' lifetime is a value, rendered as tally reads it; a value tally
+/// would refuse is refused by the schema.
+#[test]
+fn the_idempotency_key_lifetime_is_a_value() {
+    assert_eq!(
+        env(tally(&rendered(&[])), "TALLY_IDEMPOTENCY_KEY_TTL"),
+        "24h"
+    );
+    let docs = rendered(&[("config.idempotencyKeyTTL", "90m")]);
+    assert_eq!(env(tally(&docs), "TALLY_IDEMPOTENCY_KEY_TTL"), "90m");
+    for bad in ["1w", "24 h", "-1h"] {
+        let e = refused(&[BUCKET, ("config.idempotencyKeyTTL", bad)]);
+        assert!(e.contains("idempotencyKeyTTL"), "{bad}: {e}");
+    }
+}
+
 fn data_volume(docs: &[Value]) -> &Value {
     pod_spec(docs)["volumes"]
         .as_array()
@@ -1416,4 +1456,99 @@ pub(crate) fn base64(s: &str) -> String {
         }
     }
     out
+}
+
+#[test]
+fn a_restore_timestamp_makes_the_init_container_restore_to_that_instant_once() {
+    for at in ["2026-05-01T10:04:00Z", "2026-05-01T12:04:00.250+02:00"] {
+        let docs = rendered(&[("restore.timestamp", at)]);
+        let init = restore(&docs);
+        assert_eq!(
+            strings(&init["command"]),
+            [
+                "tally",
+                "restore-to",
+                "--timestamp",
+                at,
+                "--litestream-config",
+                "/etc/litestream/litestream.yml"
+            ]
+        );
+        // The same database path as tally's, from the same variables.
+        assert_eq!(env(init, "TALLY_DATABASE"), "/data/tally.db");
+        assert_eq!(env(tally(&docs), "TALLY_DATABASE"), "/data/tally.db");
+        // tally itself runs as always.
+        assert_eq!(
+            strings(&tally(&docs)["command"])[..2],
+            ["litestream", "replicate"]
+        );
+    }
+    // Empty is the latest state, as before.
+    let docs = rendered(&[("restore.timestamp", "")]);
+    assert_eq!(
+        strings(&restore(&docs)["command"])[..2],
+        ["litestream", "restore"]
+    );
+}
+
+#[test]
+fn a_restore_timestamp_that_is_not_rfc_3339_is_refused_by_the_schema() {
+    for bad in [
+        "2026-05-01 10:04",
+        "2026-05-01T10:04:00",
+        "2026-13-01T10:04:00Z",
+        "yesterday",
+        "1714557840Z",
+    ] {
+        let e = refused(&[BUCKET, ("restore.timestamp", bad)]);
+        assert!(e.contains("restore.timestamp"), "{bad}: {e}");
+        assert!(e.contains("date-time"), "{bad}: {e}");
+    }
+    // A bare number (epoch seconds) is not a string at all.
+    let e = refused(&[BUCKET, ("restore.timestamp", "1714557840")]);
+    assert!(e.contains("restore.timestamp"), "{e}");
+}
+
+#[test]
+fn history_is_litestreams_snapshot_interval_and_retention() {
+    let config = litestream_config(&rendered(&[]));
+    assert_eq!(config["snapshot"]["interval"], "24h");
+    assert_eq!(config["snapshot"]["retention"], "48h");
+    let config = litestream_config(&rendered(&[
+        ("history.snapshotInterval", "6h"),
+        ("history.retention", "30h"),
+    ]));
+    assert_eq!(config["snapshot"]["interval"], "6h");
+    assert_eq!(config["snapshot"]["retention"], "30h");
+    // A changed history rolls the pod, as any configuration does.
+    let checksum = |sets: &[(&str, &str)]| {
+        one(&rendered(sets), "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+            ["checksum/config"]
+            .clone()
+    };
+    assert_ne!(checksum(&[("history.retention", "72h")]), checksum(&[]));
+}
+
+#[test]
+fn history_that_would_keep_nothing_is_refused() {
+    let e = refused(&[BUCKET, ("history.retention", "24h")]);
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
+    let e = refused(&[
+        BUCKET,
+        ("history.snapshotInterval", "2h"),
+        ("history.retention", "90m"),
+    ]);
+    assert!(
+        e.contains("must be longer than history.snapshotInterval"),
+        "{e}"
+    );
+    let e = refused(&[BUCKET, ("history.snapshotInterval", "30s")]);
+    assert!(e.contains("at least 1m"), "{e}");
+    for bad in ["1d", "24", "0h", "1h30m", "-1h"] {
+        let e = refused(&[BUCKET, ("history.retention", bad)]);
+        assert!(e.contains("history.retention"), "{bad}: {e}");
+    }
 }

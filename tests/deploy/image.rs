@@ -20,8 +20,22 @@ use serde_json::Value;
 
 use crate::loopback::{S3, free_port, tool_in};
 
-/// The tag the tests build and run.
-pub const TAG: &str = "localhost/tally:test";
+/// The tag the tests build and run: one per checkout (named after a hash of
+/// its path), so that two checkouts tested on one machine at once never run
+/// each other's image.
+pub fn tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        env!("CARGO_MANIFEST_DIR").hash(&mut hasher);
+        format!("localhost/tally:test-{:08x}", hasher.finish() as u32)
+    })
+}
+
+/// The most the image may weigh, as podman counts it (the uncompressed
+/// layers, in decimal megabytes): every node a pod lands on pulls it.
+const SIZE_LIMIT: u64 = 80_000_000;
 
 /// A data volume that lives as long as its container, owned by the image's
 /// user (`U`).
@@ -38,7 +52,7 @@ pub fn built() -> &'static str {
     if let Err(e) = BUILT.get_or_init(build) {
         panic!("{e}");
     }
-    TAG
+    tag()
 }
 
 fn build() -> Result<(), String> {
@@ -66,7 +80,7 @@ fn build() -> Result<(), String> {
                 "host",
                 "--pull=never",
                 "-t",
-                TAG,
+                tag(),
                 ".",
             ],
         ),
@@ -119,7 +133,8 @@ fn build() -> Result<(), String> {
         }
     }
     eprintln!(
-        "image {TAG} built in {:.0?} (log: {})",
+        "image {} built in {:.0?} (log: {})",
+        tag(),
         started.elapsed(),
         log.display()
     );
@@ -499,21 +514,24 @@ async fn the_image_restores_replicates_stops_cleanly_and_restores_after_a_wipe()
         assert_eq!(p.gid, "65532 65532 65532 65532", "{p:?}");
         assert_eq!(p.cap_eff, "0000000000000000", "{p:?}");
     }
-    // Read-only even for root, /tmp included: only /data is writable.
+    // Read-only even for root, /tmp included: only /data is writable. The
+    // image has no program that writes a file, so the host writes, as root,
+    // through the container's own view of its file system (its PID 1's
+    // root directory).
     assert_eq!(c.inspect("{{.HostConfig.ReadonlyRootfs}}").await, "true");
-    for path in ["/etc/probe", "/tmp/probe", "/probe"] {
-        let out = podman(
-            &strings(&["exec", "--user", "0", &c.name, "touch", path]),
-            Duration::from_secs(30),
-        )
-        .await;
-        assert!(!out.status.success(), "{path} is writable");
+    let root = format!("/proc/{}/root", c.inspect("{{.State.Pid}}").await);
+    for path in ["/etc/probe", "/tmp/probe", "/probe", "/usr/local/bin/probe"] {
+        let written = std::fs::write(format!("{root}{path}"), "x");
         assert!(
-            text(&out).contains("Read-only file system"),
-            "{}",
-            text(&out)
+            written
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ReadOnlyFilesystem),
+            "{path}: {written:?}"
         );
     }
+    let probe = format!("{root}/data/probe");
+    std::fs::write(&probe, "x").expect("/data is writable");
+    std::fs::remove_file(&probe).unwrap();
 
     // Writes race the SIGTERM: whatever was acknowledged, up to the last
     // moment, reaches the replica only through tally's drain and
@@ -732,6 +750,173 @@ async fn the_image_serves_from_postgres_as_the_chart_runs_it() {
     }
 }
 
+/// A container of `image`, created and never started, to read the image's
+/// files from: the image has no program that could print them.
+async fn created(image: &str) -> Container {
+    let c = Container::new("files");
+    let out = podman(
+        &strings(&["create", "--pull=never", "--name", &c.name, image]),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(out.status.success(), "create: {}", text(&out));
+    c
+}
+
+/// One file of the image.
+async fn image_file(image: &str, path: &str) -> Vec<u8> {
+    let c = created(image).await;
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("copy");
+    let out = podman(
+        &strings(&["cp", &format!("{}:{path}", c.name), &copy.to_string_lossy()]),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(out.status.success(), "cp {path}: {}", text(&out));
+    std::fs::read(&copy).unwrap()
+}
+
+/// A file, directory or link of the image, as `tar -tv` lists it.
+#[derive(Debug)]
+struct Entry {
+    /// `drwxr-x---`, `-rwxr-xr-x`, ...
+    mode: String,
+    /// `uid/gid`
+    owner: String,
+    /// Relative to `/`, without a trailing slash.
+    path: String,
+}
+
+/// Everything in the image: its file system exported and listed.
+async fn image_entries(image: &str) -> Vec<Entry> {
+    let c = created(image).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tar = dir.path().join("rootfs.tar");
+    let out = podman(
+        &strings(&["export", "--output", &tar.to_string_lossy(), &c.name]),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(out.status.success(), "export: {}", text(&out));
+    let out = Command::new("tar")
+        .args(["--numeric-owner", "-tvf"])
+        .arg(&tar)
+        .output()
+        .expect("tar runs");
+    assert!(out.status.success(), "tar: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| {
+            // mode owner size date time path [-> target]
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            assert!(fields.len() >= 6, "{line}");
+            let path = fields[5..].join(" ");
+            let path = path.split(" -> ").next().unwrap();
+            Entry {
+                mode: fields[0].to_owned(),
+                owner: fields[1].to_owned(),
+                path: path
+                    .trim_start_matches("./")
+                    .trim_end_matches('/')
+                    .to_owned(),
+            }
+        })
+        .filter(|e| !e.path.is_empty() && e.path != ".")
+        .collect()
+}
+
+/// Every node a pod lands on pulls the image: it holds tally (without debug
+/// info), Litestream, env (the default command's) and the shared libraries
+/// tally and env link, and no other program: no shell, no package manager.
+/// Everything is root's but /data, which is the image user's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_is_small_and_holds_nothing_but_what_it_runs() {
+    let image = built();
+    let out = podman(
+        &strings(&["image", "inspect", "--format", "{{.Size}}", image]),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let size: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    eprintln!("image size: {size} bytes");
+    assert!(
+        size <= SIZE_LIMIT,
+        "the image is {size} bytes, more than {SIZE_LIMIT}"
+    );
+
+    let entries = image_entries(image).await;
+    let mut programs: Vec<&str> = entries
+        .iter()
+        .filter(|e| e.mode.starts_with('-') && e.mode.contains('x'))
+        .map(|e| e.path.as_str())
+        .filter(|p| !p.rsplit('/').next().unwrap().contains(".so"))
+        .collect();
+    programs.sort_unstable();
+    assert_eq!(
+        programs,
+        [
+            "usr/bin/env",
+            "usr/local/bin/litestream",
+            "usr/local/bin/tally"
+        ],
+        "{entries:#?}"
+    );
+    for shell in ["bin/sh", "usr/bin/sh", "bin/bash", "usr/bin/bash"] {
+        assert!(!entries.iter().any(|e| e.path == shell), "{shell} is there");
+    }
+    let libc = entries
+        .iter()
+        .filter(|e| e.path.ends_with("/libc.so.6"))
+        .count();
+    assert_eq!(libc, 1, "{entries:#?}");
+
+    let not_roots: Vec<&Entry> = entries.iter().filter(|e| e.owner != "0/0").collect();
+    assert_eq!(not_roots.len(), 1, "{not_roots:#?}");
+    assert_eq!(not_roots[0].path, "data", "{not_roots:#?}");
+    assert_eq!(not_roots[0].owner, "65532/65532");
+    assert_eq!(not_roots[0].mode, "drwxr-x---");
+}
+
+/// tally is built without debug info but keeps its symbol table, so that a
+/// panic's backtrace still names functions. tokio panics before tally does
+/// anything when its worker count, from the environment, is not a number: a
+/// real panic of the shipped binary, with no test hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_images_tally_names_its_functions() {
+    let image = built();
+    let c = Container::new("panic");
+    let env = [("TOKIO_WORKER_THREADS", "many"), ("RUST_BACKTRACE", "1")]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+    let out = podman(
+        &run_args(image, &c, false, ["--tmpfs", DATA_TMPFS], &env, &["tally"]),
+        Duration::from_secs(60),
+    )
+    .await;
+    let printed = text(&out);
+    assert_eq!(out.status.code(), Some(101), "{printed}");
+    assert!(
+        printed.contains("panicked at") && printed.contains("TOKIO_WORKER_THREADS"),
+        "{printed}"
+    );
+    // A backtrace's frames: "  12: tally::main".
+    let frames: Vec<&str> = printed
+        .lines()
+        .filter_map(|l| l.trim_start().split_once(": "))
+        .filter(|(n, _)| n.parse::<u32>().is_ok())
+        .map(|(_, f)| f.trim())
+        .collect();
+    assert!(
+        frames.iter().any(|f| f.starts_with("tally::main")),
+        "no frame names tally::main:\n{printed}"
+    );
+    assert!(
+        frames.iter().any(|f| f.starts_with("tokio::runtime::")),
+        "no frame names tokio's runtime:\n{printed}"
+    );
+}
+
 #[test]
 fn the_dockerfile_is_hadolint_clean() {
     let out = Command::new(tool_in("lint/bin", "hadolint"))
@@ -768,24 +953,10 @@ fn pem_bodies(text: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_images_ca_bundle_is_debians_not_the_build_machines() {
     let image = built();
-    let c = Container::new("certs");
-    let out = podman(
-        &run_args(
-            image,
-            &c,
-            false,
-            ["--tmpfs", DATA_TMPFS],
-            &[],
-            &["cat", "/etc/ssl/certs/ca-certificates.crt"],
-        ),
-        Duration::from_secs(60),
-    )
-    .await;
-    assert!(out.status.success(), "{}", text(&out));
-    let bundle: std::collections::HashSet<String> =
-        pem_bodies(&String::from_utf8_lossy(&out.stdout))
-            .into_iter()
-            .collect();
+    let pem = image_file(image, "/etc/ssl/certs/ca-certificates.crt").await;
+    let bundle: std::collections::HashSet<String> = pem_bodies(&String::from_utf8_lossy(&pem))
+        .into_iter()
+        .collect();
     // Debian's bundle holds well over a hundred public roots.
     assert!(bundle.len() > 100, "{} certificates", bundle.len());
 

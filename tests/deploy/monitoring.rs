@@ -553,6 +553,9 @@ impl Stack {
             .env("TALLY_LISTEN", format!("127.0.0.1:{http}"))
             .env("TALLY_METRICS_LISTEN", format!("127.0.0.1:{metrics}"))
             .env("TALLY_ADMIN_TOKEN", ADMIN_TOKEN)
+            // As the chart sets it with persistence.sizeLimit: the storage
+            // gauges the alert and the dashboard read are exported.
+            .env("TALLY_STORAGE_LIMIT", "1Gi")
             .env("TALLY_REPLICA_WAIT_TIMEOUT", "30")
             .env("TALLY_LOG_FORMAT", "json")
             // A tiny queue and a slow writer, so that 429s and callers who

@@ -379,3 +379,138 @@ async fn the_rendered_pod_restores_serves_drains_and_restores_again() {
         .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
     assert_eq!(pod.exit_code("tally"), 0, "{}", pod.logs());
 }
+
+/// Plays the chart rendered with `sets` as pod `name` (its data volume
+/// `volume`), as release `pitrtest`: a release of its own, so that its
+/// Secret and ConfigMap (podman secrets and volumes named after them) are
+/// not another test's.
+fn played<'a>(
+    podman: &'a Podman,
+    sets: &[(&str, &str)],
+    name: &str,
+    volume: &str,
+    http: u16,
+) -> (PlayedPod<'a>, u64) {
+    let docs = crate::chart::render("pitrtest", "tally-test", sets);
+    let (yaml, grace) = pod_yaml(&docs, name, volume);
+    let yaml_path = podman.file(&format!("{name}.yaml"));
+    std::fs::write(&yaml_path, &yaml).unwrap();
+    let pod = PlayedPod {
+        secrets: create_secrets(podman, &docs),
+        podman,
+        name: name.to_owned(),
+        volumes: std::iter::once(volume.to_owned())
+            .chain(
+                docs.iter()
+                    .filter(|d| d["kind"] == "ConfigMap")
+                    .map(|d| d["metadata"]["name"].as_str().unwrap().to_owned()),
+            )
+            .collect(),
+        yaml: yaml_path,
+        http,
+    };
+    (pod, grace)
+}
+
+async fn counter(pod: &PlayedPod<'_>, name: &str) -> Value {
+    let v: Value = reqwest::get(pod.url(&format!("/counters/{name}")))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["value"].clone()
+}
+
+async fn bump(pod: &PlayedPod<'_>, name: &str, by: u32) {
+    let r = reqwest::Client::new()
+        .post(pod.url(&format!("/counters/{name}")))
+        .json(&json!({ "by": by }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_with_restore_timestamp_comes_back_as_it_was_then_and_only_once() {
+    let image = crate::image::built();
+    let (repository, tag) = image.rsplit_once(':').unwrap();
+    let s3 = S3::start().await;
+    s3.create_bucket("tally-pitr").await;
+    let (http, metrics, litestream) = (free_port(), free_port(), free_port());
+    let ports = [
+        http.to_string(),
+        metrics.to_string(),
+        litestream.to_string(),
+    ];
+    let base = [
+        ("image.repository", repository),
+        ("image.tag", tag),
+        ("image.pullPolicy", "Never"),
+        ("replica.bucket", "tally-pitr"),
+        ("replica.endpoint", s3.endpoint.as_str()),
+        ("replica.region", "us-east-1"),
+        ("replica.forcePathStyle", "true"),
+        ("replica.credentials.accessKeyId", "test-key"),
+        ("replica.credentials.secretAccessKey", "test-secret"),
+        ("ports.http", ports[0].as_str()),
+        ("ports.metrics", ports[1].as_str()),
+        ("ports.litestream", ports[2].as_str()),
+    ];
+    let podman = Podman::new();
+    let unique = format!("tally-pitr-{}-{}", std::process::id(), fastrand::u32(..));
+    let volume = format!("{unique}-data");
+
+    // State A, then the mistake.
+    let (pod, grace) = played(&podman, &base, &unique, &volume, http);
+    pod.play();
+    pod.wait_ready(Duration::from_secs(120)).await;
+    bump(&pod, "orders", 40).await;
+    bump(&pod, "signups", 7).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let at = jiff::Timestamp::now().to_string();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    bump(&pod, "orders", 5000).await;
+    bump(&pod, "garbage", 1).await;
+    pod.podman
+        .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
+    assert_eq!(pod.exit_code("tally"), 0, "{}", pod.logs());
+    pod.remove();
+    drop(pod);
+
+    // helm upgrade --set restore.timestamp=AT, and a new pod: state A.
+    let mut sets = base.to_vec();
+    sets.push(("restore.timestamp", at.as_str()));
+    let (pod, grace) = played(&podman, &sets, &unique, &volume, http);
+    pod.play();
+    pod.wait_ready(Duration::from_secs(120)).await;
+    assert_eq!(counter(&pod, "orders").await, 40, "{}", pod.logs());
+    assert_eq!(counter(&pod, "signups").await, 7);
+    assert_eq!(counter(&pod, "garbage").await, 0);
+    let logs = pod.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("the database comes from a restore to a point in time"))
+        .unwrap_or_else(|| panic!("tally says where its database comes from:\n{logs}"));
+    assert!(line.contains(&at) && line.contains("txid"), "{line}");
+    bump(&pod, "after", 3).await;
+    pod.podman
+        .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
+    assert_eq!(pod.exit_code("tally"), 0, "{}", pod.logs());
+    pod.remove();
+
+    // The value left set: the next pod does not go back again.
+    pod.play();
+    pod.wait_ready(Duration::from_secs(120)).await;
+    assert_eq!(counter(&pod, "orders").await, 40, "{}", pod.logs());
+    assert_eq!(counter(&pod, "after").await, 3, "{}", pod.logs());
+    assert!(
+        !pod.logs()
+            .contains("the database comes from a restore to a point in time"),
+        "{}",
+        pod.logs()
+    );
+    pod.podman
+        .ok(&["pod", "stop", "-t", &grace.to_string(), &pod.name]);
+}

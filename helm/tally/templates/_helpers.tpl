@@ -424,6 +424,8 @@ names.
 {{- end }}
 - name: TALLY_READERS
   value: {{ .Values.config.readers | int | quote }}
+- name: TALLY_IDEMPOTENCY_KEY_TTL
+  value: {{ .Values.config.idempotencyKeyTTL | quote }}
 - name: TALLY_LOG
   value: {{ .Values.config.log | quote }}
 - name: TALLY_LOG_FORMAT

@@ -51,6 +51,7 @@ use super::{
     Error,
     command::Queued,
     keys,
+    list::KeyRange,
     reads::{BoxFuture, Reads},
     store::{BudgetRow, Store, StoredKey, UsageRow},
     txn::{Applied, apply_batch},

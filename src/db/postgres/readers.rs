@@ -164,6 +164,20 @@ impl Reads for Readers {
         }))
     }
 
+    fn list_budgets<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<BudgetRow>, Error>> {
+        Box::pin(self.read(move |conn| Box::pin(list_budgets(conn, range.clone()))))
+    }
+
+    fn list_counters<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
+        Box::pin(self.read(move |conn| Box::pin(list_counters(conn, range.clone()))))
+    }
+
     fn size_and_idle(&self) -> (u32, usize) {
         let status = self.pool.status();
         (
@@ -241,4 +255,67 @@ pub async fn usage_counts(
     .fetch_one(conn)
     .await
     .map_err(error)
+}
+
+/// A page of a table by name, compared and ordered byte by byte: `$1` the
+/// lower bound (compared with `$op`), `$2` the upper (excluded), `$3` the
+/// most rows.
+macro_rules! list_sql {
+    ($columns:literal, $table:literal, $op:literal) => {
+        concat!(
+            "SELECT ",
+            $columns,
+            " FROM ",
+            $table,
+            " WHERE name COLLATE \"C\" ",
+            $op,
+            " $1 AND name COLLATE \"C\" < $2",
+            " ORDER BY name COLLATE \"C\" LIMIT $3"
+        )
+    };
+}
+
+/// Budgets whose names are in `range` (see `KeyRange`), by name: one range
+/// scan of the primary key.
+pub async fn list_budgets(
+    conn: &mut PgConnection,
+    range: KeyRange,
+) -> Result<Vec<BudgetRow>, Error> {
+    let sql = match range.inclusive {
+        true => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">="
+        ),
+        false => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">"
+        ),
+    };
+    sqlx::query_as(sql)
+        .bind(&range.from)
+        .bind(&range.below)
+        .bind(range.take)
+        .fetch_all(conn)
+        .await
+        .map_err(error)
+}
+
+/// Counters whose names are in `range`, by name, as [`list_budgets`].
+pub async fn list_counters(
+    conn: &mut PgConnection,
+    range: KeyRange,
+) -> Result<Vec<(String, i64)>, Error> {
+    let sql = match range.inclusive {
+        true => list_sql!("name, value", "counters", ">="),
+        false => list_sql!("name, value", "counters", ">"),
+    };
+    sqlx::query_as(sql)
+        .bind(&range.from)
+        .bind(&range.below)
+        .bind(range.take)
+        .fetch_all(conn)
+        .await
+        .map_err(error)
 }

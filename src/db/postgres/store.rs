@@ -242,6 +242,45 @@ impl Store for PgConnection {
         Ok(visitors + u64::try_from(globals).unwrap_or(0))
     }
 
+    /// The budget's row is deleted first: its lock is what a check on
+    /// another process takes (`load_budgets`, `FOR SHARE`) before it
+    /// touches a day. A check that had it first has committed by the time
+    /// the usage is deleted (each statement here sees what committed before
+    /// it began), so its calls go too; a check that waited for it finds the
+    /// budget gone.
+    async fn delete_budget(&mut self, name: &str) -> Result<bool, Error> {
+        let deleted = sqlx::query("DELETE FROM budgets WHERE name = $1")
+            .bind(name)
+            .execute(&mut *self)
+            .await
+            .map_err(error)?
+            .rows_affected();
+        if deleted == 0 {
+            return Ok(false);
+        }
+        for sql in [
+            "DELETE FROM budget_global_usage WHERE budget = $1",
+            "DELETE FROM budget_visitor_usage WHERE budget = $1",
+        ] {
+            sqlx::query(sql)
+                .bind(name)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?;
+        }
+        Ok(true)
+    }
+
+    async fn delete_counter(&mut self, name: &str) -> Result<bool, Error> {
+        let deleted = sqlx::query("DELETE FROM counters WHERE name = $1")
+            .bind(name)
+            .execute(self)
+            .await
+            .map_err(error)?
+            .rows_affected();
+        Ok(deleted > 0)
+    }
+
     /// Inserts the key with an empty answer. If another transaction holds
     /// the same key uncommitted, the insert waits for it; if the key is
     /// there (committed, or claimed earlier in this transaction), nothing is

@@ -21,8 +21,8 @@ impl Engine for WriterConn {
         Ok(())
     }
 
-    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
-        WriterConn::forget_expired_keys(self).await
+    async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
+        WriterConn::forget_expired_keys(self, ttl).await
     }
 
     async fn close(self) {
@@ -120,9 +120,9 @@ impl WriterConn {
         }
     }
 
-    pub async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
+    pub async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
         let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn))
+        let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn, ttl))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         if let Err(e) = &r

@@ -12,6 +12,9 @@
 //! - `writer`: the `Engine` the writer loop drives: the connection, the
 //!   files it must still find (`files`), the final checkpoint.
 //! - `readers`: the read-only pool behind `Reads`.
+//! - `space`: what the database's directory uses on disk, measured on a
+//!   task of its own, and the storage limit the writer checks before each
+//!   batch.
 //!
 //! Errors: a full disk is told apart here ([`error`]).
 
@@ -22,6 +25,8 @@ use super::Error;
 mod files;
 mod open;
 mod readers;
+pub mod restores;
+mod space;
 pub(super) mod store;
 mod writer;
 

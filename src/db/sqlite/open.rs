@@ -8,7 +8,7 @@ use sqlx::{
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
 };
 
-use super::{SqliteReaders, SqliteWriter, files};
+use super::{SqliteReaders, SqliteWriter, files, space::Space};
 use crate::{
     config::Synchronous,
     db::{DbOptions, OpenError, reads::Readers},
@@ -55,11 +55,13 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;
+        let space = Space::start(path, readers.clone(), opts.storage_limit).await;
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
             files: files::DbFiles::record(path),
             checkpoint_on_close: opts.checkpoints,
+            space,
         };
         Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
     }

@@ -3,9 +3,10 @@
 use jiff::Timestamp;
 use sqlx::SqlitePool;
 
-use super::store::{load_budgets, read_counters, usage_counts};
+use super::store::{list_budgets, list_counters, load_budgets, read_counters, usage_counts};
 use crate::db::{
     Error,
+    list::KeyRange,
     reads::{BoxFuture, Reads},
     store::BudgetRow,
 };
@@ -37,6 +38,20 @@ impl Reads for SqliteReaders {
         visitor: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
         Box::pin(usage_counts(&self.0, budget, day, visitor))
+    }
+
+    fn list_budgets<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<BudgetRow>, Error>> {
+        Box::pin(list_budgets(&self.0, range))
+    }
+
+    fn list_counters<'a>(
+        &'a self,
+        range: &'a KeyRange,
+    ) -> BoxFuture<'a, Result<Vec<(String, i64)>, Error>> {
+        Box::pin(list_counters(&self.0, range))
     }
 
     fn size_and_idle(&self) -> (u32, usize) {

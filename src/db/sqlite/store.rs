@@ -9,6 +9,7 @@ use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 use super::error;
 use crate::db::{
     Error, keys,
+    list::KeyRange,
     store::{BudgetRow, Store, StoredKey, UsageRow},
     to_json,
 };
@@ -24,6 +25,22 @@ macro_rules! upsert_counters {
          SELECT key, value FROM json_each(?1) WHERE true
          ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
          RETURNING name, value;"
+    };
+}
+
+/// A page of a table by name: `?1` the lower bound (compared with `$op`),
+/// `?2` the upper (excluded), `?3` the most rows.
+macro_rules! list_sql {
+    ($columns:literal, $table:literal, $op:literal) => {
+        concat!(
+            "SELECT ",
+            $columns,
+            " FROM ",
+            $table,
+            " WHERE name ",
+            $op,
+            " ?1 AND name < ?2 ORDER BY name LIMIT ?3"
+        )
     };
 }
 
@@ -208,6 +225,37 @@ impl Store for SqliteConnection {
         Ok(q.execute(self).await.map_err(error)?.rows_affected())
     }
 
+    async fn delete_budget(&mut self, name: &str) -> Result<bool, Error> {
+        let deleted = sqlx::query("DELETE FROM budgets WHERE name = ?1")
+            .bind(name)
+            .execute(&mut *self)
+            .await
+            .map_err(error)?
+            .rows_affected();
+        if deleted == 0 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "DELETE FROM budget_visitor_usage WHERE budget = ?1;
+             DELETE FROM budget_global_usage WHERE budget = ?1;",
+        )
+        .bind(name)
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(true)
+    }
+
+    async fn delete_counter(&mut self, name: &str) -> Result<bool, Error> {
+        let deleted = sqlx::query("DELETE FROM counters WHERE name = ?1")
+            .bind(name)
+            .execute(self)
+            .await
+            .map_err(error)?
+            .rows_affected();
+        Ok(deleted > 0)
+    }
+
     /// Inserts the key with an empty answer, or reads what is stored for
     /// it: as on PostgreSQL, though here the one writer serialises every
     /// write, so no other transaction can hold the key meanwhile.
@@ -247,14 +295,18 @@ impl Store for SqliteConnection {
 
     async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
         let cutoff = keys::unix_now() - i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
-        Ok(
-            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?1")
-                .bind(cutoff)
-                .execute(self)
-                .await
-                .map_err(error)?
-                .rows_affected(),
+        // A bounded share, found by the age index: the writer runs
+        // the next one after its next keyed batch (see `keys::FORGET_SHARE`).
+        Ok(sqlx::query(
+            "DELETE FROM idempotency_keys WHERE key IN
+               (SELECT key FROM idempotency_keys WHERE created_at < ?1 LIMIT ?2)",
         )
+        .bind(cutoff)
+        .bind(keys::FORGET_SHARE as i64)
+        .execute(self)
+        .await
+        .map_err(error)?
+        .rows_affected())
     }
 }
 
@@ -306,4 +358,46 @@ pub async fn usage_counts(
     .fetch_one(pool)
     .await
     .map_err(error)
+}
+
+/// Budgets whose names are in `range` (see `KeyRange`), by name: one range
+/// scan of the primary key. Text compares byte by byte (`BINARY`).
+pub async fn list_budgets(pool: &SqlitePool, range: &KeyRange) -> Result<Vec<BudgetRow>, Error> {
+    let sql = match range.inclusive {
+        true => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">="
+        ),
+        false => list_sql!(
+            "name, visitor_limit, global_limit, retention_days, timezone",
+            "budgets",
+            ">"
+        ),
+    };
+    sqlx::query_as(sql)
+        .bind(&range.from)
+        .bind(&range.below)
+        .bind(range.take)
+        .fetch_all(pool)
+        .await
+        .map_err(error)
+}
+
+/// Counters whose names are in `range`, by name, as [`list_budgets`].
+pub async fn list_counters(
+    pool: &SqlitePool,
+    range: &KeyRange,
+) -> Result<Vec<(String, i64)>, Error> {
+    let sql = match range.inclusive {
+        true => list_sql!("name, value", "counters", ">="),
+        false => list_sql!("name, value", "counters", ">"),
+    };
+    sqlx::query_as(sql)
+        .bind(&range.from)
+        .bind(&range.below)
+        .bind(range.take)
+        .fetch_all(pool)
+        .await
+        .map_err(error)
 }

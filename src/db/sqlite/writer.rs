@@ -1,10 +1,14 @@
 //! The SQLite writer: the process's one writable connection.
 
+use std::{sync::Arc, time::Duration};
+
 use sqlx::{Connection, SqliteConnection};
 
-use super::files::DbFiles;
+use super::{files::DbFiles, space};
 use crate::db::{
-    Error, keys, txn,
+    Error,
+    command::{Command, Queued},
+    keys, txn,
     writer::{Engine, Lost},
 };
 
@@ -17,19 +21,40 @@ pub(crate) struct SqliteWriter {
     /// Checkpoint and truncate the WAL when the queue is drained. Off when
     /// another process (Litestream) owns checkpointing.
     pub(super) checkpoint_on_close: bool,
+    /// The directory's usage, and the storage limit checked before each
+    /// batch.
+    pub(super) space: space::Space,
 }
 
 impl Engine for SqliteWriter {
-    async fn apply(&mut self, batch: &mut [crate::db::command::Queued]) -> txn::Applied {
-        txn::apply_batch(&mut self.conn, batch).await
+    /// Past the storage limit, the commands that add data are answered
+    /// storage-full without running (nothing of them is written); those
+    /// that only delete (resets) still run, in queue order, so that room
+    /// can be made.
+    async fn apply(&mut self, batch: &mut [Queued]) -> txn::Applied {
+        let adding = batch.iter().filter(|q| adds_data(&q.command)).count();
+        let Err(over) = self.space.admit(adding) else {
+            return txn::apply_batch(&mut self.conn, batch).await;
+        };
+        let refusal = Error::StorageFull(Arc::new(sqlx::Error::Io(space::refusal(over))));
+        // Stable: the commands that run keep their order.
+        batch.sort_by_key(|q| adds_data(&q.command));
+        let runs = batch.len() - adding;
+        for q in &mut batch[runs..] {
+            refuse(&mut q.command, refusal.clone());
+        }
+        match runs {
+            0 => Ok(()),
+            _ => txn::apply_batch(&mut self.conn, &mut batch[..runs]).await,
+        }
     }
 
     fn check(&mut self) -> Result<(), Lost> {
         self.files.check()
     }
 
-    async fn forget_expired_keys(&mut self) -> Result<u64, Error> {
-        keys::forget_expired(&mut self.conn).await
+    async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error> {
+        keys::forget_expired(&mut self.conn, ttl).await
     }
 
     /// Checkpoints (unless Litestream owns that) and closes the database.
@@ -61,5 +86,27 @@ impl Engine for SqliteWriter {
                 "closing the database failed after every write was committed and answered"
             );
         }
+    }
+}
+
+/// Whether a command can add data to the database: the storage limit
+/// refuses these. A reset only deletes; so does any command not named
+/// here, which the limit lets through (a new command that adds data
+/// belongs here).
+fn adds_data(command: &Command) -> bool {
+    matches!(
+        command,
+        Command::Increment { .. } | Command::PutBudget { .. } | Command::Check { .. }
+    )
+}
+
+/// Answers a command that adds data with `error`, without running it.
+fn refuse(command: &mut Command, error: Error) {
+    match command {
+        Command::Increment { reply, .. } => reply.set(Err(error)),
+        Command::PutBudget { reply, .. } => reply.set(Err(error)),
+        Command::Check { reply, .. } => reply.set(Err(error)),
+        #[allow(unreachable_patterns)]
+        _ => {}
     }
 }

@@ -13,6 +13,8 @@ mod contention;
 mod idempotency;
 mod input_contract;
 mod lifecycle;
+mod point_in_time;
 mod replica_env;
 mod replication;
 mod storage_faults;
+mod storage_limit;

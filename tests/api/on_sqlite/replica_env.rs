@@ -102,6 +102,26 @@ impl Deployment {
             .unwrap()
     }
 
+    /// `tally restore-to --timestamp AT`, as the chart's init container
+    /// runs it when `restore.timestamp` is set.
+    pub fn restore_to(&self, at: &str) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_tally"))
+            .env_clear()
+            .envs(self.env())
+            .current_dir(self.dir.path())
+            .args([
+                "restore-to",
+                "--timestamp",
+                at,
+                "--litestream-config",
+                &config(),
+            ])
+            .arg("--litestream")
+            .arg(tool("litestream"))
+            .output()
+            .unwrap()
+    }
+
     /// `litestream replicate -exec tally`.
     pub fn replicate(&self) -> Running {
         let mut child = self

@@ -1,0 +1,59 @@
+//! The query of a list endpoint (`GET /budgets`, `GET /counters`): a
+//! prefix, where the page starts, and how long it is.
+
+use serde::Deserialize;
+
+use super::Problem;
+use crate::{
+    db::list::PageRequest,
+    meter::{InvalidInput, Name},
+};
+
+/// Which page of a list: names in byte order, after `after`, starting
+/// with `prefix`, `limit` of them at most.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Only names starting with these characters (compared byte by byte:
+    /// `a_` lists `a_b`, never `a-b`). A name itself.
+    #[param(value_type = Option<Name>, inline)]
+    prefix: Option<String>,
+    /// Only names after this one, in byte order: the `next` of the
+    /// previous page. A name itself.
+    #[param(value_type = Option<Name>, inline)]
+    after: Option<String>,
+    /// The most entries on the page: 1 to 1000, 100 when left out.
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
+    limit: Option<String>,
+}
+
+impl ListQuery {
+    /// The page asked for. Parsed here rather than by the query's
+    /// deserializer, so that a bad value is `invalid-input`, saying which
+    /// parameter is wrong, as everywhere else.
+    pub fn page(&self) -> Result<PageRequest, Problem> {
+        let name = |field: &str, v: &Option<String>| {
+            v.as_deref()
+                .map(|s| Name::parse(s).map_err(|e| InvalidInput(format!("{field}: {}", e.0))))
+                .transpose()
+        };
+        let limit = self
+            .limit
+            .as_deref()
+            .map(|s| {
+                s.parse::<u32>().map_err(|_| {
+                    InvalidInput(format!(
+                        "limit: must be a whole number from 1 to {}, got `{s}`",
+                        PageRequest::MAX_LIMIT
+                    ))
+                })
+            })
+            .transpose()?;
+        Ok(PageRequest::new(
+            name("prefix", &self.prefix)?,
+            name("after", &self.after)?,
+            limit,
+        )?)
+    }
+}

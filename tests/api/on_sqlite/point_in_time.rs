@@ -1,0 +1,243 @@
+//! Undoing a mistake from the replica: `tally restore-to` under the real
+//! Litestream 0.5.17 and S3 server (moto) on loopback. The database comes
+//! back exactly as it was at the instant; what is written after it reaches
+//! the next plain restore; and the same restore asked for again (the value
+//! left set) restores the latest state instead of going back again.
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use nix::sys::signal::Signal;
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
+
+use crate::{
+    helpers::ADMIN,
+    on_sqlite::replica_env::{Deployment, Running, S3},
+};
+
+/// Every counter and every budget usage row: the whole state a mistake can
+/// change.
+#[derive(Debug, PartialEq, Eq)]
+struct State {
+    counters: BTreeMap<String, i64>,
+    usage: BTreeMap<String, i64>,
+}
+
+async fn state_of(path: &Path) -> State {
+    let mut conn = SqliteConnectOptions::new()
+        .filename(path)
+        .read_only(true)
+        .connect()
+        .await
+        .unwrap();
+    let integrity: String = sqlx::query_scalar("PRAGMA integrity_check")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(integrity, "ok");
+    let counters: Vec<(String, i64)> = sqlx::query_as("SELECT name, value FROM counters")
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    let usage: Vec<(String, i64)> =
+        sqlx::query_as("SELECT budget || '/' || day, calls FROM budget_global_usage")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    State {
+        counters: counters.into_iter().collect(),
+        usage: usage.into_iter().collect(),
+    }
+}
+
+async fn increment(client: &Client, run: &Running, counter: &str, by: u32) {
+    let r = client
+        .post(run.url(&format!("/counters/{counter}")))
+        .json(&json!({ "by": by }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}
+
+async fn check(client: &Client, run: &Running, n: usize) {
+    for i in 0..n {
+        let r = client
+            .post(run.url("/budgets/api/check"))
+            .json(&json!({ "visitor": format!("v{i}") }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+}
+
+async fn stop_cleanly(mut run: Running) {
+    run.signal(Signal::SIGTERM);
+    let status = run.wait(Duration::from_secs(40)).await;
+    assert_eq!(status.code(), Some(0), "litestream: {}", run.log_text());
+}
+
+fn ok(out: std::process::Output) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    text
+}
+
+/// Waits until Litestream logs a level-1 compaction, so that what was
+/// written after a restore has gone through compaction, not only into
+/// level 0.
+async fn wait_compaction_past(run: &Running, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    let start = run.logs.lock().unwrap().len();
+    loop {
+        let seen = run.logs.lock().unwrap()[start..]
+            .iter()
+            .any(|(_, l)| l.contains("compaction complete") && l.contains("\"level\":1"));
+        if seen {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no level-1 compaction within {limit:?}: {}",
+            run.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
+    let s3 = S3::start().await;
+    s3.create_bucket("pitr").await;
+    let d = Deployment::new(&s3.endpoint, "pitr");
+    let client = Client::new();
+
+    // State A.
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let r = client
+        .put(run.url("/budgets/api"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 100, "global_limit": 100000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    increment(&client, &run, "orders", 40).await;
+    increment(&client, &run, "signups", 7).await;
+    check(&client, &run, 25).await;
+    // Litestream ships every second; the instant is after A has reached
+    // the replica and well before the mistake.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let at = jiff::Timestamp::now().to_string();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+
+    // The mistake: a budget reset and ten minutes' worth of garbage.
+    let r = client
+        .post(run.url("/budgets/api/reset"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    for _ in 0..5 {
+        increment(&client, &run, "orders", 1000).await;
+        increment(&client, &run, "garbage", 1).await;
+    }
+    check(&client, &run, 3).await;
+    stop_cleanly(run).await;
+    d.wipe();
+    ok(d.restore());
+    let wrong = state_of(&d.db()).await;
+    d.wipe();
+
+    // The restore to the instant, into an empty directory: exactly A.
+    let log = ok(d.restore_to(&at));
+    assert!(log.contains("restored to a point in time"), "{log}");
+    assert!(log.contains(&at), "{log}");
+    assert!(log.contains("\"txid\""), "{log}");
+    let a = state_of(&d.db()).await;
+    let today = a.usage.keys().next().expect("a usage row in A").clone();
+    assert_eq!(
+        a,
+        State {
+            counters: [("orders".to_owned(), 40), ("signups".to_owned(), 7)].into(),
+            usage: [(today.clone(), 25)].into(),
+        },
+        "the mistake's state was {wrong:?}"
+    );
+    let marker: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(d.db().with_file_name("tally.db-restored.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(marker["target"], at.as_str());
+
+    // tally starts on it and says so; new writes after the restore.
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    assert!(
+        run.line_of("the database comes from a restore to a point in time")
+            .is_some(),
+        "{}",
+        run.log_text()
+    );
+    increment(&client, &run, "after", 3).await;
+    check(&client, &run, 2).await;
+    // Through a level-1 compaction: the replica's older, newer-numbered
+    // history must not come back with it.
+    wait_compaction_past(&run, Duration::from_secs(45)).await;
+    stop_cleanly(run).await;
+    let expected = State {
+        counters: [
+            ("orders".to_owned(), 40),
+            ("signups".to_owned(), 7),
+            ("after".to_owned(), 3),
+        ]
+        .into(),
+        usage: [(today, 27)].into(),
+    };
+
+    // A plain restore of the latest state: A plus the new writes.
+    d.wipe();
+    ok(d.restore());
+    assert_eq!(state_of(&d.db()).await, expected);
+
+    // The same restore asked for again (the value left set): the latest
+    // state, not a second trip back in time.
+    d.wipe();
+    let log = ok(d.restore_to(&at));
+    assert!(log.contains("was made already"), "{log}");
+    assert_eq!(state_of(&d.db()).await, expected);
+    assert!(!d.db().with_file_name("tally.db-restored.json").exists());
+
+    // On a database that exists, nothing happens.
+    let log = ok(d.restore_to(&at));
+    assert!(log.contains("nothing restored"), "{log}");
+    assert_eq!(state_of(&d.db()).await, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_to_an_instant_before_any_backup_fails_and_leaves_nothing() {
+    let s3 = S3::start().await;
+    s3.create_bucket("pitr-early").await;
+    let d = Deployment::new(&s3.endpoint, "pitr-early");
+    let before = jiff::Timestamp::now().to_string();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    increment(&Client::new(), &run, "x", 1).await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    stop_cleanly(run).await;
+    d.wipe();
+    let out = d.restore_to(&before);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("planning the restore"), "{err}");
+    assert!(!d.db().exists(), "a failed restore must leave no database");
+}

@@ -1,0 +1,352 @@
+//! The storage limit (`TALLY_STORAGE_LIMIT`) and the keys' lifetime
+//! (`TALLY_IDEMPOTENCY_KEY_TTL`) on the real binary: keyed writes fill a
+//! small limit, are answered `507` before the directory passes it (as `du`
+//! measures it), and are taken again once the limit is raised or the keys
+//! expire.
+
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+
+use crate::helpers::{ADMIN, Binary, problem, sample};
+
+const MIB: u64 = 1 << 20;
+
+/// How far past the limit the directory may go: the writer's reckoning
+/// between two samples is good to a few pages of 4 KiB.
+const PAGES: u64 = 16 * 4096;
+
+/// What `du` says the directory takes, in bytes.
+fn du(dir: &Path) -> u64 {
+    let out = std::process::Command::new("du")
+        .args(["-s", "-B1"])
+        .arg(dir)
+        .output()
+        .expect("du runs");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("du prints a size")
+}
+
+async fn metrics(client: &Client, bin: &Binary) -> String {
+    let r = client.get(bin.url("/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
+/// A keyed increment with a fresh key (shaped like a UUID, as clients send).
+async fn keyed(client: &Client, bin: &Binary, n: usize) -> reqwest::Response {
+    let key = format!("{:08x}-0000-4000-8000-{:012x}", n, n * 7919);
+    client
+        .post(bin.url(&format!("/counters/c{}", n % 16)))
+        .header("idempotency-key", key)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Keyed writes from 16 clients until one is answered other than 200;
+/// returns how many were acknowledged and that first other answer.
+async fn fill(
+    client: &Client,
+    bin: &Binary,
+    next: &Arc<AtomicUsize>,
+) -> (usize, reqwest::Response) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (client, url, stop, acked, next) = (
+            client.clone(),
+            bin.url(""),
+            Arc::clone(&stop),
+            Arc::clone(&acked),
+            Arc::clone(next),
+        );
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                let key = format!("{:08x}-0000-4000-8000-{:012x}", n, n * 7919);
+                let r = client
+                    .post(format!("{url}/counters/c{}", n % 16))
+                    .header("idempotency-key", key)
+                    .send()
+                    .await
+                    .unwrap();
+                if r.status() == StatusCode::OK {
+                    acked.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    stop.store(true, Ordering::Relaxed);
+                    return Some(r);
+                }
+            }
+            None
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut first = None;
+    for t in tasks {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let r = tokio::time::timeout(left, t)
+            .await
+            .expect("the limit was never reached")
+            .unwrap();
+        first = first.or(r);
+    }
+    (acked.load(Ordering::Relaxed), first.unwrap())
+}
+
+/// Fills a 6 MiB limit with keyed writes: `507 storage-full` with
+/// `Retry-After` before `du` says the directory passed it; reads, readiness
+/// and resets still work, checks fail closed as on a full disk. A restart
+/// with a bigger limit takes writes again; a restart with the old limit
+/// and a short key lifetime takes them again once the keys have expired.
+/// Every acknowledged write is there at the end. Prints what a key costs.
+#[tokio::test]
+async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_expire() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let limit = 6 * MIB;
+    let env = |limit: &'static str, ttl: &'static str| {
+        vec![
+            ("TALLY_DATABASE", db_str),
+            ("TALLY_ADMIN_TOKEN", ADMIN),
+            ("TALLY_STORAGE_LIMIT", limit),
+            ("TALLY_IDEMPOTENCY_KEY_TTL", ttl),
+        ]
+    };
+    let limit_static: &'static str = Box::leak(limit.to_string().into_boxed_str());
+    let client = Client::new();
+    let mut bin = Binary::start(&env(limit_static, "1h"));
+    let m = metrics(&client, &bin).await;
+    assert_eq!(sample(&m, "tally_storage_limit_bytes"), Some(limit as f64));
+    for file in ["db", "wal", "shm"] {
+        let series = format!("tally_database_bytes{{file=\"{file}\"}}");
+        assert!(sample(&m, &series).is_some(), "{series}: {m}");
+    }
+    let used = sample(&m, "tally_storage_used_bytes").unwrap();
+    assert!(used > 0.0 && used < limit as f64, "{used}");
+    let r = client
+        .put(bin.url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 100, "global_limit": 1000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": "v"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    bin.sigterm();
+    assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
+    // After a clean stop the WAL is checkpointed into the file.
+    let db_before = std::fs::metadata(&db).unwrap().len();
+    let bin = Binary::start(&env(limit_static, "1h"));
+
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let (mut acked, r) = fill(&client, &bin, &next).await;
+    let took = started.elapsed();
+    let at_refusal = du(dir.path());
+    assert_eq!(r.headers()["retry-after"], "5");
+    let body = problem(r, StatusCode::INSUFFICIENT_STORAGE).await;
+    assert_eq!(body["type"], "/problems/storage-full", "{body}");
+    assert!(
+        at_refusal <= limit + PAGES,
+        "refused only at {at_refusal} bytes, past the limit of {limit}"
+    );
+    assert!(
+        at_refusal > limit * 3 / 4,
+        "refused at {at_refusal} bytes, long before the limit of {limit}"
+    );
+    println!(
+        "{acked} keyed writes in {took:?} filled the directory to {at_refusal} bytes (du) of \
+         {limit}"
+    );
+
+    // Writes one at a time until they are refused for a whole second (four
+    // samples): near the limit the writer's reckoning errs high, and a
+    // fresh sample may let a few more in, but the directory never passes
+    // the limit.
+    let mut refused_in_a_row = 0;
+    let mut refused = 0;
+    for _ in 0..20_000 {
+        let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+        match r.status() {
+            StatusCode::OK => {
+                acked += 1;
+                refused_in_a_row = 0;
+            }
+            s => {
+                assert_eq!(s, StatusCode::INSUFFICIENT_STORAGE);
+                refused += 1;
+                refused_in_a_row += 1;
+                if refused_in_a_row == 20 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    assert_eq!(refused_in_a_row, 20, "writes kept being taken at the limit");
+    let after = du(dir.path());
+    assert!(
+        after <= limit + PAGES,
+        "{after} bytes, past the limit of {limit}"
+    );
+    println!("at the limit: {refused} refused, {after} bytes (du) of {limit}");
+    // Reads and readiness are not writes; a reset only deletes, so it runs;
+    // a check cannot be counted, so it is denied (as on a full disk).
+    let counter = client.get(bin.url("/counters/c0")).send().await.unwrap();
+    assert_eq!(counter.status(), StatusCode::OK);
+    let ready = client.get(bin.url("/ready")).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": "v"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_server_error(), "{}", r.status());
+    assert_eq!(r.json::<Value>().await.unwrap()["allowed"], false);
+    let r = client
+        .post(bin.url("/budgets/b/reset"))
+        .bearer_auth(ADMIN)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "a reset past the limit");
+    let m = metrics(&client, &bin).await;
+    let counted = sample(
+        &m,
+        "tally_write_commands_total{command=\"increment\",result=\"storage_full\"}",
+    );
+    assert!(counted.is_some_and(|n| n >= 20.0), "{counted:?}");
+    let logged = bin
+        .log_text()
+        .matches("the storage limit (TALLY_STORAGE_LIMIT) is reached")
+        .count();
+    assert_eq!(logged, 1, "logged once: {}", bin.log_text());
+    // Killed, as an eviction would: the WAL stays as it was.
+    drop(bin);
+    let (pages, free, page_size): (i64, i64, i64) = {
+        let peek = sqlx::SqlitePool::connect(&format!("sqlite://{db_str}?mode=ro"))
+            .await
+            .unwrap();
+        let row = sqlx::query_as(
+            "SELECT c.page_count, f.freelist_count, s.page_size FROM pragma_page_count() AS c, \
+             pragma_freelist_count() AS f, pragma_page_size() AS s",
+        )
+        .fetch_one(&peek)
+        .await
+        .unwrap();
+        peek.close().await;
+        row
+    };
+    let db_full = ((pages - free) * page_size) as u64;
+    println!(
+        "database in use: {db_before} bytes before, {db_full} after {acked} keys: {} bytes a key",
+        (db_full - db_before) / acked as u64
+    );
+
+    // A restart alone makes no room.
+    let bin = Binary::start(&env(limit_static, "1h"));
+    let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+    problem(r, StatusCode::INSUFFICIENT_STORAGE).await;
+    drop(bin);
+
+    // A bigger limit: writes are taken again at once.
+    let bin = Binary::start(&env("8Mi", "1h"));
+    for _ in 0..20 {
+        let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+        assert_eq!(r.status(), StatusCode::OK, "with the limit raised");
+        acked += 1;
+    }
+    drop(bin);
+
+    // The old limit again, and a key lifetime every key has outlived: the
+    // first keyed writes are refused and clean the keys up, a share at a
+    // time; once their pages are free, writes are taken again without a
+    // restart.
+    let bin = Binary::start(&env(limit_static, "2s"));
+    let started = Instant::now();
+    let mut refused = 0;
+    loop {
+        let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+        if r.status() == StatusCode::OK {
+            acked += 1;
+            break;
+        }
+        assert_eq!(r.status(), StatusCode::INSUFFICIENT_STORAGE);
+        refused += 1;
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "still refused after the keys expired: {}",
+            bin.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "with expired keys: {refused} refused, writes taken again after {:?}",
+        started.elapsed()
+    );
+    assert!(refused >= 1, "the limit was not full");
+    assert!(bin.log_text().contains("forgot expired idempotency keys"));
+    for _ in 0..50 {
+        let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+        assert_eq!(r.status(), StatusCode::OK, "after the keys expired");
+        acked += 1;
+    }
+    // Every acknowledged write is there; nothing refused is.
+    let mut total = 0;
+    for c in 0..16 {
+        let r = client
+            .get(bin.url(&format!("/counters/c{c}")))
+            .send()
+            .await
+            .unwrap();
+        total += r.json::<Value>().await.unwrap()["value"].as_i64().unwrap();
+    }
+    assert_eq!(total, acked as i64);
+}
+
+/// A limit tally cannot keep is refused at start, with a message that
+/// says why; so is a key lifetime out of range.
+#[tokio::test]
+async fn bad_limits_and_lifetimes_are_refused_at_start() {
+    let tally = env!("CARGO_BIN_EXE_tally");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    for (var, value, says) in [
+        ("TALLY_STORAGE_LIMIT", "10GB", "is not a size"),
+        ("TALLY_STORAGE_LIMIT", "1000", "at least 1Mi"),
+        ("TALLY_IDEMPOTENCY_KEY_TTL", "0", "between 1s and 30d"),
+        ("TALLY_IDEMPOTENCY_KEY_TTL", "1 day", "is not a duration"),
+    ] {
+        let out = std::process::Command::new(tally)
+            .env_clear()
+            .env("TALLY_DATABASE", &db)
+            .env("TALLY_LISTEN", "127.0.0.1:0")
+            .env(var, value)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(err.contains(says), "{var}={value}: {err}");
+    }
+}
