@@ -511,7 +511,8 @@ impl Handle {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
             return Err(Error::OutcomeUnknown);
         };
-        metrics::histogram!("tally_write_wait_seconds").record(queued_at.elapsed().as_secs_f64());
+        crate::kept!(histogram "tally_write_wait_seconds")
+            .record(queued_at.elapsed().as_secs_f64());
         if let Err(Error::OutcomeUnknown) = &answer.result {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
         }

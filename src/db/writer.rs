@@ -291,7 +291,7 @@ impl<E: Engine> WriterLoop<E> {
         self.log_commit(&commit, size);
         let took = started.elapsed();
         self.stats.record_batch(size, took);
-        metrics::histogram!("tally_commit_batch_size").record(size as f64);
+        crate::kept!(histogram "tally_commit_batch_size").record(size as f64);
         metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
         tracing::debug!(batch = size, elapsed = ?took, "batch done");
         // Before the answers: a read after a 200 sees its write.
@@ -415,8 +415,7 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
         // No result: answered as tally's own error (see `Reply::send`).
         (Ok(()), None) => "database_error",
     };
-    metrics::counter!("tally_write_commands_total", "command" => kind, "result" => result)
-        .increment(1);
+    crate::prometheus::write_commands(kind, result).increment(1);
     if let (Ok(()), Command::Check { reply, .. }) = (commit, &q.command)
         && let Some(d) = reply.value()
         && d.pruned_rows > 0

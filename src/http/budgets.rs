@@ -222,9 +222,8 @@ pub async fn check(
     match checked {
         Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
-            metrics::counter!("tally_budget_decisions_total",
-                "budget" => name.as_str().to_owned(), "reason" => reason_label(decision.reason))
-            .increment(1);
+            crate::prometheus::budget_decisions(name.as_str(), reason_label(decision.reason))
+                .increment(1);
             let mut headers = rate_limit_headers(&decision, Timestamp::now());
             headers.extend(replayed_header(replayed));
             Ok((headers, Json(decision.into())))
