@@ -11,7 +11,8 @@
 //!
 //! No tracing span is opened per request: the few log lines written while
 //! a request runs name its id themselves ([`request_id`]), so no field is
-//! formatted unless a line is written.
+//! formatted unless a line is written. One line per answered request is
+//! written at debug level under the target `tally::request`.
 
 use std::{
     any::Any,
@@ -120,7 +121,15 @@ where
             let label = route.as_ref().map_or("unmatched", MatchedPath::as_str);
             let (requests, duration) = instrument::series(method, label, res.status());
             requests.increment(1);
-            duration.record(started.elapsed().as_secs_f64());
+            let took = started.elapsed();
+            duration.record(took.as_secs_f64());
+            // One line per request, for whoever turns it on
+            // (`TALLY_LOG=info,tally::request=debug`); when off, nothing
+            // below is evaluated.
+            tracing::debug!(target: "tally::request", method, route = label,
+                status = res.status().as_u16(), micros = took.as_micros() as u64,
+                request_id = res.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()),
+                "answered");
             Ok(res)
         })
     }
