@@ -244,7 +244,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     // An unreachable server is logged by the writer when it goes and when
     // it comes back, not once per denied check.
     if !matches!(err, db::Error::Unavailable(_) | db::Error::Busy(_)) {
-        tracing::error!(error = %err, request_id = request_id().as_deref(), "budget check failed; denying");
+        tracing::error!(error = %err, request_id = %request_id().as_deref().unwrap_or(""), "budget check failed; denying");
     }
     let denied = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,

@@ -128,7 +128,7 @@ where
             // below is evaluated.
             tracing::debug!(target: "tally::request", method, route = label,
                 status = res.status().as_u16(), micros = took.as_micros() as u64,
-                request_id = res.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()),
+                request_id = %res.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or(""),
                 "answered");
             Ok(res)
         })

@@ -248,7 +248,7 @@ impl From<db::Error> for Problem {
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Raced(_) | db::Error::Database(_) | db::Error::Internal(_)) => {
-                tracing::error!(error = %e, request_id = super::instrument::request_id().as_deref(), "database error");
+                tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), "database error");
                 Self::internal("the database failed; nothing was written")
                     .with("reason", "database_error")
             }
