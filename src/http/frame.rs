@@ -167,3 +167,99 @@ fn timed_out(route: Option<&MatchedPath>, check_route: &str) -> Response {
     }
     .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::{Router, body::Body, routing::get};
+    use http_body_util::BodyExt;
+    use serde_json::Value;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn app() -> Router {
+        Router::new()
+            .route(
+                "/ok",
+                get(|| async { request_id().map(|id| id.to_string()).unwrap_or_default() }),
+            )
+            .route(
+                "/panics",
+                get(|| async {
+                    if request_id().is_some() {
+                        panic!("a handler bug");
+                    }
+                }),
+            )
+            .route(
+                "/slow",
+                get(|| async { tokio::time::sleep(Duration::from_secs(5)).await }),
+            )
+            .route(
+                "/budgets/{name}/check",
+                get(|| async { tokio::time::sleep(Duration::from_secs(5)).await }),
+            )
+            .layer(FrameLayer {
+                timeout: Duration::from_millis(50),
+                check_route: "/budgets/{name}/check",
+            })
+    }
+
+    async fn call(path: &str, id: Option<&str>) -> (Response, Value) {
+        let mut req = Request::get(path);
+        if let Some(id) = id {
+            req = req.header(REQUEST_ID, id);
+        }
+        let res = app()
+            .oneshot(req.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let (parts, body) = res.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let json = if json.is_null() {
+            Value::String(text)
+        } else {
+            json
+        };
+        (Response::from_parts(parts, Body::empty()), json)
+    }
+
+    fn id(res: &Response) -> &str {
+        res.headers()[REQUEST_ID].to_str().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_safe_client_id_is_kept_and_an_unsafe_one_replaced() {
+        let (res, body) = call("/ok", Some("client-id-1")).await;
+        assert_eq!(id(&res), "client-id-1");
+        assert_eq!(body, "client-id-1", "the handler sees the same id");
+        let (res, body) = call("/ok", Some("bad id")).await;
+        assert_ne!(id(&res), "bad id");
+        assert_eq!(id(&res).len(), 36, "a fresh UUID");
+        assert_eq!(body, id(&res));
+    }
+
+    #[tokio::test]
+    async fn a_panic_is_a_500_problem_with_the_request_id() {
+        let (res, body) = call("/panics", Some("p-1")).await;
+        assert_eq!(res.status(), 500);
+        assert_eq!(id(&res), "p-1");
+        assert_eq!(body["type"], "/problems/internal");
+        assert_eq!(body["request_id"], "p-1");
+    }
+
+    #[tokio::test]
+    async fn a_request_out_of_time_is_answered_and_a_check_still_denied() {
+        let (res, body) = call("/slow", Some("t-1")).await;
+        assert_eq!(res.status(), 503);
+        assert_eq!(body["type"], "/problems/timeout");
+        assert_eq!(body["request_id"], "t-1");
+        assert_eq!(id(&res), "t-1");
+        assert!(body.get("allowed").is_none());
+        let (res, body) = call("/budgets/b/check", None).await;
+        assert_eq!(res.status(), 503);
+        assert_eq!(body["allowed"], false);
+    }
+}
