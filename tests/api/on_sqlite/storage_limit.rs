@@ -105,7 +105,7 @@ async fn fill(
     (acked.load(Ordering::Relaxed), first.unwrap())
 }
 
-/// Fills a 6 MiB limit with keyed writes: `507 storage-full` with
+/// Fills an 8 MiB limit (the smallest tally takes) with keyed writes: `507 storage-full` with
 /// `Retry-After` before `du` says the directory passed it; reads, readiness
 /// and resets still work, checks fail closed as on a full disk. A restart
 /// with a bigger limit takes writes again; a restart with the old limit
@@ -116,7 +116,7 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let db_str = db.to_str().unwrap();
-    let limit = 6 * MIB;
+    let limit = 8 * MIB;
     let env = |limit: &'static str, ttl: &'static str| {
         vec![
             ("TALLY_DATABASE", db_str),
@@ -271,7 +271,7 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     drop(bin);
 
     // A bigger limit: writes are taken again at once.
-    let bin = Binary::start(&env("8Mi", "1h"));
+    let bin = Binary::start(&env("10Mi", "1h"));
     for _ in 0..20 {
         let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
         assert_eq!(r.status(), StatusCode::OK, "with the limit raised");
@@ -334,7 +334,7 @@ async fn bad_limits_and_lifetimes_are_refused_at_start() {
     let db = dir.path().join("tally.db");
     for (var, value, says) in [
         ("TALLY_STORAGE_LIMIT", "10GB", "is not a size"),
-        ("TALLY_STORAGE_LIMIT", "1000", "at least 1Mi"),
+        ("TALLY_STORAGE_LIMIT", "1000", "at least 8Mi"),
         ("TALLY_IDEMPOTENCY_KEY_TTL", "0", "between 1s and 30d"),
         ("TALLY_IDEMPOTENCY_KEY_TTL", "1 day", "is not a duration"),
     ] {
