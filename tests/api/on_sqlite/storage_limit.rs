@@ -146,11 +146,21 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     assert_eq!(r.status(), StatusCode::OK);
     let r = client
         .post(bin.url("/budgets/b/check"))
+        .header("idempotency-key", "check-before-the-limit")
         .json(&json!({"visitor": "v"}))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
+    let check_before = r.text().await.unwrap();
+    let r = client
+        .post(bin.url("/counters/kept"))
+        .header("idempotency-key", "increment-before-the-limit")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let increment_before = r.text().await.unwrap();
     bin.sigterm();
     assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
     // After a clean stop the WAL is checkpointed into the file.
@@ -209,6 +219,32 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         "{after} bytes, past the limit of {limit}"
     );
     println!("at the limit: {refused} refused, {after} bytes (du) of {limit}");
+    // Retries of writes that committed before the limit are answered with
+    // what they answered then: they write nothing, and a 507 would tell
+    // their client that nothing had been written.
+    for (path, key, body, before) in [
+        (
+            "/budgets/b/check",
+            "check-before-the-limit",
+            Some(json!({"visitor": "v"})),
+            &check_before,
+        ),
+        (
+            "/counters/kept",
+            "increment-before-the-limit",
+            None,
+            &increment_before,
+        ),
+    ] {
+        let mut req = client.post(bin.url(path)).header("idempotency-key", key);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{path} retried past the limit");
+        assert_eq!(r.headers()["idempotent-replayed"], "true");
+        assert_eq!(&r.text().await.unwrap(), before);
+    }
     // Reads and readiness are not writes; a reset only deletes, so it runs;
     // a check cannot be counted, so it is denied (as on a full disk).
     let counter = client.get(bin.url("/counters/c0")).send().await.unwrap();
