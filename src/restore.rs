@@ -78,6 +78,7 @@ pub fn marker(db: &Path) -> Option<Marker> {
 /// Restores the database at `db` to `target` if the data directory has no
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
+    let target_ts = target;
     let target = target.to_string();
     if db.exists() {
         tracing::info!(
@@ -86,6 +87,15 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
             "the database exists: nothing restored (a restore only fills an empty data directory)"
         );
         return Ok(Outcome::DatabaseExists);
+    }
+    // Litestream restores the latest state for an instant it has not seen
+    // yet: recorded and logged as a restore to that instant, a mistyped
+    // year or time zone would look like a mistake undone.
+    if target_ts > Timestamp::now() {
+        bail!(
+            "the instant {target} is in the future: a restore to a point in time undoes what \
+             was written after an instant before now (the latest state is a plain restore)"
+        );
     }
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -282,6 +292,20 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             assert!(!db.exists(), "an unrecorded restore was left in place");
             assert!(marker(&db).is_none());
         }
+    }
+
+    /// An instant not reached yet is refused before anything is restored:
+    /// Litestream would bring back the latest state, and it would be
+    /// recorded and logged as a restore to that instant.
+    #[tokio::test]
+    async fn an_instant_in_the_future_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = failing_litestream(dir.path());
+        let db = dir.path().join("data").join("tally.db");
+        let target = Timestamp::now() + jiff::SignedDuration::from_hours(24 * 365);
+        let e = restore_to(&db, target, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
+        assert!(!db.exists());
     }
 
     #[test]
