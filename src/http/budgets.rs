@@ -14,7 +14,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
-    pages::ListQuery,
+    pages::{ListQuery, NoQuery},
 };
 use crate::{
     db,
@@ -140,6 +140,7 @@ pub async fn delete(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_budget(name, key.0, request_id()).await?;

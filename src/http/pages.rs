@@ -1,5 +1,6 @@
 //! The query of a list endpoint (`GET /budgets`, `GET /counters`): a
-//! prefix, where the page starts, and how long it is.
+//! prefix, where the page starts, and how long it is; and the empty query
+//! of a delete.
 
 use serde::Deserialize;
 
@@ -57,3 +58,10 @@ impl ListQuery {
         )?)
     }
 }
+
+/// No parameters: a delete takes none, and refuses any (`400
+/// invalid-query`) rather than deleting for a request it misread, such as
+/// one with `?dry_run=true` or `?prefix=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}

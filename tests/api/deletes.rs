@@ -398,3 +398,28 @@ async fn race_once(app: &Arc<TestApp>, round: usize) {
     }
     no_content(delete(app, "/budgets/r", None).await).await;
 }
+
+/// A delete takes no query parameters: one that comes with any is refused
+/// and deletes nothing, rather than being read as a plain delete
+/// (`?dry_run=true`, a list's `?prefix=` sent to the wrong path).
+#[tokio::test]
+async fn a_delete_with_query_parameters_is_refused_and_deletes_nothing() {
+    let app = spawn_app().await;
+    app.budget("b", 10, 100).await;
+    let r = app.post_json("/counters/c", json!({})).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    for path in ["/budgets/b", "/counters/c"] {
+        for q in ["dry_run=true", "prefix=b", "x", "a=1&a=2"] {
+            let r = delete(&app, &format!("{path}?{q}"), Some("with-a-query")).await;
+            let body = problem(r, StatusCode::BAD_REQUEST).await;
+            assert_eq!(
+                body["type"], "/problems/invalid-query",
+                "{path}?{q}: {body}"
+            );
+        }
+        assert_eq!(app.get(path).await.status(), StatusCode::OK, "{path}");
+        // An empty query is no parameter.
+        no_content(delete(&app, &format!("{path}?"), None).await).await;
+    }
+    app.stop().await.unwrap();
+}
