@@ -14,7 +14,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
-    pages::{ListQuery, NoQuery},
+    pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::{
     db,
@@ -142,6 +142,7 @@ pub async fn delete(
     Path(name): Path<Name>,
     _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
+    _: OptionalJson<NoBody>,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_budget(name, key.0, request_id()).await?;
     Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))

@@ -1,6 +1,6 @@
 //! The query of a list endpoint (`GET /budgets`, `GET /counters`): a
 //! prefix, where the page starts, and how long it is; and the empty query
-//! of a delete.
+//! and body of a delete.
 
 use serde::Deserialize;
 
@@ -65,3 +65,10 @@ impl ListQuery {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NoQuery {}
+
+/// No fields: a delete's body, if it has one, must be empty (or `{}`). A
+/// body that asks for something (`{"day": ...}`, `{"visitor": ...}`) is
+/// refused (`422`) rather than deleting the whole budget or counter.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoBody {}

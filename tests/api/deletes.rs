@@ -423,3 +423,43 @@ async fn a_delete_with_query_parameters_is_refused_and_deletes_nothing() {
     }
     app.stop().await.unwrap();
 }
+
+/// A delete takes no body: one that asks for something narrower (a day, a
+/// visitor) is refused and deletes nothing, instead of deleting the whole
+/// budget; a body that is not JSON is `415`. No body, blank, `null` or
+/// `{}` is a plain delete.
+#[tokio::test]
+async fn a_delete_with_a_body_is_refused_and_deletes_nothing() {
+    let app = spawn_app().await;
+    for name in ["b", "b2", "b3", "b4"] {
+        app.budget(name, 10, 100).await;
+    }
+    let send = |path: &str, body: &'static str, json: bool| {
+        let mut rb = app
+            .client
+            .delete(app.url(path))
+            .bearer_auth(ADMIN)
+            .body(body);
+        if json {
+            rb = rb.header("content-type", "application/json");
+        }
+        rb.send()
+    };
+    let r = send("/budgets/b", r#"{"day": "2026-11-30"}"#, true)
+        .await
+        .unwrap();
+    let body = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(body["type"], "/problems/invalid-body", "{body}");
+    let r = send("/budgets/b", r#"{"visitor": "v"}"#, true)
+        .await
+        .unwrap();
+    problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    let r = send("/budgets/b", "visitor=v", false).await.unwrap();
+    problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    assert_eq!(app.get("/budgets/b").await.status(), StatusCode::OK);
+    no_content(send("/budgets/b", "", false).await.unwrap()).await;
+    no_content(send("/budgets/b2", " ", true).await.unwrap()).await;
+    no_content(send("/budgets/b3", "null", true).await.unwrap()).await;
+    no_content(send("/budgets/b4", "{}", true).await.unwrap()).await;
+    app.stop().await.unwrap();
+}
