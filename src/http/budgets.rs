@@ -14,7 +14,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
-    pages::ListQuery,
+    pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::{
     db,
@@ -140,7 +140,9 @@ pub async fn delete(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
+    _: OptionalJson<NoBody>,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_budget(name, key.0, request_id()).await?;
     Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))

@@ -11,7 +11,7 @@ use super::{
     extract::{Admin, IdempotencyKeyHeader, OptionalJson, Path, Query, replayed_header},
     instrument::request_id,
     openapi::{AdminProblems, CounterProblems, Problems, WriteProblems},
-    pages::ListQuery,
+    pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::meter::Name;
 
@@ -171,7 +171,9 @@ pub async fn delete(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
+    _: OptionalJson<NoBody>,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_counter(name, key.0, request_id()).await?;
     Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))
