@@ -186,6 +186,12 @@ struct PlanFile {
 /// `litestream restore -config C ARGS DB`; its standard output, or an
 /// error carrying what it said.
 fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result<Vec<u8>> {
+    // Litestream says nothing while the object store does not answer, and
+    // waits for it: without this line a stuck restore leaves an empty log.
+    tracing::info!(
+        args = %args.join(" "),
+        "asking Litestream for the replica; this waits until the object store answers"
+    );
     let out = Command::new(&ls.binary)
         .arg("restore")
         .arg("-config")
