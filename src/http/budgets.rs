@@ -72,6 +72,7 @@ pub async fn put(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     JsonBody(body): JsonBody<BudgetBody>,
 ) -> Result<Json<BudgetView>, Problem> {
     let spec = BudgetSpec::new(
@@ -93,6 +94,7 @@ pub async fn put(
 pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
 ) -> Result<Json<BudgetView>, Problem> {
     Ok(Json(state.db.budget(&name).await?.into()))
 }
@@ -210,11 +212,13 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
 pub async fn check(
     State(state): State<AppState>,
     name: Result<Path<Name>, Problem>,
+    query: Result<Query<NoQuery>, Problem>,
     key: Result<IdempotencyKeyHeader, Problem>,
     body: Result<JsonBody<CheckBody>, Problem>,
 ) -> Result<(HeaderMap, Json<DecisionView>), Problem> {
     let deny = |p: Problem| p.with("allowed", false);
     let Path(name) = name.map_err(deny)?;
+    query.map_err(deny)?;
     let key = key.map_err(deny)?;
     let JsonBody(body) = body.map_err(deny)?;
     let checked = state
@@ -392,6 +396,7 @@ pub async fn reset(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     OptionalJson(body): OptionalJson<ResetBody>,
 ) -> Result<Json<ResetView>, Problem> {
     let (day, deleted_rows) = state
