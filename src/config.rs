@@ -320,7 +320,11 @@ fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
 
 /// A size in bytes: a whole number, bare or with a unit (`k`, `M`, `G`,
 /// `T` decimal; `Ki`, `Mi`, `Gi`, `Ti` binary), or a decimal number with
-/// a unit (`1.5Gi`). At least 1 MiB: less is not room for a database.
+/// a unit (`1.5Gi`). At least 8 MiB: the WAL alone grows to about 4 MiB
+/// (1000 pages) before it is checkpointed, and SQLite never shrinks it, so
+/// a smaller limit is filled by the WAL and never makes room again.
+const MIN_STORAGE_LIMIT: u64 = 8 << 20;
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     const UNITS: [(&str, f64); 8] = [
         ("Ki", 1024.0),
@@ -350,8 +354,14 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     }
     let value: f64 = number.parse().map_err(|_| not_a_size())?;
     let bytes = (value * factor).floor();
-    if !(1048576.0..=9.0e18).contains(&bytes) {
-        return Err(format!("`{s}` must be at least 1Mi (1048576 bytes)"));
+    if bytes < MIN_STORAGE_LIMIT as f64 {
+        return Err(format!(
+            "`{s}` must be at least 8Mi (8388608 bytes): the WAL alone takes about 4Mi \
+             before it is checkpointed"
+        ));
+    }
+    if bytes > 9.0e18 {
+        return Err(format!("`{s}` is too large: at most 9000000T"));
     }
     Ok(bytes as u64)
 }
@@ -516,16 +526,21 @@ mod tests {
         assert_eq!(parse("1.5Gi").unwrap(), Some(3 << 29));
         assert_eq!(parse("2G").unwrap(), Some(2_000_000_000));
         assert_eq!(parse("600Mi").unwrap(), Some(600 << 20));
-        assert_eq!(parse("4096k").unwrap(), Some(4_096_000));
+        assert_eq!(parse("9000k").unwrap(), Some(9_000_000));
         for bad in [
             "", "Gi", "1GB", "1 g", "-1Gi", "1.5", "0x10", "512m", "nan", "1e9",
         ] {
             let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains("is not a size"), "{bad}: {e}");
         }
-        for small in ["0", "1000", "1000k", "1023Ki"] {
+        for small in ["0", "1000", "1000k", "1Mi", "4Mi", "8388607"] {
             let e = parse(small).unwrap_err().to_string();
-            assert!(e.contains("at least 1Mi"), "{small}: {e}");
+            assert!(e.contains("at least 8Mi"), "{small}: {e}");
+        }
+        assert_eq!(parse("8Mi").unwrap(), Some(8 << 20));
+        for large in ["18446744073709551615", "99999999T"] {
+            let e = parse(large).unwrap_err().to_string();
+            assert!(e.contains("too large"), "{large}: {e}");
         }
     }
 

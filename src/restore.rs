@@ -78,6 +78,7 @@ pub fn marker(db: &Path) -> Option<Marker> {
 /// Restores the database at `db` to `target` if the data directory has no
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
+    let target_ts = target;
     let target = target.to_string();
     if db.exists() {
         tracing::info!(
@@ -86,6 +87,15 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
             "the database exists: nothing restored (a restore only fills an empty data directory)"
         );
         return Ok(Outcome::DatabaseExists);
+    }
+    // Litestream restores the latest state for an instant it has not seen
+    // yet: recorded and logged as a restore to that instant, a mistyped
+    // year or time zone would look like a mistake undone.
+    if target_ts > Timestamp::now() {
+        bail!(
+            "the instant {target} is in the future: a restore to a point in time undoes what \
+             was written after an instant before now (the latest state is a plain restore)"
+        );
     }
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -121,15 +131,28 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     )
     .context("reading Litestream's restore plan")?;
     let last_transaction_at = plan.files.last().map(|f| f.timestamp.clone());
-    litestream(ls, &["-timestamp", &target], db).context("restoring to the instant")?;
+    // Into a file beside the database, recorded there, and only then moved
+    // into place: a restore that fails (or is killed) before it is recorded
+    // leaves no database, so the next start restores again rather than
+    // serving, and replicating, a restore no later start would know of.
+    let restoring = beside(db, "-restoring");
+    remove_sqlite_files(&restoring)?;
+    litestream(
+        ls,
+        &["-timestamp", &target, "-o", path_str(&restoring)?],
+        db,
+    )
+    .context("restoring to the instant")?;
     let restored = Restored {
         target: target.clone(),
         txid: plan.max_txid.clone(),
         restored_at: Timestamp::now().to_string(),
     };
-    restores::record(db, &restored)
+    restores::record(&restoring, &restored)
         .await
         .context("recording the restore in the database")?;
+    std::fs::rename(&restoring, db).context("moving the restored database into place")?;
+    remove_sqlite_files(&restoring)?;
     let marker = Marker {
         target,
         txid: restored.txid.clone(),
@@ -163,6 +186,12 @@ struct PlanFile {
 /// `litestream restore -config C ARGS DB`; its standard output, or an
 /// error carrying what it said.
 fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result<Vec<u8>> {
+    // Litestream says nothing while the object store does not answer, and
+    // waits for it: without this line a stuck restore leaves an empty log.
+    tracing::info!(
+        args = %args.join(" "),
+        "asking Litestream for the replica; this waits until the object store answers"
+    );
     let out = Command::new(&ls.binary)
         .arg("restore")
         .arg("-config")
@@ -221,6 +250,68 @@ mod tests {
             marker_path(Path::new("/data/tally.db")),
             Path::new("/data/tally.db-restored.json")
         );
+    }
+
+    /// A stand-in for Litestream whose restore to an instant leaves a file
+    /// that is not a database, so that recording the restore fails.
+    fn failing_litestream(dir: &Path) -> Litestream {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join("litestream");
+        std::fs::write(
+            &script,
+            r#"#!/bin/sh
+out=""; ts=""; dry=""; last=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift ;;
+    -timestamp) ts="$2"; shift ;;
+    -dry-run) dry=1 ;;
+  esac
+  last="$1"; shift
+done
+[ -n "$out" ] || out="$last"
+if [ -n "$dry" ]; then echo '{"max_txid":"0000000000000002","files":[]}'; exit 0; fi
+if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"; exit 0; fi
+: > "$out"
+"#,
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Litestream {
+            binary: script,
+            config: dir.join("litestream.yml"),
+        }
+    }
+
+    /// A restore that cannot be recorded leaves no database: the next
+    /// start tries again, instead of finding a database that is there and
+    /// serving a restore no later start would know had been made.
+    #[tokio::test]
+    async fn a_restore_that_is_not_recorded_leaves_no_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = failing_litestream(dir.path());
+        let db = dir.path().join("data").join("tally.db");
+        let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        for _ in 0..2 {
+            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            assert!(format!("{e:#}").contains("recording the restore"), "{e:#}");
+            assert!(!db.exists(), "an unrecorded restore was left in place");
+            assert!(marker(&db).is_none());
+        }
+    }
+
+    /// An instant not reached yet is refused before anything is restored:
+    /// Litestream would bring back the latest state, and it would be
+    /// recorded and logged as a restore to that instant.
+    #[tokio::test]
+    async fn an_instant_in_the_future_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = failing_litestream(dir.path());
+        let db = dir.path().join("data").join("tally.db");
+        let target = Timestamp::now() + jiff::SignedDuration::from_hours(24 * 365);
+        let e = restore_to(&db, target, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
+        assert!(!db.exists());
     }
 
     #[test]

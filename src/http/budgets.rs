@@ -14,7 +14,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, Problems, WriteProblems},
-    pages::ListQuery,
+    pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::{
     db,
@@ -72,6 +72,7 @@ pub async fn put(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     JsonBody(body): JsonBody<BudgetBody>,
 ) -> Result<Json<BudgetView>, Problem> {
     let spec = BudgetSpec::new(
@@ -93,6 +94,7 @@ pub async fn put(
 pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
 ) -> Result<Json<BudgetView>, Problem> {
     Ok(Json(state.db.budget(&name).await?.into()))
 }
@@ -140,7 +142,9 @@ pub async fn delete(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
+    _: OptionalJson<NoBody>,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_budget(name, key.0, request_id()).await?;
     Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))
@@ -208,11 +212,13 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
 pub async fn check(
     State(state): State<AppState>,
     name: Result<Path<Name>, Problem>,
+    query: Result<Query<NoQuery>, Problem>,
     key: Result<IdempotencyKeyHeader, Problem>,
     body: Result<JsonBody<CheckBody>, Problem>,
 ) -> Result<(HeaderMap, Json<DecisionView>), Problem> {
     let deny = |p: Problem| p.with("allowed", false);
     let Path(name) = name.map_err(deny)?;
+    query.map_err(deny)?;
     let key = key.map_err(deny)?;
     let JsonBody(body) = body.map_err(deny)?;
     let checked = state
@@ -389,6 +395,7 @@ pub async fn reset(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     OptionalJson(body): OptionalJson<ResetBody>,
 ) -> Result<Json<ResetView>, Problem> {
     let (day, deleted_rows) = state

@@ -11,7 +11,7 @@ use super::{
     extract::{Admin, IdempotencyKeyHeader, OptionalJson, Path, Query, replayed_header},
     instrument::request_id,
     openapi::{AdminProblems, CounterProblems, Problems, WriteProblems},
-    pages::ListQuery,
+    pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::meter::Name;
 
@@ -83,6 +83,7 @@ async fn add(
         CounterProblems, WriteProblems, Problems))]
 pub async fn increment_default(
     State(state): State<AppState>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
 ) -> Result<(HeaderMap, Json<Value>), Problem> {
@@ -93,7 +94,10 @@ pub async fn increment_default(
 /// Reads the counter `default`.
 #[utoipa::path(get, path = "/counter", operation_id = "getDefault", tag = "counters",
     responses((status = 200, description = "Current value", body = Value), Problems))]
-pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, Problem> {
+pub async fn get_default(
+    State(state): State<AppState>,
+    _: Query<NoQuery>,
+) -> Result<Json<Value>, Problem> {
     let value = state.db.counter(default_name()).await?;
     Ok(Json(Value { value }))
 }
@@ -107,6 +111,7 @@ pub async fn get_default(State(state): State<AppState>) -> Result<Json<Value>, P
 pub async fn increment(
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
 ) -> Result<(HeaderMap, Json<NamedValue>), Problem> {
@@ -121,6 +126,7 @@ pub async fn increment(
 pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
 ) -> Result<Json<NamedValue>, Problem> {
     let value = state.db.counter(name.clone()).await?;
     Ok(Json(NamedValue { name, value }))
@@ -171,7 +177,9 @@ pub async fn delete(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
+    _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
+    _: OptionalJson<NoBody>,
 ) -> Result<(StatusCode, HeaderMap), Problem> {
     let replayed = state.db.delete_counter(name, key.0, request_id()).await?;
     Ok((StatusCode::NO_CONTENT, replayed_header(replayed)))

@@ -198,9 +198,17 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKeyHeader {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
-        let Some(v) = parts.headers.get("idempotency-key") else {
+        let mut fields = parts.headers.get_all("idempotency-key").iter();
+        let Some(v) = fields.next() else {
             return Ok(IdempotencyKeyHeader(None));
         };
+        // Two fields are two keys: taking either would let a retry that
+        // sends the other one write again.
+        if fields.next().is_some() {
+            return Err(Problem::invalid(crate::meter::InvalidInput(
+                "a request takes one Idempotency-Key, not several".into(),
+            )));
+        }
         let text = v.to_str().map_err(|_| {
             Problem::invalid(crate::meter::InvalidInput(
                 "an Idempotency-Key must be visible ASCII".into(),

@@ -1,5 +1,6 @@
 //! The query of a list endpoint (`GET /budgets`, `GET /counters`): a
-//! prefix, where the page starts, and how long it is.
+//! prefix, where the page starts, and how long it is; and the empty query
+//! and body of a delete.
 
 use serde::Deserialize;
 
@@ -57,3 +58,17 @@ impl ListQuery {
         )?)
     }
 }
+
+/// No parameters: a delete takes none, and refuses any (`400
+/// invalid-query`) rather than deleting for a request it misread, such as
+/// one with `?dry_run=true` or `?prefix=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}
+
+/// No fields: a delete's body, if it has one, must be empty (or `{}`). A
+/// body that asks for something (`{"day": ...}`, `{"visitor": ...}`) is
+/// refused (`422`) rather than deleting the whole budget or counter.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoBody {}

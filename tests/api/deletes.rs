@@ -398,3 +398,68 @@ async fn race_once(app: &Arc<TestApp>, round: usize) {
     }
     no_content(delete(app, "/budgets/r", None).await).await;
 }
+
+/// A delete takes no query parameters: one that comes with any is refused
+/// and deletes nothing, rather than being read as a plain delete
+/// (`?dry_run=true`, a list's `?prefix=` sent to the wrong path).
+#[tokio::test]
+async fn a_delete_with_query_parameters_is_refused_and_deletes_nothing() {
+    let app = spawn_app().await;
+    app.budget("b", 10, 100).await;
+    let r = app.post_json("/counters/c", json!({})).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    for path in ["/budgets/b", "/counters/c"] {
+        for q in ["dry_run=true", "prefix=b", "x", "a=1&a=2"] {
+            let r = delete(&app, &format!("{path}?{q}"), Some("with-a-query")).await;
+            let body = problem(r, StatusCode::BAD_REQUEST).await;
+            assert_eq!(
+                body["type"], "/problems/invalid-query",
+                "{path}?{q}: {body}"
+            );
+        }
+        assert_eq!(app.get(path).await.status(), StatusCode::OK, "{path}");
+        // An empty query is no parameter.
+        no_content(delete(&app, &format!("{path}?"), None).await).await;
+    }
+    app.stop().await.unwrap();
+}
+
+/// A delete takes no body: one that asks for something narrower (a day, a
+/// visitor) is refused and deletes nothing, instead of deleting the whole
+/// budget; a body that is not JSON is `415`. No body, blank, `null` or
+/// `{}` is a plain delete.
+#[tokio::test]
+async fn a_delete_with_a_body_is_refused_and_deletes_nothing() {
+    let app = spawn_app().await;
+    for name in ["b", "b2", "b3", "b4"] {
+        app.budget(name, 10, 100).await;
+    }
+    let send = |path: &str, body: &'static str, json: bool| {
+        let mut rb = app
+            .client
+            .delete(app.url(path))
+            .bearer_auth(ADMIN)
+            .body(body);
+        if json {
+            rb = rb.header("content-type", "application/json");
+        }
+        rb.send()
+    };
+    let r = send("/budgets/b", r#"{"day": "2026-11-30"}"#, true)
+        .await
+        .unwrap();
+    let body = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    assert_eq!(body["type"], "/problems/invalid-body", "{body}");
+    let r = send("/budgets/b", r#"{"visitor": "v"}"#, true)
+        .await
+        .unwrap();
+    problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    let r = send("/budgets/b", "visitor=v", false).await.unwrap();
+    problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    assert_eq!(app.get("/budgets/b").await.status(), StatusCode::OK);
+    no_content(send("/budgets/b", "", false).await.unwrap()).await;
+    no_content(send("/budgets/b2", " ", true).await.unwrap()).await;
+    no_content(send("/budgets/b3", "null", true).await.unwrap()).await;
+    no_content(send("/budgets/b4", "{}", true).await.unwrap()).await;
+    app.stop().await.unwrap();
+}

@@ -195,3 +195,23 @@ async fn a_keyed_check_replays_after_its_day_left_the_window() {
     assert_eq!(p["allowed"], false);
     app.stop().await.unwrap();
 }
+
+/// Two `Idempotency-Key` fields are refused: taking the first would let a
+/// retry that sends only the second write again.
+#[tokio::test]
+async fn two_keys_in_one_request_are_refused() {
+    let app = spawn_app().await;
+    let r = app
+        .client
+        .post(app.url("/counters/twice"))
+        .header("idempotency-key", "k-a")
+        .header("idempotency-key", "k-b")
+        .send()
+        .await
+        .unwrap();
+    let body = problem(r, StatusCode::BAD_REQUEST).await;
+    assert_eq!(body["type"], "/problems/invalid-input", "{body}");
+    let r = app.get("/counters/twice").await;
+    assert_eq!(r.json::<Value>().await.unwrap()["value"], 0);
+    app.stop().await.unwrap();
+}

@@ -686,3 +686,54 @@ async fn text_logs_to_a_pipe_are_plain_and_unforgeable() {
     assert!(logs.contains("request_id=safe-id-123"), "{logs}");
     assert!(!logs.contains("forged"), "{logs}");
 }
+
+/// Every API endpoint refuses a query parameter it does not take, and does
+/// nothing: `POST /counters/c?by=5` must not quietly add 1.
+#[tokio::test]
+async fn parameters_an_endpoint_does_not_take_are_refused_and_nothing_runs() {
+    let app = spawn_app().await;
+    app.budget("b", 10, 10).await;
+    let cases: [(Method, &str, Option<Value>); 8] = [
+        (Method::POST, "/counter?by=5", None),
+        (Method::GET, "/counter?x=1", None),
+        (Method::POST, "/counters/c?by=5", Some(json!({"by": 1}))),
+        (Method::GET, "/counters/c?fresh=1", None),
+        (
+            Method::PUT,
+            "/budgets/b?visitor_limit=99",
+            Some(json!({"visitor_limit": 1, "global_limit": 1})),
+        ),
+        (Method::GET, "/budgets/b?x=1", None),
+        (
+            Method::POST,
+            "/budgets/b/check?visitor=v",
+            Some(json!({"visitor": "v"})),
+        ),
+        (Method::POST, "/budgets/b/reset?visitor=v", Some(json!({}))),
+    ];
+    for (method, path, body) in cases {
+        let mut req = app
+            .client
+            .request(method.clone(), app.url(path))
+            .bearer_auth(ADMIN);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        let p = problem(r, StatusCode::BAD_REQUEST).await;
+        assert_eq!(p["type"], "/problems/invalid-query", "{method} {path}: {p}");
+        if path.contains("/check") {
+            assert_eq!(p["allowed"], false, "{p}");
+        }
+    }
+    // Nothing ran: no counter, the budget as it was, no usage.
+    let v: Value = app.get("/counters/c").await.json().await.unwrap();
+    assert_eq!(v["value"], 0);
+    let v: Value = app.get("/counter").await.json().await.unwrap();
+    assert_eq!(v["value"], 0);
+    let b: Value = app.get("/budgets/b").await.json().await.unwrap();
+    assert_eq!(b["visitor_limit"], 10);
+    let u = app.usage("b", "").await;
+    assert_eq!(u["global_calls"], 0, "{u}");
+    app.stop().await.unwrap();
+}

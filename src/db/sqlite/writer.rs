@@ -1,6 +1,6 @@
 //! The SQLite writer: the process's one writable connection.
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use sqlx::{Connection, SqliteConnection};
 
@@ -30,16 +30,23 @@ impl Engine for SqliteWriter {
     /// Past the storage limit, the commands that add data are answered
     /// storage-full without running (nothing of them is written); those
     /// that only delete (resets) still run, in queue order, so that room
-    /// can be made.
+    /// can be made, and so do retries of keyed writes whose key is stored,
+    /// which replay their answer and write nothing.
     async fn apply(&mut self, batch: &mut [Queued]) -> txn::Applied {
         let adding = batch.iter().filter(|q| adds_data(&q.command)).count();
         let Err(over) = self.space.admit(adding) else {
             return txn::apply_batch(&mut self.conn, batch).await;
         };
         let refusal = Error::StorageFull(Arc::new(sqlx::Error::Io(space::refusal(over))));
+        // A command whose key is stored writes nothing: it is answered
+        // with the stored result (or as a reused key), as at any time.
+        let stored = stored_keys(&mut self.conn, batch).await;
+        let refused = |q: &Queued| {
+            adds_data(&q.command) && !q.key.as_ref().is_some_and(|k| stored.contains(k.as_str()))
+        };
         // Stable: the commands that run keep their order.
-        batch.sort_by_key(|q| adds_data(&q.command));
-        let runs = batch.len() - adding;
+        batch.sort_by_key(refused);
+        let runs = batch.iter().filter(|q| !refused(q)).count();
         for q in &mut batch[runs..] {
             refuse(&mut q.command, refusal.clone());
         }
@@ -98,6 +105,26 @@ fn adds_data(command: &Command) -> bool {
         command,
         Command::Increment { .. } | Command::PutBudget { .. } | Command::Check { .. }
     )
+}
+
+/// The keys of `batch`'s commands that add data which are stored already.
+/// A key that cannot be read counts as not stored: its command is refused.
+async fn stored_keys(conn: &mut SqliteConnection, batch: &[Queued]) -> HashSet<String> {
+    let mut stored = HashSet::new();
+    for key in batch
+        .iter()
+        .filter(|q| adds_data(&q.command))
+        .filter_map(|q| q.key.as_ref())
+    {
+        let found = sqlx::query_scalar::<_, i64>("SELECT 1 FROM idempotency_keys WHERE key = ?1")
+            .bind(key.as_str())
+            .fetch_optional(&mut *conn)
+            .await;
+        if let Ok(Some(_)) = found {
+            stored.insert(key.as_str().to_owned());
+        }
+    }
+    stored
 }
 
 /// Answers a command that adds data with `error`, without running it.

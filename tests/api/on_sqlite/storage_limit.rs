@@ -105,7 +105,7 @@ async fn fill(
     (acked.load(Ordering::Relaxed), first.unwrap())
 }
 
-/// Fills a 6 MiB limit with keyed writes: `507 storage-full` with
+/// Fills an 8 MiB limit (the smallest tally takes) with keyed writes: `507 storage-full` with
 /// `Retry-After` before `du` says the directory passed it; reads, readiness
 /// and resets still work, checks fail closed as on a full disk. A restart
 /// with a bigger limit takes writes again; a restart with the old limit
@@ -116,7 +116,7 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let db_str = db.to_str().unwrap();
-    let limit = 6 * MIB;
+    let limit = 8 * MIB;
     let env = |limit: &'static str, ttl: &'static str| {
         vec![
             ("TALLY_DATABASE", db_str),
@@ -146,11 +146,21 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     assert_eq!(r.status(), StatusCode::OK);
     let r = client
         .post(bin.url("/budgets/b/check"))
+        .header("idempotency-key", "check-before-the-limit")
         .json(&json!({"visitor": "v"}))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
+    let check_before = r.text().await.unwrap();
+    let r = client
+        .post(bin.url("/counters/kept"))
+        .header("idempotency-key", "increment-before-the-limit")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let increment_before = r.text().await.unwrap();
     bin.sigterm();
     assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
     // After a clean stop the WAL is checkpointed into the file.
@@ -209,6 +219,32 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         "{after} bytes, past the limit of {limit}"
     );
     println!("at the limit: {refused} refused, {after} bytes (du) of {limit}");
+    // Retries of writes that committed before the limit are answered with
+    // what they answered then: they write nothing, and a 507 would tell
+    // their client that nothing had been written.
+    for (path, key, body, before) in [
+        (
+            "/budgets/b/check",
+            "check-before-the-limit",
+            Some(json!({"visitor": "v"})),
+            &check_before,
+        ),
+        (
+            "/counters/kept",
+            "increment-before-the-limit",
+            None,
+            &increment_before,
+        ),
+    ] {
+        let mut req = client.post(bin.url(path)).header("idempotency-key", key);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{path} retried past the limit");
+        assert_eq!(r.headers()["idempotent-replayed"], "true");
+        assert_eq!(&r.text().await.unwrap(), before);
+    }
     // Reads and readiness are not writes; a reset only deletes, so it runs;
     // a check cannot be counted, so it is denied (as on a full disk).
     let counter = client.get(bin.url("/counters/c0")).send().await.unwrap();
@@ -271,7 +307,7 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
     drop(bin);
 
     // A bigger limit: writes are taken again at once.
-    let bin = Binary::start(&env("8Mi", "1h"));
+    let bin = Binary::start(&env("10Mi", "1h"));
     for _ in 0..20 {
         let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
         assert_eq!(r.status(), StatusCode::OK, "with the limit raised");
@@ -334,7 +370,7 @@ async fn bad_limits_and_lifetimes_are_refused_at_start() {
     let db = dir.path().join("tally.db");
     for (var, value, says) in [
         ("TALLY_STORAGE_LIMIT", "10GB", "is not a size"),
-        ("TALLY_STORAGE_LIMIT", "1000", "at least 1Mi"),
+        ("TALLY_STORAGE_LIMIT", "1000", "at least 8Mi"),
         ("TALLY_IDEMPOTENCY_KEY_TTL", "0", "between 1s and 30d"),
         ("TALLY_IDEMPOTENCY_KEY_TTL", "1 day", "is not a duration"),
     ] {
