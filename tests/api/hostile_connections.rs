@@ -142,7 +142,7 @@ async fn heads_and_uris_too_large_answer_problems() {
 
     // Just under the limits: served as usual.
     let r = client
-        .get(app.url(&format!("/counters/x?pad={}", "a".repeat(7 * 1024))))
+        .get(app.url(&format!("/livez?pad={}", "a".repeat(7 * 1024))))
         .header("x-filler", "a".repeat(7 * 1024))
         .send()
         .await
