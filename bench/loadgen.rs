@@ -1,9 +1,18 @@
-//! A closed-loop HTTP/1.1 load generator for tally's benchmark.
+//! A closed-loop HTTP/1.1 load generator for tally's benchmark, made to cost
+//! less per request than the server it measures.
 //!
 //! Each of `--connections` keeps one connection busy: send, read the whole
 //! answer, send again at once (clients that ignore `Retry-After`). It counts
 //! answers by status and keeps a latency histogram per status class, then
 //! prints one JSON object. Loopback targets only.
+//!
+//! `bench/run` pins the server to one core and this client to the other, so
+//! that the rates it reports are the server's, not the client's: requests
+//! are rendered once, before the clock starts, into a pool of raw request
+//! bytes; answers are read with a minimal parser (status line and
+//! `content-length`, nothing else); and by default everything runs on one
+//! thread. Against the bare axum server (bench/bare.rs) it reaches the
+//! server's one-core rate, as `wrk -t1` does.
 //!
 //! Request templates: `{name}` becomes one of `--names` counter names
 //! (`n0`..), `{visitor}` a random visitor id out of a million.
@@ -17,17 +26,17 @@
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
+    rc::Rc,
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
 use clap::Parser;
 use hdrhistogram::Histogram;
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, client::conn::http1};
-use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -36,7 +45,7 @@ struct Args {
     #[arg(long, required = true)]
     addr: Vec<SocketAddr>,
     #[arg(long, default_value = "GET")]
-    method: Method,
+    method: String,
     /// Path template, e.g. `/counters/{name}`.
     #[arg(long)]
     path: String,
@@ -51,8 +60,9 @@ struct Args {
     /// How many distinct names `{name}` ranges over.
     #[arg(long, default_value_t = 1)]
     names: u32,
-    /// Load-generator threads.
-    #[arg(long, default_value_t = 2)]
+    /// Load-generator threads (each runs its share of the connections on
+    /// a single-threaded runtime).
+    #[arg(long, default_value_t = 1)]
     threads: usize,
 }
 
@@ -115,57 +125,166 @@ fn render(template: &str, names: u32, rng: &mut fastrand::Rng) -> String {
     out
 }
 
-async fn connection(args: Args, addr: SocketAddr, deadline: Instant, seed: u64) -> Tally {
+/// The raw requests connections pick from at random: every name once when
+/// only names vary (up to 65,536 of them), else 65,536 random renderings.
+fn request_pool(args: &Args) -> Vec<Vec<u8>> {
+    let templates = format!("{} {}", args.path, args.body.as_deref().unwrap_or(""));
+    let size = if templates.contains("{visitor}") {
+        65_536
+    } else if templates.contains("{name}") {
+        args.names.clamp(1, 65_536) as usize
+    } else {
+        1
+    };
+    let mut rng = fastrand::Rng::with_seed(7);
+    (0..size)
+        .map(|i| {
+            let mut r = fastrand::Rng::with_seed(i as u64);
+            let path = if size == args.names as usize && !templates.contains("{visitor}") {
+                args.path.replace("{name}", &format!("n{i}"))
+            } else {
+                render(&args.path, args.names, &mut rng)
+            };
+            let mut req = format!("{} {path} HTTP/1.1\r\nhost: bench\r\n", args.method);
+            match &args.body {
+                Some(t) => {
+                    let body = render(t, args.names, &mut r);
+                    req.push_str(&format!(
+                        "content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    ));
+                }
+                None if args.method != "GET" && args.method != "HEAD" => {
+                    req.push_str("content-length: 0\r\n\r\n");
+                }
+                None => req.push_str("\r\n"),
+            }
+            req.into_bytes()
+        })
+        .collect()
+}
+
+/// What a complete answer at the start of `buf` is: its status, its length
+/// in bytes and whether the server closes the connection after it; `None`
+/// while more bytes are needed; `Err` when it is not an answer this client
+/// can read (no `content-length`, a malformed head).
+fn answer(buf: &[u8]) -> Result<Option<(u16, usize, bool)>, ()> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return if buf.len() > 64 * 1024 {
+            Err(())
+        } else {
+            Ok(None)
+        };
+    };
+    let head = &buf[..end];
+    if head.len() < 12 || !head.starts_with(b"HTTP/1.1 ") {
+        return Err(());
+    }
+    let status = std::str::from_utf8(&head[9..12])
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(())?;
+    let mut length: Option<usize> = None;
+    let mut close = false;
+    for line in head.split(|&b| b == b'\n').skip(1) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        let (name, value) = (&line[..colon], line[colon + 1..].trim_ascii());
+        if name.eq_ignore_ascii_case(b"content-length") {
+            length = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            close = value.eq_ignore_ascii_case(b"close");
+        }
+    }
+    let total = end + 4 + length.ok_or(())?;
+    Ok((buf.len() >= total).then_some((status, total, close)))
+}
+
+async fn connection(
+    pool: Rc<Vec<Vec<u8>>>,
+    addr: SocketAddr,
+    deadline: Instant,
+    seed: u64,
+) -> Tally {
     let mut tally = Tally::new();
     let mut rng = fastrand::Rng::with_seed(seed);
+    let mut buf = Vec::with_capacity(16 * 1024);
     'reconnect: while Instant::now() < deadline {
-        let Ok(stream) = TcpStream::connect(addr).await else {
+        let Ok(mut stream) = TcpStream::connect(addr).await else {
             tally.errors += 1;
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let Ok((mut sender, conn)) = http1::handshake(TokioIo::new(stream)).await else {
-            tally.errors += 1;
-            continue;
-        };
-        tokio::spawn(conn);
         while Instant::now() < deadline {
-            let path = render(&args.path, args.names, &mut rng);
-            let mut req = Request::builder()
-                .method(args.method.clone())
-                .uri(path)
-                .header("host", "bench");
-            let body = match &args.body {
-                Some(t) => {
-                    req = req.header("content-type", "application/json");
-                    Full::new(Bytes::from(render(t, args.names, &mut rng)))
-                }
-                None => Full::new(Bytes::new()),
-            };
-            let req = req.body(body).expect("valid request");
-            if sender.ready().await.is_err() {
+            let req = &pool[rng.usize(0..pool.len())];
+            let started = Instant::now();
+            if stream.write_all(req).await.is_err() {
                 tally.errors += 1;
                 continue 'reconnect;
             }
-            let started = Instant::now();
-            match sender.send_request(req).await {
-                Ok(res) => {
-                    let status = res.status().as_u16();
-                    if res.into_body().collect().await.is_err() {
+            buf.clear();
+            let (status, close) = loop {
+                if buf.capacity() - buf.len() < 4096 {
+                    buf.reserve(16 * 1024);
+                }
+                match stream.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => {
                         tally.errors += 1;
                         continue 'reconnect;
                     }
-                    tally.record(status, started.elapsed());
+                    Ok(_) => {}
                 }
-                Err(_) => {
-                    tally.errors += 1;
-                    continue 'reconnect;
+                match answer(&buf) {
+                    Ok(None) => {}
+                    // A whole answer and nothing after it: nothing was sent
+                    // that another answer could follow.
+                    Ok(Some((status, len, close))) if len == buf.len() => break (status, close),
+                    Ok(Some(_)) | Err(()) => {
+                        tally.errors += 1;
+                        continue 'reconnect;
+                    }
                 }
+            };
+            tally.record(status, started.elapsed());
+            if close {
+                continue 'reconnect;
             }
         }
     }
     tally
+}
+
+/// One thread's share of the connections, on a runtime of its own.
+fn run_thread(
+    pool: Vec<Vec<u8>>,
+    targets: Vec<(usize, SocketAddr, u64)>,
+    deadline: Instant,
+) -> Vec<(usize, Tally)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let local = tokio::task::LocalSet::new();
+    let pool = Rc::new(pool);
+    local.block_on(&rt, async move {
+        let tasks: Vec<_> = targets
+            .into_iter()
+            .map(|(slot, addr, seed)| {
+                (
+                    slot,
+                    tokio::task::spawn_local(connection(Rc::clone(&pool), addr, deadline, seed)),
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (slot, t) in tasks {
+            out.push((slot, t.await.expect("connection task")));
+        }
+        out
+    })
 }
 
 fn summary(h: &Histogram<u64>) -> Value {
@@ -179,32 +298,34 @@ fn main() {
         args.addr.iter().all(|a| a.ip().is_loopback()),
         "loadgen only targets loopback addresses"
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.threads.max(1))
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let pool = request_pool(&args);
+    let threads = args.threads.clamp(1, args.connections.max(1));
     let started = Instant::now();
-    let (total, by_addr) = rt.block_on(async {
-        let deadline = Instant::now() + Duration::from_secs_f64(args.duration);
-        let tasks: Vec<_> = (0..args.connections)
-            .map(|i| {
-                let addr = args.addr[i % args.addr.len()];
-                (
-                    i % args.addr.len(),
-                    tokio::spawn(connection(args.clone(), addr, deadline, i as u64 + 1)),
-                )
-            })
-            .collect();
-        let mut total = Tally::new();
-        let mut by_addr = vec![0u64; args.addr.len()];
-        for (slot, t) in tasks {
-            let tally = t.await.expect("connection task");
+    let deadline = started + Duration::from_secs_f64(args.duration);
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let targets: Vec<_> = (0..args.connections)
+                .filter(|i| i % threads == t)
+                .map(|i| {
+                    (
+                        i % args.addr.len(),
+                        args.addr[i % args.addr.len()],
+                        i as u64 + 1,
+                    )
+                })
+                .collect();
+            let pool = pool.clone();
+            std::thread::spawn(move || run_thread(pool, targets, deadline))
+        })
+        .collect();
+    let mut total = Tally::new();
+    let mut by_addr = vec![0u64; args.addr.len()];
+    for h in handles {
+        for (slot, tally) in h.join().expect("load thread") {
             by_addr[slot] += tally.by_status.values().sum::<u64>();
             total.merge(tally);
         }
-        (total, by_addr)
-    });
+    }
     let elapsed = started.elapsed().as_secs_f64();
     let requests: u64 = total.by_status.values().sum();
     let ok = total.by_status.get(&200).copied().unwrap_or(0);

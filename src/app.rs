@@ -48,6 +48,7 @@ impl Application {
             max_batch: settings.max_batch as usize,
             synchronous: settings.synchronous,
             readers: settings.readers,
+            counter_cache: usize::try_from(settings.counter_cache).unwrap_or(usize::MAX),
             // Litestream must see every WAL frame before it is checkpointed
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,

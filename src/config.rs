@@ -99,6 +99,13 @@ pub struct Settings {
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub readers: u32,
 
+    /// SQLite only: how many counters' committed values are kept in memory
+    /// (the most recently written or read), so that reading one needs no
+    /// statement. About 100 bytes each; 0 reads every counter from the file.
+    #[arg(long, env = "TALLY_COUNTER_CACHE", default_value_t = 16_384,
+          value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+    pub counter_cache: u64,
+
     /// PostgreSQL only: longest a write waits, in seconds, for a row that
     /// another transaction holds (an operator's open session, say); then
     /// that write alone is answered 503 row-busy, and the rest of its batch

@@ -279,3 +279,66 @@ pub async fn upkeep(handle: PrometheusHandle, every: Duration) {
         handle.run_upkeep();
     }
 }
+
+/// A label-less counter or histogram, registered on first use and then
+/// kept: looking a metric up in the registry by its key, for every command,
+/// costs more than the command's own bookkeeping. Use only after
+/// [`install`] (the handle found first is kept for good).
+#[macro_export]
+macro_rules! kept {
+    (counter $name:literal) => {{
+        static KEPT: std::sync::LazyLock<metrics::Counter> =
+            std::sync::LazyLock::new(|| metrics::counter!($name));
+        &*KEPT
+    }};
+    (histogram $name:literal) => {{
+        static KEPT: std::sync::LazyLock<metrics::Histogram> =
+            std::sync::LazyLock::new(|| metrics::histogram!($name));
+        &*KEPT
+    }};
+}
+
+/// `tally_write_commands_total` of one command kind and result.
+pub fn write_commands(kind: &'static str, result: &'static str) -> metrics::Counter {
+    type Kept = std::collections::HashMap<(&'static str, &'static str), metrics::Counter>;
+    static KEPT: std::sync::LazyLock<std::sync::RwLock<Kept>> =
+        std::sync::LazyLock::new(Default::default);
+    if let Some(c) = KEPT
+        .read()
+        .ok()
+        .and_then(|k| k.get(&(kind, result)).cloned())
+    {
+        return c;
+    }
+    let c = metrics::counter!("tally_write_commands_total", "command" => kind, "result" => result);
+    if let Ok(mut k) = KEPT.write() {
+        k.insert((kind, result), c.clone());
+    }
+    c
+}
+
+/// `tally_budget_decisions_total` of one budget and reason. Budget names
+/// are configured by the operator: a bounded set.
+pub fn budget_decisions(budget: &str, reason: &'static str) -> metrics::Counter {
+    type Kept = std::collections::HashMap<
+        &'static str,
+        std::collections::HashMap<Box<str>, metrics::Counter>,
+    >;
+    static KEPT: std::sync::LazyLock<std::sync::RwLock<Kept>> =
+        std::sync::LazyLock::new(Default::default);
+    let found = KEPT
+        .read()
+        .ok()
+        .and_then(|k| k.get(reason).and_then(|b| b.get(budget)).cloned());
+    if let Some(c) = found {
+        return c;
+    }
+    let c = metrics::counter!("tally_budget_decisions_total",
+        "budget" => budget.to_owned(), "reason" => reason);
+    if let Ok(mut k) = KEPT.write() {
+        k.entry(reason)
+            .or_default()
+            .insert(budget.into(), c.clone());
+    }
+    c
+}

@@ -139,8 +139,12 @@ pub async fn serve(
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .max_buf_size(HARD_HEAD_BYTES)
-        .max_header_size(HARD_HEAD_BYTES)
-        .max_headers(HARD_HEADER_FIELDS);
+        .max_header_size(HARD_HEAD_BYTES);
+    // Not `.max_headers(HARD_HEADER_FIELDS)`: it is hyper's default, and
+    // setting it, even to the default, makes hyper allocate and zero a
+    // 100-slot header array on the heap for every request (2% of a no-op
+    // answer) instead of using one on the stack.
+    const _: () = assert!(HARD_HEADER_FIELDS == 100);
     let http = Arc::new(http);
     let listener_label = limits.name;
     let slots = Arc::new(Semaphore::new(limits.max_connections));

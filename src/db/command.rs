@@ -113,6 +113,11 @@ impl<T: fmt::Debug> Reply<T> {
         self.replayed = true;
     }
 
+    /// Whether the result set is the one stored for an idempotency key.
+    pub fn is_replayed(&self) -> bool {
+        self.replayed
+    }
+
     /// The result set so far: `Some(Ok(()))` or its error.
     pub fn outcome(&self) -> Option<Result<(), &Error>> {
         self.result.as_ref().map(|r| r.as_ref().map(|_| ()))
@@ -194,6 +199,23 @@ const DATABASE: &str = "database_error";
 pub const NOT_COMMITTED: &str = "not_committed";
 
 impl Command {
+    /// The counter value this command committed, for
+    /// [`super::committed::Committed::publish`]: an increment's new value,
+    /// 0 for a deleted counter; nothing for a command replayed for an
+    /// idempotency key (its answer is old, not the counter's value).
+    pub fn committed_counter(&self) -> Option<(&str, i64)> {
+        match self {
+            Command::Increment { name, reply, .. } if !reply.is_replayed() => {
+                reply.value().map(|&v| (name.as_str(), v))
+            }
+            // Gone, so read as 0, until an increment starts it again.
+            Command::DeleteCounter { name, reply } if !reply.is_replayed() => {
+                reply.value().map(|_| (name.as_str(), 0))
+            }
+            _ => None,
+        }
+    }
+
     /// A stable name for logs and metric labels.
     pub fn kind(&self) -> &'static str {
         match self {

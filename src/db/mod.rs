@@ -33,6 +33,7 @@
 
 mod budgets;
 mod command;
+mod committed;
 pub mod contention;
 mod counters;
 
@@ -79,6 +80,9 @@ pub struct DbOptions {
     pub max_batch: usize,
     pub synchronous: Synchronous,
     pub readers: u32,
+    /// SQLite: how many counters' committed values are kept in memory; 0
+    /// for none.
+    pub counter_cache: usize,
     /// Whether tally checkpoints the WAL (automatically, and once more when it
     /// closes). Off when Litestream owns checkpointing.
     pub checkpoints: bool,
@@ -267,6 +271,8 @@ pub struct Handle(Arc<HandleInner>);
 struct HandleInner {
     readers: reads::Readers,
     counter_reads: mpsc::Sender<reads::CounterRead>,
+    /// Committed counter values in memory (SQLite only).
+    committed: Option<Arc<committed::Committed>>,
     tx: mpsc::Sender<Queued>,
     stats: Arc<QueueStats>,
     close: CancellationToken,
@@ -294,6 +300,20 @@ impl Handle {
     /// The current value of a counter (0 if never written), read from the
     /// file by a read-only connection; concurrent reads share one statement.
     pub async fn counter(&self, name: Name) -> Result<i64, Error> {
+        let Some(committed) = &self.0.committed else {
+            return self.read_counter(name).await;
+        };
+        if let Some(value) = committed.get(name.as_str()) {
+            return Ok(value);
+        }
+        let as_of = committed.as_of();
+        let value = self.read_counter(name.clone()).await?;
+        committed.offer(name.as_str(), value, as_of);
+        Ok(value)
+    }
+
+    /// A counter's value, read from the database.
+    async fn read_counter(&self, name: Name) -> Result<i64, Error> {
         let (reply, answer) = oneshot::channel();
         self.0
             .counter_reads
@@ -491,7 +511,8 @@ impl Handle {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
             return Err(Error::OutcomeUnknown);
         };
-        metrics::histogram!("tally_write_wait_seconds").record(queued_at.elapsed().as_secs_f64());
+        crate::kept!(histogram "tally_write_wait_seconds")
+            .record(queued_at.elapsed().as_secs_f64());
         if let Err(Error::OutcomeUnknown) = &answer.result {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
         }

@@ -8,7 +8,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    DbOptions, Handle, HandleInner, OpenError, Writer, keys, postgres,
+    DbOptions, Handle, HandleInner, OpenError, Writer,
+    committed::Committed,
+    keys, postgres,
     reads::{self, Readers},
     sqlite,
     stats::QueueStats,
@@ -27,7 +29,10 @@ impl Database {
         match storage {
             Storage::Sqlite(path) => {
                 let (readers, engine) = sqlite::open(path, opts).await?;
-                Ok(assemble(readers, engine, opts))
+                // The only writer: it knows every committed value.
+                let committed =
+                    (opts.counter_cache > 0).then(|| Arc::new(Committed::new(opts.counter_cache)));
+                Ok(assemble(readers, engine, committed, opts))
             }
             Storage::Postgres(url) => {
                 if opts.storage_limit.is_some() {
@@ -39,14 +44,20 @@ impl Database {
                     });
                 }
                 let (readers, engine) = postgres::open(url, opts).await?;
-                Ok(assemble(readers, engine, opts))
+                // Other processes write too: reads go to the database.
+                Ok(assemble(readers, engine, None, opts))
             }
         }
     }
 }
 
 /// The two halves around a read pool and a writer's connection.
-fn assemble(readers: Readers, engine: impl Engine, opts: &DbOptions) -> (Handle, Writer) {
+fn assemble(
+    readers: Readers,
+    engine: impl Engine,
+    committed: Option<Arc<Committed>>,
+    opts: &DbOptions,
+) -> (Handle, Writer) {
     let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
     let stats = Arc::new(QueueStats::default());
     let close = CancellationToken::new();
@@ -54,6 +65,7 @@ fn assemble(readers: Readers, engine: impl Engine, opts: &DbOptions) -> (Handle,
     let handle = Handle(Arc::new(HandleInner {
         readers,
         counter_reads,
+        committed: committed.clone(),
         tx,
         stats: Arc::clone(&stats),
         close: close.clone(),
@@ -61,6 +73,7 @@ fn assemble(readers: Readers, engine: impl Engine, opts: &DbOptions) -> (Handle,
     let writer = WriterLoop {
         engine,
         rx,
+        committed,
         max_batch: opts.max_batch.max(1),
         close,
         stats,

@@ -98,7 +98,7 @@ async fn run_set_based<S: Store>(
                 (Vec::new(), Err(e))
             }
         };
-        metrics::histogram!("tally_commit_duration_seconds")
+        crate::kept!(histogram "tally_commit_duration_seconds")
             .record(started.elapsed().as_secs_f64());
         return Some((values, Vec::new(), commit));
     }
@@ -360,7 +360,7 @@ async fn begin<S: Store>(conn: &mut S, begin: &'static str) -> Result<(), Error>
 async fn commit(conn: &mut impl Store) -> Result<(), Error> {
     let started = std::time::Instant::now();
     let r = conn.exec("COMMIT").await;
-    metrics::histogram!("tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
+    crate::kept!(histogram "tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
     if r.is_err() {
         let _ = conn.exec("ROLLBACK").await;
     }

@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     Error,
     command::{Command, NOT_COMMITTED, Queued, Sent},
+    committed::Committed,
     stats::QueueStats,
     txn::Applied,
 };
@@ -57,6 +58,8 @@ impl<E: Engine> From<WriterLoop<E>> for Writer {
 pub(super) struct WriterLoop<E: Engine> {
     pub(super) engine: E,
     pub(super) rx: mpsc::Receiver<Queued>,
+    /// Where committed counter values are published (SQLite only).
+    pub(super) committed: Option<Arc<Committed>>,
     pub(super) max_batch: usize,
     pub(super) close: CancellationToken,
     pub(super) stats: Arc<QueueStats>,
@@ -288,9 +291,13 @@ impl<E: Engine> WriterLoop<E> {
         self.log_commit(&commit, size);
         let took = started.elapsed();
         self.stats.record_batch(size, took);
-        metrics::histogram!("tally_commit_batch_size").record(size as f64);
+        crate::kept!(histogram "tally_commit_batch_size").record(size as f64);
         metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
         tracing::debug!(batch = size, elapsed = ?took, "batch done");
+        // Before the answers: a read after a 200 sees its write.
+        if let (Ok(()), Some(committed)) = (&commit, &self.committed) {
+            committed.publish(batch.iter().filter_map(|q| q.command.committed_counter()));
+        }
         for q in batch.drain(..) {
             answer(q, &commit);
         }
@@ -408,8 +415,7 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
         // No result: answered as tally's own error (see `Reply::send`).
         (Ok(()), None) => "database_error",
     };
-    metrics::counter!("tally_write_commands_total", "command" => kind, "result" => result)
-        .increment(1);
+    crate::prometheus::write_commands(kind, result).increment(1);
     if let (Ok(()), Command::Check { reply, .. }) = (commit, &q.command)
         && let Some(d) = reply.value()
         && d.pruned_rows > 0

@@ -228,9 +228,8 @@ pub async fn check(
     match checked {
         Ok((decision, replayed)) => {
             // Budget names are configured by the operator: a bounded set.
-            metrics::counter!("tally_budget_decisions_total",
-                "budget" => name.as_str().to_owned(), "reason" => reason_label(decision.reason))
-            .increment(1);
+            crate::prometheus::budget_decisions(name.as_str(), reason_label(decision.reason))
+                .increment(1);
             let mut headers = rate_limit_headers(&decision, Timestamp::now());
             headers.extend(replayed_header(replayed));
             Ok((headers, Json(decision.into())))
@@ -251,7 +250,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     // An unreachable server is logged by the writer when it goes and when
     // it comes back, not once per denied check.
     if !matches!(err, db::Error::Unavailable(_) | db::Error::Busy(_)) {
-        tracing::error!(error = %err, "budget check failed; denying");
+        tracing::error!(error = %err, request_id = %request_id().as_deref().unwrap_or(""), "budget check failed; denying");
     }
     let denied = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,

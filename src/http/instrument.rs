@@ -1,19 +1,17 @@
 //! Per-request observability: request ids, metrics by route template, and
-//! the request id in every problem body.
+//! `/metrics`. [`super::frame`] applies them to every request.
 
 use std::{
     collections::HashMap,
     path::PathBuf,
-    sync::{Arc, LazyLock, RwLock},
-    time::Instant,
+    sync::{LazyLock, RwLock},
 };
 
 use axum::{
     Router,
-    extract::{MatchedPath, Request, State},
+    extract::State,
     http::{HeaderName, HeaderValue, Method, StatusCode, header},
-    middleware::Next,
-    response::{IntoResponse, Response},
+    response::IntoResponse,
 };
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -22,24 +20,16 @@ use crate::db::Handle;
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// Makes request ids: random version-4 UUIDs from a per-thread generator.
-/// They need to be unique, not unguessable, and tower-http's `MakeRequestUuid`
-/// asks the kernel for randomness on every request (a system call that
-/// showed up at ~3% of a no-op request's cost).
-#[derive(Clone, Copy, Default)]
-pub struct MakeRequestId;
-
-impl tower_http::request_id::MakeRequestId for MakeRequestId {
-    fn make_request_id<B>(
-        &mut self,
-        _: &axum::http::Request<B>,
-    ) -> Option<tower_http::request_id::RequestId> {
-        let id = uuid::Builder::from_random_bytes(fastrand::u128(..).to_le_bytes()).into_uuid();
-        let mut buf = uuid::Uuid::encode_buffer();
-        HeaderValue::from_str(id.hyphenated().encode_lower(&mut buf))
-            .ok()
-            .map(tower_http::request_id::RequestId::new)
-    }
+/// A new request id: a random version-4 UUID from a per-thread generator.
+/// Ids need to be unique, not unguessable, and asking the kernel for
+/// randomness on every request (as tower-http's `MakeRequestUuid` does)
+/// showed up at ~3% of a no-op request's cost.
+pub fn new_request_id() -> HeaderValue {
+    let id = uuid::Builder::from_random_bytes(fastrand::u128(..).to_le_bytes()).into_uuid();
+    let mut buf = uuid::Uuid::encode_buffer();
+    let text = id.hyphenated().encode_lower(&mut buf);
+    HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(text.as_bytes()))
+        .unwrap_or_else(|_| HeaderValue::from_static("00000000-0000-4000-8000-000000000000"))
 }
 
 /// The longest client `x-request-id` kept.
@@ -58,51 +48,15 @@ pub fn is_safe_request_id(id: &[u8]) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-._:+/=".contains(b))
 }
 
-/// Removes a client's `x-request-id` unless it is a single safe one (see
-/// [`is_safe_request_id`]), so that the id layer makes a fresh one, which
-/// is what the logs, the problem bodies and the echoed header then carry.
-pub fn drop_unsafe_request_id(mut req: Request) -> Request {
-    let mut ids = req.headers().get_all(&REQUEST_ID).iter();
-    let keep = match (ids.next(), ids.next()) {
-        (None, _) => return req,
-        (Some(id), None) => is_safe_request_id(id.as_bytes()),
-        (Some(_), Some(_)) => false,
-    };
-    if !keep {
-        req.headers_mut().remove(&REQUEST_ID);
-    }
-    req
-}
-
-/// Runs the request with its id in scope (see [`request_id`]), and counts
-/// and times it by method, route template and status. Requests that
-/// matched no route share the label `unmatched`, so no raw path ever
-/// becomes a label.
-pub async fn observe(req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().cloned();
-    let method = method_label(req.method());
-    let id = req
-        .headers()
-        .get(&REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(Arc::<str>::from);
-    let started = Instant::now();
-    let res = match id {
-        Some(id) => REQUEST.scope(id, next.run(req)).await,
-        None => next.run(req).await,
-    };
-    let route = route.as_ref().map_or("unmatched", MatchedPath::as_str);
-    let (requests, duration) = series(method, route, res.status());
-    requests.increment(1);
-    duration.record(started.elapsed().as_secs_f64());
-    res
-}
-
 /// The request counter and duration histogram of one method, route and
 /// status, registered once: building a metric's key with its labels and
 /// looking it up in the registry, on every request, cost more than
 /// everything else tally does for a no-op answer.
-fn series(method: &'static str, route: &str, status: StatusCode) -> (Counter, Histogram) {
+pub(super) fn series(
+    method: &'static str,
+    route: &str,
+    status: StatusCode,
+) -> (Counter, Histogram) {
     type Series = (&'static str, StatusCode, Counter, Histogram);
     static SERIES: LazyLock<RwLock<HashMap<Box<str>, Vec<Series>>>> =
         LazyLock::new(Default::default);
@@ -128,7 +82,7 @@ fn series(method: &'static str, route: &str, status: StatusCode) -> (Counter, Hi
     (requests, duration)
 }
 
-fn method_label(m: &Method) -> &'static str {
+pub(super) fn method_label(m: &Method) -> &'static str {
     match *m {
         Method::GET => "GET",
         Method::POST => "POST",
@@ -141,17 +95,7 @@ fn method_label(m: &Method) -> &'static str {
     }
 }
 
-tokio::task_local! {
-    /// The id of the request this task serves.
-    static REQUEST: Arc<str>;
-}
-
-/// The id of the request being served: problem bodies quote it as
-/// `request_id`, and handlers hand it to the writer with their commands, so
-/// its log lines about them name it.
-pub fn request_id() -> Option<Arc<str>> {
-    REQUEST.try_with(Arc::clone).ok()
-}
+pub use super::frame::request_id;
 
 /// What `/metrics` needs.
 #[derive(Clone)]

@@ -5,6 +5,7 @@
 mod budgets;
 mod counters;
 mod extract;
+mod frame;
 mod health;
 pub mod instrument;
 pub mod limits;
@@ -17,18 +18,10 @@ use std::{
     time::Duration,
 };
 
-use axum::{
-    Router,
-    error_handling::HandleErrorLayer,
-    extract::{DefaultBodyLimit, MatchedPath},
-};
-use axum::{extract::State, http::header, middleware, response::IntoResponse};
+use axum::{Router, extract::DefaultBodyLimit};
+use axum::{extract::State, http::header, response::IntoResponse};
 use bytes::Bytes;
 use tower::ServiceBuilder;
-use tower_http::{
-    request_id::{PropagateRequestIdLayer, SetRequestIdLayer},
-    trace::TraceLayer,
-};
 use utoipa::OpenApi;
 use utoipa_axum::{router::OpenApiRouter, routes};
 
@@ -76,23 +69,35 @@ async fn openapi_json(State(state): State<AppState>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], doc)
 }
 
-/// What every handler can reach.
+/// What every handler can reach: one pointer, since axum clones a route's
+/// state for every request (three reference counts to bump and drop were
+/// measurable on a no-op answer).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
     pub db: Handle,
     /// The bearer token for admin endpoints; `None` turns them off.
     pub admin_token: Option<Arc<str>>,
     /// The OpenAPI document as served, written once the routes are known.
-    pub openapi: Arc<OnceLock<Bytes>>,
+    pub openapi: OnceLock<Bytes>,
 }
 
 impl AppState {
     pub fn new(db: Handle, admin_token: Option<Arc<str>>) -> Self {
-        Self {
+        Self(Arc::new(Shared {
             db,
             admin_token,
-            openapi: Arc::default(),
-        }
+            openapi: OnceLock::new(),
+        }))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
     }
 }
 
@@ -103,66 +108,23 @@ pub fn router(
     request_timeout: Duration,
     metrics: Option<instrument::MetricsState>,
 ) -> Router {
-    let openapi = Arc::clone(&state.openapi);
+    let shared = state.clone();
     let (api, doc) = api_parts(state, metrics);
-    let _ = openapi.set(serde_json::to_vec(&doc).unwrap_or_default().into());
-    // One layer, applied once: every `Router::layer` call wraps each route
-    // in a boxed service of its own, and a request then clones the whole
-    // chain of boxes (about a dozen allocations, and as many frees, for a
-    // no-op). A single stack is cloned in one piece. Outermost first.
+    let _ = shared
+        .openapi
+        .set(serde_json::to_vec(&doc).unwrap_or_default().into());
+    // One layer (see `frame`), and the body limit the extractors read.
+    // Every `Router::layer` call wraps each route in a boxed service of its
+    // own, which a request then clones: as few as possible.
     let stack = ServiceBuilder::new()
-        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
-            |_: Box<dyn std::any::Any + Send>| {
-                axum::response::IntoResponse::into_response(Problem::internal(
-                    "the request failed unexpectedly",
-                ))
-            },
-        ))
-        // Before an id is set: a client's id that could forge log text is
-        // dropped, so that a fresh one is made in its place.
-        .layer(tower::util::MapRequestLayer::new(
-            instrument::drop_unsafe_request_id,
-        ))
-        .layer(SetRequestIdLayer::new(
-            instrument::REQUEST_ID,
-            instrument::MakeRequestId,
-        ))
-        .layer(PropagateRequestIdLayer::new(instrument::REQUEST_ID))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(|req: &axum::extract::Request| {
-                    let id = req
-                        .headers()
-                        .get(&instrument::REQUEST_ID)
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or("");
-                    tracing::info_span!("request", method = %req.method(), request_id = %id)
-                })
-                // Not one ERROR line per failed request: during an outage that
-                // is thousands a second. What failed is counted by route and
-                // status in the metrics; what broke is logged where it broke
-                // (the writer and the readers log an outage's start and end).
-                .on_failure(
-                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
-                ),
-        )
-        .layer(middleware::from_fn(instrument::observe))
-        .layer(HandleErrorLayer::new(timed_out))
-        .timeout(request_timeout)
+        .layer(frame::FrameLayer {
+            timeout: request_timeout,
+            check_route: budgets::CHECK_ROUTE,
+        })
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     api.fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(stack)
-}
-
-/// The answer to a request that ran out of time (the only error the
-/// timeout layer produces). A budget check's answer still says the call is
-/// denied: every check answer other than a 200 carries `"allowed": false`.
-async fn timed_out(route: Option<MatchedPath>, _: tower::BoxError) -> Problem {
-    match route {
-        Some(r) if r.as_str() == budgets::CHECK_ROUTE => Problem::timeout().with("allowed", false),
-        _ => Problem::timeout(),
-    }
 }
 
 async fn not_found() -> Problem {

@@ -248,7 +248,7 @@ impl From<db::Error> for Problem {
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Raced(_) | db::Error::Database(_) | db::Error::Internal(_)) => {
-                tracing::error!(error = %e, "database error");
+                tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), "database error");
                 Self::internal("the database failed; nothing was written")
                     .with("reason", "database_error")
             }
@@ -322,7 +322,7 @@ impl IntoResponse for Problem {
         body.insert("detail".into(), json!(this.detail));
         body.extend(this.extensions);
         // The request being answered, set for the whole request by the
-        // `instrument::observe` middleware, so a client can quote it.
+        // `frame` around every route, so a client can quote it.
         if let Some(id) = super::instrument::request_id() {
             body.insert("request_id".into(), json!(&*id));
         }

@@ -3,7 +3,7 @@ use std::collections::HashSet;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::spawn_app;
+use crate::helpers::{spawn_app, spawn_with};
 
 #[tokio::test]
 async fn default_counter_counts_from_plain_posts() {
@@ -96,5 +96,63 @@ async fn overflow_is_refused_and_leaves_the_counter_alone() {
     // Within range still works in the same batch machinery afterwards.
     let r = app.post_json("/counters/big", json!({"by": 807})).await;
     assert_eq!(r.json::<Value>().await.unwrap()["value"], i64::MAX);
+    app.stop().await.unwrap();
+}
+
+/// A read after a 200 sees that write, and never a value older than one
+/// already read, while many names come and go from SQLite's in-memory
+/// values (16 kept, 200 names written and read by 8 clients at once): every
+/// value a read answers was committed, and the last reads are the totals.
+#[tokio::test]
+async fn reads_see_every_acknowledged_write_while_names_come_and_go() {
+    let app = spawn_with(|s| s.counter_cache = 1).await;
+    const NAMES: u64 = 200;
+    let mut tasks = Vec::new();
+    for client_no in 0..8u64 {
+        let client = app.client.clone();
+        let base = app.url("");
+        tasks.push(tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(client_no);
+            let mut seen = std::collections::HashMap::<u64, i64>::new();
+            let mut acked = 0;
+            for _ in 0..300 {
+                let n = rng.u64(0..NAMES);
+                let url = format!("{base}/counters/c{n}");
+                if rng.bool() {
+                    let r = client
+                        .post(&url)
+                        .json(&json!({"by": 1}))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status(), StatusCode::OK);
+                    acked += 1;
+                    let v = r.json::<Value>().await.unwrap()["value"].as_i64().unwrap();
+                    let before = seen.insert(n, v).unwrap_or(0);
+                    assert!(v > before, "c{n}: wrote {v} after reading {before}");
+                }
+                let r = client.get(&url).send().await.unwrap();
+                assert_eq!(r.status(), StatusCode::OK);
+                let v = r.json::<Value>().await.unwrap()["value"].as_i64().unwrap();
+                let before = seen.insert(n, v).unwrap_or(0);
+                assert!(
+                    v >= before,
+                    "c{n}: read {v} after {before} was acknowledged or read"
+                );
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for t in tasks {
+        acked += t.await.unwrap();
+    }
+    // Every increment was by 1: the values read add up to the 200s.
+    let mut total = 0;
+    for n in 0..NAMES {
+        let r = app.get(&format!("/counters/c{n}")).await;
+        total += r.json::<Value>().await.unwrap()["value"].as_i64().unwrap();
+    }
+    assert_eq!(total, acked);
     app.stop().await.unwrap();
 }

@@ -605,7 +605,7 @@ impl TextLogs {
             .env("TALLY_LISTEN", "127.0.0.1:0")
             .env("TALLY_DATABASE", dir.path().join("tally.db"))
             .env("TALLY_LOG_FORMAT", "text")
-            .env("TALLY_LOG", "info,tower_http=debug")
+            .env("TALLY_LOG", "info,tally::request=debug")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -19,12 +19,18 @@ use crate::meter::BudgetSpec;
 /// 0) and returns each counter's new value. An overflowing sum makes SQLite
 /// produce a REAL, which the STRICT table refuses ([`is_overflow`]): the
 /// statement then changes nothing.
+///
+/// The new values come back as one row, a JSON array of `[name, value]`
+/// pairs, rather than one row per name: sqlx hands each row over from its
+/// database thread separately, and on a busy core each row cost the writer
+/// a wake-up and two context switches.
 macro_rules! upsert_counters {
     () => {
         "INSERT INTO counters (name, value)
          SELECT key, value FROM json_each(?1) WHERE true
-         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
-         RETURNING name, value;"
+         ON CONFLICT (name) DO UPDATE SET value = value + excluded.value;
+         SELECT json_group_array(json_array(c.name, c.value))
+         FROM json_each(?1) AS j JOIN counters AS c ON c.name = j.key;"
     };
 }
 
@@ -54,6 +60,15 @@ fn is_overflow(e: &sqlx::Error) -> bool {
 
 /// The `(name, total)` pairs (names distinct) as the JSON object `json_each`
 /// reads, written straight from the slice: no map built on the hot path.
+/// The `[name, value]` pairs of [`upsert_counters`]'s one row.
+fn upserted(rows: Vec<String>) -> Result<Vec<(String, i64)>, Error> {
+    let [row] = <[String; 1]>::try_from(rows).map_err(|rows| {
+        Error::Internal(format!("the counter upsert returned {} rows, not 1", rows.len()).into())
+    })?;
+    serde_json::from_str(&row)
+        .map_err(|e| Error::Internal(format!("the counter upsert's values: {e}").into()))
+}
+
 fn totals_json(totals: &[(&str, i64)]) -> String {
     struct AsObject<'a>(&'a [(&'a str, i64)]);
     impl serde::Serialize for AsObject<'_> {
@@ -81,12 +96,12 @@ impl Store for SqliteConnection {
         &mut self,
         totals: &[(&str, i64)],
     ) -> Result<Option<Vec<(String, i64)>>, Error> {
-        let rows = sqlx::query_as(upsert_counters!())
+        let rows = sqlx::query_scalar(upsert_counters!())
             .bind(totals_json(totals))
             .fetch_all(self)
             .await;
         match rows {
-            Ok(rows) => Ok(Some(rows)),
+            Ok(rows) => Ok(Some(upserted(rows)?)),
             Err(e) if is_overflow(&e) => Ok(None),
             Err(e) => Err(error(e)),
         }
@@ -99,12 +114,12 @@ impl Store for SqliteConnection {
         &mut self,
         totals: &[(&str, i64)],
     ) -> Result<Option<Vec<(String, i64)>>, Error> {
-        let rows = sqlx::query_as(concat!("BEGIN IMMEDIATE;", upsert_counters!(), "COMMIT;"))
+        let rows = sqlx::query_scalar(concat!("BEGIN IMMEDIATE;", upsert_counters!(), "COMMIT;"))
             .bind(totals_json(totals))
             .fetch_all(&mut *self)
             .await;
         match rows {
-            Ok(rows) => Ok(Some(rows)),
+            Ok(rows) => Ok(Some(upserted(rows)?)),
             Err(e) if is_overflow(&e) => {
                 self.exec("ROLLBACK").await?;
                 Ok(None)
