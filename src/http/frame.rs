@@ -108,8 +108,20 @@ where
         } = self.layer;
         Box::pin(async move {
             let answer = REQUEST.scope(id.clone(), async {
-                let run = AssertUnwindSafe(inner.call(req)).catch_unwind();
-                match tokio::time::timeout(timeout, run).await {
+                let mut run = std::pin::pin!(AssertUnwindSafe(inner.call(req)).catch_unwind());
+                // An answer ready at the first poll (a probe, a read of a
+                // value kept in memory) needs no timer: the time limit is
+                // armed only for one that has to wait, from the request's
+                // start.
+                let first = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
+                let ran = match first {
+                    Poll::Ready(done) => Ok(done),
+                    Poll::Pending => {
+                        let deadline = tokio::time::Instant::from_std(started + timeout);
+                        tokio::time::timeout_at(deadline, run).await
+                    }
+                };
+                match ran {
                     Ok(Ok(Ok(res))) => res,
                     Ok(Ok(Err(never))) => match never {},
                     Ok(Err(panic)) => panicked(panic),
@@ -146,9 +158,13 @@ fn id_of(req: &mut Request) -> HeaderValue {
     {
         return id.clone();
     }
-    let id = instrument::new_request_id();
-    req.headers_mut().insert(REQUEST_ID, id.clone());
-    id
+    // Nothing after this reads the request's own header (handlers, logs and
+    // problems take the id from the task), so a fresh id is not written
+    // into it; an unsafe one the client sent is taken out.
+    if req.headers().contains_key(&REQUEST_ID) {
+        req.headers_mut().remove(&REQUEST_ID);
+    }
+    instrument::new_request_id()
 }
 
 /// The answer to a request whose handler panicked; the panic itself was
