@@ -28,12 +28,29 @@ pub fn tool_in(dir: &str, name: &str) -> PathBuf {
     p
 }
 
+/// A loopback port free now, for a server the test starts later.
+///
+/// Taken below Linux's ephemeral range (32768-60999 by default), where the
+/// kernel never picks a port by itself: a port the kernel handed out (as
+/// `bind(0)` did here before) could be given again to another test's
+/// outgoing connection before this test's server bound it, which failed a
+/// container start with "Address already in use". A counter keeps the
+/// tests of one binary apart, the process id spreads binaries over the
+/// range, and the bind skips a port something else holds.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const PORTS: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let offset = std::process::id().wrapping_mul(7919) % PORTS;
+    for _ in 0..PORTS {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (FIRST + (offset + n) % PORTS) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{}", FIRST + PORTS)
 }
 
 /// A moto S3 server on a loopback port, killed on drop.
