@@ -114,41 +114,41 @@ impl Tally {
     }
 }
 
-fn render(template: &str, names: u32, rng: &mut fastrand::Rng) -> String {
-    let mut out = template.to_owned();
-    if out.contains("{name}") {
-        out = out.replace("{name}", &format!("n{}", rng.u32(0..names.max(1))));
-    }
-    if out.contains("{visitor}") {
-        out = out.replace("{visitor}", &format!("v{}", rng.u32(0..1_000_000)));
-    }
-    out
-}
-
 /// The raw requests connections pick from at random: every name once when
-/// only names vary (up to 65,536 of them), else 65,536 random renderings.
+/// only names vary (up to 65,536 of them), else 65,536 random choices. Each
+/// request's name and visitor are chosen once, for its path and its body
+/// alike.
 fn request_pool(args: &Args) -> Vec<Vec<u8>> {
     let templates = format!("{} {}", args.path, args.body.as_deref().unwrap_or(""));
+    let names = args.names.max(1);
     let size = if templates.contains("{visitor}") {
         65_536
     } else if templates.contains("{name}") {
-        args.names.clamp(1, 65_536) as usize
+        names.min(65_536)
     } else {
         1
     };
     let mut rng = fastrand::Rng::with_seed(7);
     (0..size)
         .map(|i| {
-            let mut r = fastrand::Rng::with_seed(i as u64);
-            let path = if size == args.names as usize && !templates.contains("{visitor}") {
-                args.path.replace("{name}", &format!("n{i}"))
-            } else {
-                render(&args.path, args.names, &mut rng)
+            let name = match size == names {
+                true => i,
+                false => rng.u32(0..names),
             };
-            let mut req = format!("{} {path} HTTP/1.1\r\nhost: bench\r\n", args.method);
+            let visitor = rng.u32(0..1_000_000);
+            let fill = |template: &str| {
+                template
+                    .replace("{name}", &format!("n{name}"))
+                    .replace("{visitor}", &format!("v{visitor}"))
+            };
+            let mut req = format!(
+                "{} {} HTTP/1.1\r\nhost: bench\r\n",
+                args.method,
+                fill(&args.path)
+            );
             match &args.body {
                 Some(t) => {
-                    let body = render(t, args.names, &mut r);
+                    let body = fill(t);
                     req.push_str(&format!(
                         "content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                         body.len()
