@@ -283,32 +283,43 @@ async fn write_counters(pod: &PlayedPod<'_>, n: u32) -> Vec<(String, i64)> {
     acked
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn the_rendered_pod_restores_serves_drains_and_restores_again() {
+/// A pod test's chart values: the image under test, `bucket` on the
+/// loopback S3 server, and free ports; the HTTP port comes back beside them.
+fn pod_values(s3: &S3, bucket: &str) -> (Vec<(&'static str, String)>, u16) {
     let image = crate::image::built();
     let (repository, tag) = image.rsplit_once(':').unwrap();
+    let http = free_port();
+    let values = vec![
+        ("image.repository", repository.to_owned()),
+        ("image.tag", tag.to_owned()),
+        ("image.pullPolicy", "Never".to_owned()),
+        ("replica.bucket", bucket.to_owned()),
+        ("replica.endpoint", s3.endpoint.clone()),
+        ("replica.region", "us-east-1".to_owned()),
+        ("replica.forcePathStyle", "true".to_owned()),
+        ("replica.credentials.accessKeyId", "test-key".to_owned()),
+        (
+            "replica.credentials.secretAccessKey",
+            "test-secret".to_owned(),
+        ),
+        ("ports.http", http.to_string()),
+        ("ports.metrics", free_port().to_string()),
+        ("ports.litestream", free_port().to_string()),
+    ];
+    (values, http)
+}
+
+/// `values` as `helm --set` pairs.
+fn as_sets<'a>(values: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    values.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_rendered_pod_restores_serves_drains_and_restores_again() {
     let s3 = S3::start().await;
     s3.create_bucket("tally-pod").await;
-    let (http, metrics, litestream) = (free_port(), free_port(), free_port());
-    let ports = [
-        http.to_string(),
-        metrics.to_string(),
-        litestream.to_string(),
-    ];
-    let sets = [
-        ("image.repository", repository),
-        ("image.tag", tag),
-        ("image.pullPolicy", "Never"),
-        ("replica.bucket", "tally-pod"),
-        ("replica.endpoint", s3.endpoint.as_str()),
-        ("replica.region", "us-east-1"),
-        ("replica.forcePathStyle", "true"),
-        ("replica.credentials.accessKeyId", "test-key"),
-        ("replica.credentials.secretAccessKey", "test-secret"),
-        ("ports.http", ports[0].as_str()),
-        ("ports.metrics", ports[1].as_str()),
-        ("ports.litestream", ports[2].as_str()),
-    ];
+    let (values, http) = pod_values(&s3, "tally-pod");
+    let sets = as_sets(&values);
     let docs = crate::chart::render("podtest", "tally-test", &sets);
 
     let podman = Podman::new();
@@ -434,30 +445,10 @@ async fn bump(pod: &PlayedPod<'_>, name: &str, by: u32) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_with_restore_timestamp_comes_back_as_it_was_then_and_only_once() {
-    let image = crate::image::built();
-    let (repository, tag) = image.rsplit_once(':').unwrap();
     let s3 = S3::start().await;
     s3.create_bucket("tally-pitr").await;
-    let (http, metrics, litestream) = (free_port(), free_port(), free_port());
-    let ports = [
-        http.to_string(),
-        metrics.to_string(),
-        litestream.to_string(),
-    ];
-    let base = [
-        ("image.repository", repository),
-        ("image.tag", tag),
-        ("image.pullPolicy", "Never"),
-        ("replica.bucket", "tally-pitr"),
-        ("replica.endpoint", s3.endpoint.as_str()),
-        ("replica.region", "us-east-1"),
-        ("replica.forcePathStyle", "true"),
-        ("replica.credentials.accessKeyId", "test-key"),
-        ("replica.credentials.secretAccessKey", "test-secret"),
-        ("ports.http", ports[0].as_str()),
-        ("ports.metrics", ports[1].as_str()),
-        ("ports.litestream", ports[2].as_str()),
-    ];
+    let (values, http) = pod_values(&s3, "tally-pitr");
+    let base = as_sets(&values);
     let podman = Podman::new();
     let unique = format!("tally-pitr-{}-{}", std::process::id(), fastrand::u32(..));
     let volume = format!("{unique}-data");
