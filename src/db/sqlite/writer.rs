@@ -48,7 +48,7 @@ impl Engine for SqliteWriter {
         batch.sort_by_key(refused);
         let runs = batch.iter().filter(|q| !refused(q)).count();
         for q in &mut batch[runs..] {
-            refuse(&mut q.command, refusal.clone());
+            q.command.fail(refusal.clone());
         }
         match runs {
             0 => Ok(()),
@@ -125,15 +125,4 @@ async fn stored_keys(conn: &mut SqliteConnection, batch: &[Queued]) -> HashSet<S
         }
     }
     stored
-}
-
-/// Answers a command that adds data with `error`, without running it.
-fn refuse(command: &mut Command, error: Error) {
-    match command {
-        Command::Increment { reply, .. } => reply.set(Err(error)),
-        Command::PutBudget { reply, .. } => reply.set(Err(error)),
-        Command::Check { reply, .. } => reply.set(Err(error)),
-        #[allow(unreachable_patterns)]
-        _ => {}
-    }
 }
