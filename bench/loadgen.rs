@@ -15,7 +15,7 @@
 //! server's one-core rate, as `wrk -t1` does.
 //!
 //! Request templates: `{name}` becomes one of `--names` counter names
-//! (`n0`..), `{visitor}` a random visitor id out of a million.
+//! (`n0`..), `{visitor}` a random visitor id out of `--visitors` (a million).
 //!
 //! `--addr` may be given more than once (several servers behind one load):
 //! connection `i` then targets address `i mod n`, so the connections are
@@ -60,6 +60,9 @@ struct Args {
     /// How many distinct names `{name}` ranges over.
     #[arg(long, default_value_t = 1)]
     names: u32,
+    /// How many distinct visitors `{visitor}` ranges over.
+    #[arg(long, default_value_t = 1_000_000)]
+    visitors: u32,
     /// Load-generator threads (each runs its share of the connections on
     /// a single-threaded runtime).
     #[arg(long, default_value_t = 1)]
@@ -135,7 +138,7 @@ fn request_pool(args: &Args) -> Vec<Vec<u8>> {
                 true => i,
                 false => rng.u32(0..names),
             };
-            let visitor = rng.u32(0..1_000_000);
+            let visitor = rng.u32(0..args.visitors.max(1));
             let fill = |template: &str| {
                 template
                     .replace("{name}", &format!("n{name}"))

@@ -65,8 +65,14 @@ fn upserted(rows: Vec<String>) -> Result<Vec<(String, i64)>, Error> {
     let [row] = <[String; 1]>::try_from(rows).map_err(|rows| {
         Error::Internal(format!("the counter upsert returned {} rows, not 1", rows.len()).into())
     })?;
-    serde_json::from_str(&row)
-        .map_err(|e| Error::Internal(format!("the counter upsert's values: {e}").into()))
+    from_one_row(&row, "counter upsert")
+}
+
+/// The values a statement returned as one row of JSON: a row tally cannot
+/// read back is its own inconsistency.
+fn from_one_row<T: serde::de::DeserializeOwned>(row: &str, what: &str) -> Result<T, Error> {
+    serde_json::from_str(row)
+        .map_err(|e| Error::Internal(format!("the {what}'s values: {e}").into()))
 }
 
 fn totals_json(totals: &[(&str, i64)]) -> String {
@@ -163,24 +169,39 @@ impl Store for SqliteConnection {
         visitors: &[(&str, &str, &str)],
         globals: &[(&str, &str)],
     ) -> Result<Vec<UsageRow>, Error> {
-        // Both kinds of rows in one statement. Tuples serialize as the JSON
-        // arrays `->> 0`, `->> 1` read; a global row has no visitor.
-        sqlx::query_as(
-            "SELECT u.budget, u.day, u.visitor, u.calls
-             FROM json_each(?1) AS k
-             JOIN budget_visitor_usage AS u
-               ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
-             UNION ALL
-             SELECT g.budget, g.day, NULL, g.calls
-             FROM json_each(?2) AS k
-             JOIN budget_global_usage AS g
-               ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1",
+        // Both kinds of rows in one statement, and as one row: a JSON array
+        // of `[budget, day, visitor, calls]` (see `upsert_counters!` for
+        // why one row). Tuples serialize as the JSON arrays `->> 0`, `->> 1`
+        // read; a global row has no visitor.
+        let rows: String = sqlx::query_scalar(
+            "SELECT coalesce(json_group_array(json_array(budget, day, visitor, calls)), '[]')
+             FROM (
+               SELECT u.budget, u.day, u.visitor, u.calls
+               FROM json_each(?1) AS k
+               JOIN budget_visitor_usage AS u
+                 ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
+               UNION ALL
+               SELECT g.budget, g.day, NULL, g.calls
+               FROM json_each(?2) AS k
+               JOIN budget_global_usage AS g
+                 ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1
+             )",
         )
         .bind(to_json(visitors))
         .bind(to_json(globals))
-        .fetch_all(self)
+        .fetch_one(self)
         .await
-        .map_err(error)
+        .map_err(error)?;
+        let rows: Vec<(String, String, Option<String>, i64)> = from_one_row(&rows, "usage")?;
+        Ok(rows
+            .into_iter()
+            .map(|(budget, day, visitor, calls)| UsageRow {
+                budget,
+                day,
+                visitor,
+                calls,
+            })
+            .collect())
     }
 
     /// Both write-backs as one script, one round trip.
