@@ -68,6 +68,7 @@ impl<S> Layer<S> for FrameLayer {
         Frame {
             inner,
             layer: *self,
+            series: Arc::default(),
         }
     }
 }
@@ -76,6 +77,8 @@ impl<S> Layer<S> for FrameLayer {
 pub struct Frame<S> {
     inner: S,
     layer: FrameLayer,
+    /// The request count and duration of this endpoint, by status.
+    series: Arc<instrument::EndpointSeries>,
 }
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
@@ -106,8 +109,9 @@ where
             timeout,
             check_route,
         } = self.layer;
+        let series = Arc::clone(&self.series);
         Box::pin(async move {
-            let answer = REQUEST.scope(id.clone(), async {
+            let answer = REQUEST.scope(id, async {
                 let mut run = std::pin::pin!(AssertUnwindSafe(inner.call(req)).catch_unwind());
                 // An answer ready at the first poll (a probe, a read of a
                 // value kept in memory) needs no timer: the time limit is
@@ -128,13 +132,16 @@ where
                     Err(_) => timed_out(route.as_ref(), check_route),
                 }
             });
-            let mut res = answer.await;
-            res.headers_mut().insert(REQUEST_ID, id);
+            let mut answer = std::pin::pin!(answer);
+            let mut res = answer.as_mut().await;
+            // The id the task held, moved into the answer: no copy of it
+            // is made per request.
+            if let Some(id) = answer.as_mut().take_value() {
+                res.headers_mut().insert(REQUEST_ID, id);
+            }
             let label = route.as_ref().map_or("unmatched", MatchedPath::as_str);
-            let (requests, duration) = instrument::series(method, label, res.status());
-            requests.increment(1);
             let took = started.elapsed();
-            duration.record(took.as_secs_f64());
+            series.record(method, label, res.status(), took);
             // One line per request, for whoever turns it on
             // (`TALLY_LOG=info,tally::request=debug`); when off, nothing
             // below is evaluated.

@@ -4,7 +4,8 @@
 use std::{
     collections::HashMap,
     path::PathBuf,
-    sync::{LazyLock, RwLock},
+    sync::{LazyLock, OnceLock, RwLock},
+    time::Duration,
 };
 
 use axum::{
@@ -82,6 +83,70 @@ pub(super) fn series(
     (requests, duration)
 }
 
+/// One endpoint's request counters and duration histograms, by status:
+/// each found through [`series`] once, then used with no lock and no hash.
+/// Looking them up on every request cost more than anything else tally's
+/// frame does for a no-op answer. A status not given a place here, or a
+/// method or route other than the one kept (a `GET` route also answers
+/// `HEAD`), goes through [`series`].
+#[derive(Default)]
+pub(super) struct EndpointSeries {
+    by_status: [OnceLock<Kept>; STATUSES.len()],
+}
+
+/// What tally answers; each has a place in [`EndpointSeries`].
+const STATUSES: [u16; 20] = [
+    200, 201, 204, 400, 401, 403, 404, 405, 408, 409, 413, 414, 415, 422, 429, 431, 500, 503, 504,
+    507,
+];
+
+struct Kept {
+    method: &'static str,
+    route: Box<str>,
+    requests: Counter,
+    duration: Histogram,
+}
+
+impl EndpointSeries {
+    /// Counts one answer and records how long it took.
+    pub(super) fn record(
+        &self,
+        method: &'static str,
+        route: &str,
+        status: StatusCode,
+        took: Duration,
+    ) {
+        match self.kept(method, route, status) {
+            Some(k) => {
+                k.requests.increment(1);
+                k.duration.record(took.as_secs_f64());
+            }
+            None => {
+                let (requests, duration) = series(method, route, status);
+                requests.increment(1);
+                duration.record(took.as_secs_f64());
+            }
+        }
+    }
+
+    /// The handles kept for `status`, found the first time; `None` for a
+    /// status with no place, or if they were kept for another method or
+    /// route.
+    fn kept(&self, method: &'static str, route: &str, status: StatusCode) -> Option<&Kept> {
+        let i = STATUSES.iter().position(|&s| s == status.as_u16())?;
+        let kept = self.by_status[i].get_or_init(|| {
+            let (requests, duration) = series(method, route, status);
+            Kept {
+                method,
+                route: route.into(),
+                requests,
+                duration,
+            }
+        });
+        (kept.method == method && &*kept.route == route).then_some(kept)
+    }
+}
+
 pub(super) fn method_label(m: &Method) -> &'static str {
     match *m {
         Method::GET => "GET",
@@ -134,7 +199,37 @@ async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
 
 #[cfg(test)]
 mod tests {
-    use super::is_safe_request_id;
+    use super::*;
+
+    #[test]
+    fn an_endpoint_keeps_its_series_by_status_and_no_one_elses() {
+        let e = EndpointSeries::default();
+        let ok = e
+            .kept("GET", "/a", StatusCode::OK)
+            .expect("200 has a place");
+        // Found again, not looked up again.
+        let again = e.kept("GET", "/a", StatusCode::OK).expect("kept");
+        assert!(std::ptr::eq(ok, again));
+        // A GET route also answers HEAD, and a fallback many routes: a
+        // method or route other than the one kept is not given its handles.
+        assert!(e.kept("HEAD", "/a", StatusCode::OK).is_none());
+        assert!(e.kept("GET", "/b", StatusCode::OK).is_none());
+        // Each status its own.
+        let missing = e
+            .kept("GET", "/a", StatusCode::NOT_FOUND)
+            .expect("404 has a place");
+        assert!(!std::ptr::eq(ok, missing));
+        // A status with no place goes through `series` every time.
+        assert!(e.kept("GET", "/a", StatusCode::IM_A_TEAPOT).is_none());
+        // Recording works either way.
+        e.record("HEAD", "/a", StatusCode::OK, Duration::from_micros(5));
+        e.record(
+            "GET",
+            "/a",
+            StatusCode::IM_A_TEAPOT,
+            Duration::from_micros(5),
+        );
+    }
 
     #[test]
     fn request_ids() {
