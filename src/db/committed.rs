@@ -14,14 +14,14 @@
 //! PostgreSQL, written by many processes, always reads the database.
 
 use std::{
-    hash::{BuildHasher, RandomState},
+    hash::BuildHasher,
     sync::{
         Mutex,
         atomic::{AtomicU64, Ordering},
     },
 };
 
-use hashlink::LruCache;
+use hashlink::{DefaultHashBuilder, LruCache};
 
 /// Independent parts, each behind a lock of its own, so that readers on
 /// many threads rarely meet.
@@ -29,7 +29,10 @@ const SHARDS: usize = 16;
 
 pub struct Committed {
     shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    /// Picks a name's shard. Seeded apart from the shards' own tables
+    /// (each map seeds its own), so that the names of one shard do not
+    /// also share the low bits of their hash within it.
+    hasher: DefaultHashBuilder,
     /// The number of the last batch whose values are all published.
     seq: AtomicU64,
 }
@@ -56,7 +59,7 @@ impl Committed {
                     })
                 })
                 .collect(),
-            hasher: RandomState::new(),
+            hasher: DefaultHashBuilder::default(),
             seq: AtomicU64::new(0),
         }
     }

@@ -299,9 +299,9 @@ impl Handle {
 
     /// The current value of a counter (0 if never written), read from the
     /// file by a read-only connection; concurrent reads share one statement.
-    pub async fn counter(&self, name: Name) -> Result<i64, Error> {
+    pub async fn counter(&self, name: &Name) -> Result<i64, Error> {
         let Some(committed) = &self.0.committed else {
-            return self.read_counter(name).await;
+            return self.read_counter(name.clone()).await;
         };
         if let Some(value) = committed.get(name.as_str()) {
             return Ok(value);

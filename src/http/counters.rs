@@ -98,7 +98,7 @@ pub async fn get_default(
     State(state): State<AppState>,
     _: Query<NoQuery>,
 ) -> Result<Json<Value>, Problem> {
-    let value = state.db.counter(default_name()).await?;
+    let value = state.db.counter(&default_name()).await?;
     Ok(Json(Value { value }))
 }
 
@@ -128,7 +128,7 @@ pub async fn get(
     Path(name): Path<Name>,
     _: Query<NoQuery>,
 ) -> Result<Json<NamedValue>, Problem> {
-    let value = state.db.counter(name.clone()).await?;
+    let value = state.db.counter(&name).await?;
     Ok(Json(NamedValue { name, value }))
 }
 
