@@ -86,9 +86,9 @@ pub(super) fn series(
 /// One endpoint's request counters and duration histograms, by status:
 /// each found through [`series`] once, then used with no lock and no hash.
 /// Looking them up on every request cost more than anything else tally's
-/// frame does for a no-op answer. A status not given a place here, or a
-/// method or route other than the one kept (a `GET` route also answers
-/// `HEAD`), goes through [`series`].
+/// frame does for a no-op answer. A `HEAD`, a status not given a place
+/// here, or a method or route other than the one kept (the fallbacks
+/// answer every method) goes through [`series`].
 #[derive(Default)]
 pub(super) struct EndpointSeries {
     by_status: [OnceLock<Kept>; STATUSES.len()],
@@ -133,6 +133,11 @@ impl EndpointSeries {
     /// status with no place, or if they were kept for another method or
     /// route.
     fn kept(&self, method: &'static str, route: &str, status: StatusCode) -> Option<&Kept> {
+        // A GET route answers HEAD too: a HEAD (a probe) arriving first
+        // must not take the place of the route's own GETs.
+        if method == "HEAD" {
+            return None;
+        }
         let i = STATUSES.iter().position(|&s| s == status.as_u16())?;
         let kept = self.by_status[i].get_or_init(|| {
             let (requests, duration) = series(method, route, status);
@@ -210,10 +215,15 @@ mod tests {
         // Found again, not looked up again.
         let again = e.kept("GET", "/a", StatusCode::OK).expect("kept");
         assert!(std::ptr::eq(ok, again));
-        // A GET route also answers HEAD, and a fallback many routes: a
+        // A GET route also answers HEAD, and a fallback every method: a
         // method or route other than the one kept is not given its handles.
         assert!(e.kept("HEAD", "/a", StatusCode::OK).is_none());
+        assert!(e.kept("POST", "/a", StatusCode::OK).is_none());
         assert!(e.kept("GET", "/b", StatusCode::OK).is_none());
+        // A HEAD that comes first takes no place.
+        let head_first = EndpointSeries::default();
+        assert!(head_first.kept("HEAD", "/a", StatusCode::OK).is_none());
+        assert!(head_first.kept("GET", "/a", StatusCode::OK).is_some());
         // Each status its own.
         let missing = e
             .kept("GET", "/a", StatusCode::NOT_FOUND)

@@ -122,9 +122,13 @@ pub fn router(
             check_route: budgets::CHECK_ROUTE,
         })
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    // `with_state` last: it makes every handler, the two fallbacks
+    // included, a service once. Without it the fallbacks stayed handlers,
+    // built again (with their layer) for every request they answered.
     api.fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(stack)
+        .with_state(())
 }
 
 async fn not_found() -> Problem {
