@@ -192,11 +192,27 @@ pub async fn problem(r: Response, status: StatusCode) -> Value {
     assert_eq!(r.status(), status, "unexpected status");
     let ct = r.headers()["content-type"].to_str().unwrap().to_owned();
     assert_eq!(ct, "application/problem+json");
+    let id = r
+        .headers()
+        .get("x-request-id")
+        .map(|v| v.to_str().unwrap().to_owned());
     let body: Value = r.json().await.unwrap();
     for key in ["type", "title", "status", "detail"] {
         assert!(body.get(key).is_some(), "problem lacks `{key}`: {body}");
     }
     assert_eq!(body["status"], status.as_u16());
+    // Every answer from the router names its request, in the header and in
+    // the body alike; only what is refused before routing (a connection
+    // past the cap, too long a URI, too large a head) has no id.
+    let before_routing = [
+        "/problems/too-many-connections",
+        "/problems/uri-too-long",
+        "/problems/header-too-large",
+    ];
+    if !before_routing.contains(&body["type"].as_str().unwrap_or("")) {
+        let id = id.unwrap_or_else(|| panic!("a {status} problem without x-request-id: {body}"));
+        assert_eq!(body["request_id"], id.as_str(), "{body}");
+    }
     body
 }
 
