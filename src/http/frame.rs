@@ -239,13 +239,9 @@ mod tests {
             .unwrap();
         let (parts, body) = res.into_parts();
         let bytes = body.collect().await.unwrap().to_bytes();
-        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        let text = String::from_utf8_lossy(&bytes).into_owned();
-        let json = if json.is_null() {
-            Value::String(text)
-        } else {
-            json
-        };
+        // A problem's JSON, or the handler's text as a JSON string.
+        let json = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
         (Response::from_parts(parts, Body::empty()), json)
     }
 

@@ -116,17 +116,16 @@ impl EndpointSeries {
         status: StatusCode,
         took: Duration,
     ) {
-        match self.kept(method, route, status) {
-            Some(k) => {
-                k.requests.increment(1);
-                k.duration.record(took.as_secs_f64());
-            }
+        let looked_up;
+        let (requests, duration) = match self.kept(method, route, status) {
+            Some(k) => (&k.requests, &k.duration),
             None => {
-                let (requests, duration) = series(method, route, status);
-                requests.increment(1);
-                duration.record(took.as_secs_f64());
+                looked_up = series(method, route, status);
+                (&looked_up.0, &looked_up.1)
             }
-        }
+        };
+        requests.increment(1);
+        duration.record(took.as_secs_f64());
     }
 
     /// The handles kept for `status`, found the first time; `None` for a

@@ -58,8 +58,6 @@ fn is_overflow(e: &sqlx::Error) -> bool {
         .is_some_and(|c| c == "3091")
 }
 
-/// The `(name, total)` pairs (names distinct) as the JSON object `json_each`
-/// reads, written straight from the slice: no map built on the hot path.
 /// The `[name, value]` pairs of [`upsert_counters`]'s one row.
 fn upserted(rows: Vec<String>) -> Result<Vec<(String, i64)>, Error> {
     let [row] = <[String; 1]>::try_from(rows).map_err(|rows| {
@@ -75,6 +73,8 @@ fn from_one_row<T: serde::de::DeserializeOwned>(row: &str, what: &str) -> Result
         .map_err(|e| Error::Internal(format!("the {what}'s values: {e}").into()))
 }
 
+/// The `(name, total)` pairs (names distinct) as the JSON object `json_each`
+/// reads, written straight from the slice: no map built on the hot path.
 fn totals_json(totals: &[(&str, i64)]) -> String {
     struct AsObject<'a>(&'a [(&'a str, i64)]);
     impl serde::Serialize for AsObject<'_> {
@@ -174,7 +174,7 @@ impl Store for SqliteConnection {
         // why one row). Tuples serialize as the JSON arrays `->> 0`, `->> 1`
         // read; a global row has no visitor.
         let rows: String = sqlx::query_scalar(
-            "SELECT coalesce(json_group_array(json_array(budget, day, visitor, calls)), '[]')
+            "SELECT json_group_array(json_array(budget, day, visitor, calls))
              FROM (
                SELECT u.budget, u.day, u.visitor, u.calls
                FROM json_each(?1) AS k
