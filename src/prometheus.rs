@@ -80,7 +80,7 @@ fn describe() {
     describe_histogram!(
         "tally_commit_duration_seconds",
         Unit::Seconds,
-        "Time of each COMMIT, fsync included (for a batch of increments alone, its whole transaction)."
+        "Time of each COMMIT, fsync included (for a batch of increments without idempotency keys, its whole transaction)."
     );
     describe_histogram!(
         "tally_commit_batch_size",
