@@ -67,6 +67,13 @@ struct Args {
     /// a single-threaded runtime).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Never sleep: keep each thread's runtime polling instead of waiting
+    /// in the kernel for the next answer. On loopback an answer written to
+    /// a sleeping client wakes the client's thread from inside the
+    /// server's write, and the server's CPU time pays for that wake-up
+    /// (an interprocessor interrupt); a spinning client is never asleep.
+    #[arg(long)]
+    spin: bool,
 }
 
 /// What one connection saw.
@@ -265,6 +272,7 @@ fn run_thread(
     pool: Vec<Vec<u8>>,
     targets: Vec<(usize, SocketAddr, u64)>,
     deadline: Instant,
+    spin: bool,
 ) -> Vec<(usize, Tally)> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -273,6 +281,13 @@ fn run_thread(
     let local = tokio::task::LocalSet::new();
     let pool = Rc::new(pool);
     local.block_on(&rt, async move {
+        if spin {
+            tokio::task::spawn_local(async move {
+                while Instant::now() < deadline {
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
         let tasks: Vec<_> = targets
             .into_iter()
             .map(|(slot, addr, seed)| {
@@ -318,7 +333,8 @@ fn main() {
                 })
                 .collect();
             let pool = pool.clone();
-            std::thread::spawn(move || run_thread(pool, targets, deadline))
+            let spin = args.spin;
+            std::thread::spawn(move || run_thread(pool, targets, deadline, spin))
         })
         .collect();
     let mut total = Tally::new();
