@@ -6,7 +6,11 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{Arc, Mutex, mpsc},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+        mpsc,
+    },
     time::Duration,
 };
 
@@ -216,11 +220,55 @@ pub async fn problem(r: Response, status: StatusCode) -> Value {
     body
 }
 
+/// The pipes of a child process still being read, each by a thread of its
+/// own. A line the child wrote just before it exited may still sit in the
+/// pipe when the exit is seen; a test that reads the logs after the exit
+/// first waits for every reader to reach the end of its pipe.
+#[derive(Clone, Default)]
+pub struct Readers(Arc<AtomicUsize>);
+
+/// Held by a reader thread until its pipe ends.
+pub struct Reading(Arc<AtomicUsize>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Readers {
+    /// Counts one more pipe; taken before its thread starts, so that no
+    /// wait can miss it.
+    pub fn reading(&self) -> Reading {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Reading(Arc::clone(&self.0))
+    }
+
+    /// Waits until every pipe has ended, at most `limit`: a process the
+    /// child left behind could hold one open, and then what was read is
+    /// all there is.
+    pub async fn all_read(&self, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while self.0.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// [`Readers::all_read`], for code that is not async.
+    pub fn all_read_blocking(&self, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while self.0.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 /// The real binary, started with `env`; its stderr is collected.
 pub struct Binary {
     pub child: Child,
     pub addr: SocketAddr,
     pub logs: Arc<Mutex<Vec<String>>>,
+    readers: Readers,
 }
 
 impl Binary {
@@ -252,7 +300,10 @@ impl Binary {
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel();
         let sink = Arc::clone(&logs);
+        let readers = Readers::default();
+        let reading = readers.reading();
         std::thread::spawn(move || {
+            let _reading = reading;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 if let Ok(v) = serde_json::from_str::<Value>(&line)
@@ -268,7 +319,12 @@ impl Binary {
             .unwrap_or_else(|_| panic!("tally did not start: {:?}", logs.lock().unwrap()))
             .parse()
             .unwrap();
-        Binary { child, addr, logs }
+        Binary {
+            child,
+            addr,
+            logs,
+            readers,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -283,11 +339,13 @@ impl Binary {
         .unwrap();
     }
 
-    /// Waits for the process to exit, at most `limit`.
+    /// Waits for the process to exit, at most `limit`, and then for its
+    /// last lines to be read.
     pub async fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
         let deadline = std::time::Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
+                self.readers.all_read(Duration::from_secs(10)).await;
                 return status;
             }
             if std::time::Instant::now() > deadline {

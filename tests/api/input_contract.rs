@@ -18,7 +18,7 @@ use jiff::{Timestamp, civil::Date, tz::TimeZone};
 use reqwest::{Method, StatusCode, header::HeaderValue};
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, TestApp, problem, spawn_app, spawn_with};
+use crate::helpers::{ADMIN, Readers, TestApp, problem, spawn_app, spawn_with};
 
 /// Today in `tz`, from the clock.
 pub(crate) fn today_in(tz: &str) -> Date {
@@ -594,6 +594,7 @@ struct TextLogs {
     child: Child,
     addr: String,
     lines: Arc<Mutex<Vec<String>>>,
+    readers: Readers,
     _dir: tempfile::TempDir,
 }
 
@@ -614,7 +615,10 @@ impl TextLogs {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel();
         let sink = Arc::clone(&lines);
+        let readers = Readers::default();
+        let reading = readers.reading();
         std::thread::spawn(move || {
+            let _reading = reading;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 // `... serving addr=127.0.0.1:PORT`, colours or not.
@@ -637,6 +641,7 @@ impl TextLogs {
             child,
             addr,
             lines,
+            readers,
             _dir: dir,
         }
     }
@@ -651,8 +656,8 @@ impl TextLogs {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        // The reader thread sees the pipe close once tally has exited.
-        std::thread::sleep(Duration::from_millis(100));
+        // Every line tally wrote is read once its pipe ends.
+        self.readers.all_read_blocking(Duration::from_secs(10));
         self.lines.lock().unwrap().join("\n")
     }
 }

@@ -14,6 +14,8 @@ use std::{
 
 use serde_json::Value;
 
+use crate::helpers::Readers;
+
 /// Everything one tally-under-Litestream deployment needs: a data
 /// directory, a replica location, ports and a socket.
 pub struct Deployment {
@@ -139,12 +141,15 @@ impl Deployment {
             .expect("litestream starts");
         let logs = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
         let (tx, serving) = mpsc::channel();
+        let readers = Readers::default();
         for pipe in [
             Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
             Box::new(child.stderr.take().unwrap()),
         ] {
             let (logs, tx) = (Arc::clone(&logs), tx.clone());
+            let reading = readers.reading();
             std::thread::spawn(move || {
+                let _reading = reading;
                 for line in BufReader::new(pipe).lines() {
                     let Ok(line) = line else { break };
                     if serde_json::from_str::<Value>(&line)
@@ -161,6 +166,7 @@ impl Deployment {
             logs,
             serving,
             listen: self.listen,
+            readers,
         }
     }
 
@@ -183,6 +189,8 @@ pub struct Running {
     pub logs: Arc<Mutex<Vec<(Instant, String)>>>,
     serving: mpsc::Receiver<()>,
     pub listen: SocketAddr,
+    /// Litestream's two pipes, which tally shares.
+    pub readers: Readers,
 }
 
 impl Running {
@@ -238,6 +246,7 @@ impl Running {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
+                self.readers.all_read(Duration::from_secs(10)).await;
                 return s;
             }
             if Instant::now() > deadline {

@@ -375,8 +375,8 @@ async fn tally_stops_when_litestream_its_parent_dies() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let took = killed.elapsed();
-    // Let the log reader catch up with the last lines.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Both are gone: every line they wrote is read once the pipes end.
+    run.readers.all_read(Duration::from_secs(10)).await;
     let logs = run.log_text();
     let line = |needle: &str| {
         run.line_of(needle)
