@@ -515,6 +515,13 @@ impl Handle {
                 None => Error::Closed,
             },
         })?;
+        if self
+            .0
+            .stats
+            .early_commit(self.0.tx.max_capacity() - self.0.tx.capacity())
+        {
+            std::thread::yield_now();
+        }
         let Ok(answer) = answer.await else {
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.

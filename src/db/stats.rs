@@ -4,15 +4,25 @@ use std::{
     path::Path,
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// Weight of the newest batch in the commit-rate average.
 const RATE_ALPHA: f64 = 0.2;
 /// Longest `Retry-After` tally ever asks for, in seconds.
 pub const MAX_RETRY_AFTER_SECS: u64 = 30;
+
+/// Writes waiting in the queue at which, on a single core, a handler gives
+/// the core to the writer's threads (see [`QueueStats::early_commit`]): a
+/// batch this large spreads a commit's fixed cost (measured at about 185 us
+/// of CPU, some fourteen answers' worth) thin.
+pub const EARLY_COMMIT_AT: usize = 24;
+
+/// A commit whose process kept the core busy less than this share of its
+/// wall time left the core idle while it flushed.
+const IDLE_BELOW: f64 = 0.9;
 
 /// The writer's commit rate, which handlers read on every refused write.
 #[derive(Debug, Default)]
@@ -24,6 +34,16 @@ pub struct QueueStats {
     /// why the queue closed, so that a write refused at the door hears the
     /// same answer as those the writer refused.
     storage_lost: OnceLock<Arc<Path>>,
+    /// Set by the writer, on a single core only, when the core went idle
+    /// during its last commit (see [`QueueStats::early_commit`]).
+    core_idled: AtomicBool,
+}
+
+/// The process's CPU time and the wall clock at a commit's start, taken
+/// only when tally has a single core.
+pub struct CommitClock {
+    cpu: Duration,
+    wall: Instant,
 }
 
 impl QueueStats {
@@ -42,6 +62,41 @@ impl QueueStats {
         self.rate_bits.store(new.to_bits(), Ordering::Relaxed);
     }
 
+    /// Starts timing a commit's CPU, on a single core only (elsewhere the
+    /// writer's threads never wait for the HTTP threads' core).
+    pub fn commit_clock() -> Option<CommitClock> {
+        single_core().then(|| CommitClock {
+            cpu: process_cpu(),
+            wall: Instant::now(),
+        })
+    }
+
+    /// Records whether the core went idle during the commit `clock` timed.
+    pub fn record_commit_cpu(&self, clock: Option<CommitClock>) {
+        if let Some(c) = clock {
+            let cpu = process_cpu().saturating_sub(c.cpu);
+            self.core_idled
+                .store(idled(cpu, c.wall.elapsed()), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a handler that has just queued a write, with `queued` now
+    /// waiting, should give up the core to the writer's threads.
+    ///
+    /// On one core, the HTTP thread answering a finished batch and reading
+    /// the next requests runs for up to a time slice (0.7-0.9 ms measured)
+    /// while the next batch's statement waits for the core; the batch's
+    /// flush then runs with the core idle, the HTTP work done. Once a batch
+    /// worth committing waits, and only if the core idled during the last
+    /// commit, the handler yields, so that the commit and its flush start
+    /// while the HTTP thread still has requests to read: measured +8-17% of
+    /// durable writes at 64 connections; with the core busy anyway (more
+    /// connections, more cores) nothing changes, as yielding then would
+    /// only shrink batches.
+    pub fn early_commit(&self, queued: usize) -> bool {
+        queued >= EARLY_COMMIT_AT && self.core_idled.load(Ordering::Relaxed)
+    }
+
     /// Records that the database files are gone (the first report wins).
     pub fn set_storage_lost(&self, path: Arc<Path>) {
         let _ = self.storage_lost.set(path);
@@ -57,6 +112,25 @@ impl QueueStats {
     pub fn commit_rate(&self) -> f64 {
         f64::from_bits(self.rate_bits.load(Ordering::Relaxed))
     }
+}
+
+/// Whether a commit that took `wall` while the process used `cpu` left
+/// the (single) core idle.
+fn idled(cpu: Duration, wall: Duration) -> bool {
+    cpu.as_secs_f64() < IDLE_BELOW * wall.as_secs_f64()
+}
+
+/// Whether tally may use only one core (its affinity, or a CPU quota).
+fn single_core() -> bool {
+    static ONE: OnceLock<bool> = OnceLock::new();
+    *ONE.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() == 1))
+}
+
+/// CPU time of the whole process (every thread) so far.
+fn process_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_PROCESS_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
 }
 
 /// Seconds a client refused for a full queue should wait: the time the
@@ -91,6 +165,30 @@ mod tests {
         // Capped.
         assert_eq!(retry_after_secs(1024, 1.0), MAX_RETRY_AFTER_SECS);
         assert_eq!(retry_after_secs(usize::MAX, 1e-300), MAX_RETRY_AFTER_SECS);
+    }
+
+    #[test]
+    fn early_commit_only_after_an_idle_commit_and_with_a_batch_waiting() {
+        let s = QueueStats::default();
+        // Nothing measured yet (or not on one core): never.
+        assert!(!s.early_commit(EARLY_COMMIT_AT * 10));
+        s.core_idled.store(true, Ordering::Relaxed);
+        assert!(!s.early_commit(EARLY_COMMIT_AT - 1));
+        assert!(s.early_commit(EARLY_COMMIT_AT));
+        // Without a clock (more than one core) the verdict stays as it was.
+        s.record_commit_cpu(None);
+        assert!(s.early_commit(EARLY_COMMIT_AT));
+    }
+
+    #[test]
+    fn an_idle_core_is_one_busy_less_than_nine_tenths_of_a_commit() {
+        let ms = Duration::from_millis;
+        assert!(idled(ms(5), ms(10)));
+        assert!(idled(ms(0), ms(10)));
+        assert!(!idled(Duration::from_micros(9_100), ms(10)));
+        assert!(!idled(ms(12), ms(10)));
+        // A commit too short to measure is not idle.
+        assert!(!idled(Duration::ZERO, Duration::ZERO));
     }
 
     #[test]

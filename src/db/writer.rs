@@ -276,8 +276,10 @@ impl<E: Engine> WriterLoop<E> {
     async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
+        let clock = QueueStats::commit_clock();
         let keyed = batch.iter().any(|q| q.key.is_some());
         let commit = self.engine.apply(batch).await;
+        self.stats.record_commit_cpu(clock);
         // Before anyone hears of the batch: a commit into a deleted file
         // succeeded for SQLite and is lost all the same.
         let lost = self.engine.check().err();
