@@ -515,11 +515,7 @@ impl Handle {
                 None => Error::Closed,
             },
         })?;
-        if self
-            .0
-            .stats
-            .early_commit(self.0.tx.max_capacity() - self.0.tx.capacity())
-        {
+        if self.0.stats.yield_to_writer(self.queue_depth()) {
             std::thread::yield_now();
         }
         let Ok(answer) = answer.await else {

@@ -14,14 +14,15 @@ const RATE_ALPHA: f64 = 0.2;
 /// Longest `Retry-After` tally ever asks for, in seconds.
 pub const MAX_RETRY_AFTER_SECS: u64 = 30;
 
-/// Writes waiting in the queue at which, on a single core, a handler gives
-/// the core to the writer's threads (see [`QueueStats::early_commit`]): a
-/// batch this large spreads a commit's fixed cost (measured at about 185 us
-/// of CPU, some fourteen answers' worth) thin.
-pub const EARLY_COMMIT_AT: usize = 24;
+/// Writes waiting (the newest included) at which, when tally runs on one
+/// core, a handler gives that core to the writer's threads (see
+/// [`QueueStats::yield_to_writer`]): a batch this large spreads a commit's
+/// fixed cost (measured at about 185 us of CPU, some fourteen answers'
+/// worth) thin.
+const YIELD_AT_QUEUED: usize = 24;
 
-/// A commit whose process kept the core busy less than this share of its
-/// wall time left the core idle while it flushed.
+/// A commit during which the process kept its core busy less than this
+/// share of the commit's wall time left the core idle.
 const IDLE_BELOW: f64 = 0.9;
 
 /// The writer's commit rate, which handlers read on every refused write.
@@ -34,16 +35,30 @@ pub struct QueueStats {
     /// why the queue closed, so that a write refused at the door hears the
     /// same answer as those the writer refused.
     storage_lost: OnceLock<Arc<Path>>,
-    /// Set by the writer, on a single core only, when the core went idle
-    /// during its last commit (see [`QueueStats::early_commit`]).
+    /// Set by the writer when the core went idle during its last commit
+    /// (only when tally runs on one core and commits in this process).
     core_idled: AtomicBool,
 }
 
-/// The process's CPU time and the wall clock at a commit's start, taken
-/// only when tally has a single core.
+/// The process's CPU time and the wall clock at a commit's start.
 pub struct CommitClock {
     cpu: Duration,
     wall: Instant,
+}
+
+impl CommitClock {
+    /// Starts timing a commit, when tally runs on one core (its CPU
+    /// affinity holds one); elsewhere the commit's threads do not share a
+    /// core with the HTTP threads, and there is nothing to time.
+    pub fn start() -> Option<Self> {
+        if !pinned_to_one_core() {
+            return None;
+        }
+        Some(Self {
+            cpu: process_cpu()?,
+            wall: Instant::now(),
+        })
+    }
 }
 
 impl QueueStats {
@@ -62,39 +77,33 @@ impl QueueStats {
         self.rate_bits.store(new.to_bits(), Ordering::Relaxed);
     }
 
-    /// Starts timing a commit's CPU, on a single core only (elsewhere the
-    /// writer's threads never wait for the HTTP threads' core).
-    pub fn commit_clock() -> Option<CommitClock> {
-        single_core().then(|| CommitClock {
-            cpu: process_cpu(),
-            wall: Instant::now(),
-        })
-    }
-
-    /// Records whether the core went idle during the commit `clock` timed.
-    pub fn record_commit_cpu(&self, clock: Option<CommitClock>) {
-        if let Some(c) = clock {
-            let cpu = process_cpu().saturating_sub(c.cpu);
+    /// Records whether the core went idle during the commit `clock` timed
+    /// (left as it was if the process's CPU time cannot be read).
+    pub fn record_commit_cpu(&self, clock: CommitClock) {
+        if let Some(now) = process_cpu() {
+            let cpu = now.saturating_sub(clock.cpu);
             self.core_idled
-                .store(idled(cpu, c.wall.elapsed()), Ordering::Relaxed);
+                .store(idled(cpu, clock.wall.elapsed()), Ordering::Relaxed);
         }
     }
 
-    /// Whether a handler that has just queued a write, with `queued` now
-    /// waiting, should give up the core to the writer's threads.
+    /// Whether a handler that has just queued a write, `queued` now
+    /// waiting, should give up its core to the writer's threads.
     ///
-    /// On one core, the HTTP thread answering a finished batch and reading
-    /// the next requests runs for up to a time slice (0.7-0.9 ms measured)
-    /// while the next batch's statement waits for the core; the batch's
-    /// flush then runs with the core idle, the HTTP work done. Once a batch
-    /// worth committing waits, and only if the core idled during the last
-    /// commit, the handler yields, so that the commit and its flush start
-    /// while the HTTP thread still has requests to read: measured +8-17% of
-    /// durable writes at 64 connections; with the core busy anyway (more
-    /// connections, more cores) nothing changes, as yielding then would
-    /// only shrink batches.
-    pub fn early_commit(&self, queued: usize) -> bool {
-        queued >= EARLY_COMMIT_AT && self.core_idled.load(Ordering::Relaxed)
+    /// With tally on one core, the HTTP thread, once it runs, answers a
+    /// finished batch and reads the next requests for up to a time slice
+    /// (0.7-0.9 ms measured) while the next batch's statement waits for the
+    /// core; that batch's flush then runs with the core idle, the HTTP work
+    /// done. So once a batch worth committing waits, and only if the core
+    /// idled during the last commit, the handler yields, and the commit and
+    /// its flush start while the HTTP thread still has requests to read
+    /// (measured +6-17% of durable writes at 64 connections). Where the
+    /// core stayed busy through the last commit (more connections), a yield
+    /// would only shrink batches, and the flag is off. Answers, their order
+    /// and durability do not change; a yield delays, by the writer's turn
+    /// on the core, what else the HTTP thread was about to do.
+    pub fn yield_to_writer(&self, queued: usize) -> bool {
+        queued >= YIELD_AT_QUEUED && self.core_idled.load(Ordering::Relaxed)
     }
 
     /// Records that the database files are gone (the first report wins).
@@ -115,22 +124,31 @@ impl QueueStats {
 }
 
 /// Whether a commit that took `wall` while the process used `cpu` left
-/// the (single) core idle.
+/// the core idle.
 fn idled(cpu: Duration, wall: Duration) -> bool {
     cpu.as_secs_f64() < IDLE_BELOW * wall.as_secs_f64()
 }
 
-/// Whether tally may use only one core (its affinity, or a CPU quota).
-fn single_core() -> bool {
+/// Whether tally's CPU affinity holds a single core (as `taskset -c N` or
+/// a CPU manager's exclusive core sets it), read once. A CPU quota is not
+/// counted: under a quota the threads still run on several cores at once.
+fn pinned_to_one_core() -> bool {
     static ONE: OnceLock<bool> = OnceLock::new();
-    *ONE.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() == 1))
+    *ONE.get_or_init(|| {
+        nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).is_ok_and(|set| {
+            (0..nix::sched::CpuSet::count())
+                .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
+                .count()
+                == 1
+        })
+    })
 }
 
 /// CPU time of the whole process (every thread) so far.
-fn process_cpu() -> Duration {
+fn process_cpu() -> Option<Duration> {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_PROCESS_CPUTIME_ID)
+        .ok()
         .map(Duration::from)
-        .unwrap_or_default()
 }
 
 /// Seconds a client refused for a full queue should wait: the time the
@@ -168,16 +186,27 @@ mod tests {
     }
 
     #[test]
-    fn early_commit_only_after_an_idle_commit_and_with_a_batch_waiting() {
+    fn yields_only_after_an_idle_commit_and_with_a_batch_waiting() {
         let s = QueueStats::default();
-        // Nothing measured yet (or not on one core): never.
-        assert!(!s.early_commit(EARLY_COMMIT_AT * 10));
-        s.core_idled.store(true, Ordering::Relaxed);
-        assert!(!s.early_commit(EARLY_COMMIT_AT - 1));
-        assert!(s.early_commit(EARLY_COMMIT_AT));
-        // Without a clock (more than one core) the verdict stays as it was.
-        s.record_commit_cpu(None);
-        assert!(s.early_commit(EARLY_COMMIT_AT));
+        // Nothing measured yet: never.
+        assert!(!s.yield_to_writer(YIELD_AT_QUEUED * 10));
+        // A commit that took 50 ms of wall time while this test used next
+        // to no CPU: the core idled.
+        let clock = CommitClock {
+            cpu: process_cpu().expect("the process's CPU clock"),
+            wall: Instant::now() - Duration::from_millis(50),
+        };
+        s.record_commit_cpu(clock);
+        assert!(!s.yield_to_writer(YIELD_AT_QUEUED - 1));
+        assert!(s.yield_to_writer(YIELD_AT_QUEUED));
+        // A commit during which the process used more CPU than wall time
+        // (several threads busy): the core did not idle.
+        let clock = CommitClock {
+            cpu: Duration::ZERO,
+            wall: Instant::now(),
+        };
+        s.record_commit_cpu(clock);
+        assert!(!s.yield_to_writer(YIELD_AT_QUEUED * 10));
     }
 
     #[test]

@@ -12,6 +12,8 @@ pub struct WriterConn {
 }
 
 impl Engine for WriterConn {
+    const COMMITS_HERE: bool = false;
+
     async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
         WriterConn::apply(self, batch).await
     }

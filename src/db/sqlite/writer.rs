@@ -27,6 +27,8 @@ pub(crate) struct SqliteWriter {
 }
 
 impl Engine for SqliteWriter {
+    const COMMITS_HERE: bool = true;
+
     /// Past the storage limit, the commands that add data are answered
     /// storage-full without running (nothing of them is written); those
     /// that only delete (resets) still run, in queue order, so that room
