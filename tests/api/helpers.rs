@@ -239,9 +239,26 @@ impl Drop for Reading {
 impl Readers {
     /// Counts one more pipe; taken before its thread starts, so that no
     /// wait can miss it.
-    pub fn reading(&self) -> Reading {
+    fn reading(&self) -> Reading {
         self.0.fetch_add(1, Ordering::SeqCst);
         Reading(Arc::clone(&self.0))
+    }
+
+    /// Reads `pipe` line by line on a thread of its own, handing each line
+    /// to `on_line`, and counts the pipe as read once it ends.
+    pub fn read_lines(
+        &self,
+        pipe: impl std::io::Read + Send + 'static,
+        mut on_line: impl FnMut(String) + Send + 'static,
+    ) {
+        let reading = self.reading();
+        std::thread::spawn(move || {
+            let _reading = reading;
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                on_line(line);
+            }
+        });
     }
 
     /// Waits until every pipe has ended, at most `limit`: a process the
@@ -301,18 +318,13 @@ impl Binary {
         let (tx, rx) = mpsc::channel();
         let sink = Arc::clone(&logs);
         let readers = Readers::default();
-        let reading = readers.reading();
-        std::thread::spawn(move || {
-            let _reading = reading;
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Ok(v) = serde_json::from_str::<Value>(&line)
-                    && v["fields"]["message"] == "serving"
-                {
-                    let _ = tx.send(v["fields"]["addr"].as_str().unwrap().to_owned());
-                }
-                sink.lock().unwrap().push(line);
+        readers.read_lines(stderr, move |line| {
+            if let Ok(v) = serde_json::from_str::<Value>(&line)
+                && v["fields"]["message"] == "serving"
+            {
+                let _ = tx.send(v["fields"]["addr"].as_str().unwrap().to_owned());
             }
+            sink.lock().unwrap().push(line);
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(20))

@@ -8,7 +8,6 @@
 //! `on_sqlite::input_contract`.)
 
 use std::{
-    io::{BufRead, BufReader},
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex, mpsc},
     time::Duration,
@@ -616,23 +615,18 @@ impl TextLogs {
         let (tx, rx) = mpsc::channel();
         let sink = Arc::clone(&lines);
         let readers = Readers::default();
-        let reading = readers.reading();
-        std::thread::spawn(move || {
-            let _reading = reading;
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                // `... serving addr=127.0.0.1:PORT`, colours or not.
-                if line.contains("serving")
-                    && let Some(at) = line.find("127.0.0.1:")
-                {
-                    let addr: String = line[at..]
-                        .chars()
-                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                        .collect();
-                    let _ = tx.send(addr);
-                }
-                sink.lock().unwrap().push(line);
+        readers.read_lines(stderr, move |line| {
+            // `... serving addr=127.0.0.1:PORT`, colours or not.
+            if line.contains("serving")
+                && let Some(at) = line.find("127.0.0.1:")
+            {
+                let addr: String = line[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                    .collect();
+                let _ = tx.send(addr);
             }
+            sink.lock().unwrap().push(line);
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(20))

@@ -4,7 +4,6 @@
 pub use crate::loopback::{S3, free_port, tool};
 
 use std::{
-    io::{BufRead, BufReader},
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -147,18 +146,13 @@ impl Deployment {
             Box::new(child.stderr.take().unwrap()),
         ] {
             let (logs, tx) = (Arc::clone(&logs), tx.clone());
-            let reading = readers.reading();
-            std::thread::spawn(move || {
-                let _reading = reading;
-                for line in BufReader::new(pipe).lines() {
-                    let Ok(line) = line else { break };
-                    if serde_json::from_str::<Value>(&line)
-                        .is_ok_and(|v| v["fields"]["message"] == "serving")
-                    {
-                        let _ = tx.send(());
-                    }
-                    logs.lock().unwrap().push((Instant::now(), line));
+            readers.read_lines(pipe, move |line| {
+                if serde_json::from_str::<Value>(&line)
+                    .is_ok_and(|v| v["fields"]["message"] == "serving")
+                {
+                    let _ = tx.send(());
                 }
+                logs.lock().unwrap().push((Instant::now(), line));
             });
         }
         Running {
