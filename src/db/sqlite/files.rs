@@ -51,7 +51,7 @@ impl DbFiles {
     }
 
     /// Compares each recorded file with the file its path names now: one
-    /// `stat` per file. A file not seen before is recorded now.
+    /// `statx` per file. A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         for f in &mut self.files {
             let lost = |what| Lost {
@@ -74,28 +74,14 @@ impl DbFiles {
     }
 }
 
-/// The identity of the file at `path`, `None` if there is none.
+/// The identity of the file at `path`, `None` if there is none. Asks for
+/// nothing else, the times least of all (see [`super::stat`]): this runs
+/// after every commit.
 fn file_id(path: &Path) -> io::Result<Option<FileId>> {
-    match std::fs::metadata(path) {
-        Ok(m) => Ok(Some(id_of(&m))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-#[cfg(unix)]
-fn id_of(m: &std::fs::Metadata) -> FileId {
-    use std::os::unix::fs::MetadataExt;
-    FileId {
-        dev: m.dev(),
-        ino: m.ino(),
-    }
-}
-
-/// Without inodes only a deleted file can be noticed.
-#[cfg(not(unix))]
-fn id_of(_: &std::fs::Metadata) -> FileId {
-    FileId { dev: 0, ino: 0 }
+    Ok(super::stat::stat(path, true)?.map(|s| FileId {
+        dev: s.dev,
+        ino: s.ino,
+    }))
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ mod open;
 mod readers;
 pub mod restores;
 mod space;
+mod stat;
 pub(super) mod store;
 mod writer;
 

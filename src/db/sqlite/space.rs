@@ -36,6 +36,8 @@ use std::{
 
 use sqlx::SqlitePool;
 
+use super::stat::stat;
+
 /// How often the directory is measured, at most.
 const INTERVAL: Duration = Duration::from_millis(250);
 
@@ -269,11 +271,10 @@ fn walk(dir: &Path, db: &Path) -> Usage {
     for (bytes, path) in usage.files.iter_mut().zip(&db_files(db)) {
         *bytes = allocated_at(path);
     }
-    let Ok(root) = std::fs::symlink_metadata(dir) else {
+    let Ok(Some(root)) = stat(dir, false) else {
         return usage;
     };
-    let root_device = device(&root);
-    usage.dir = allocated(&root);
+    usage.dir = root.allocated();
     let mut pending = vec![dir.to_owned()];
     let mut entries = 0;
     while let Some(d) = pending.pop() {
@@ -288,13 +289,16 @@ fn walk(dir: &Path, db: &Path) -> Usage {
             }
             // A file deleted meanwhile (a checkpoint, Litestream's
             // clean-up) is simply no longer there.
-            let Ok(m) = entry.metadata() else { continue };
-            if device(&m) != root_device {
+            let path = entry.path();
+            let Ok(Some(m)) = stat(&path, false) else {
+                continue;
+            };
+            if m.dev != root.dev {
                 continue;
             }
-            usage.dir += allocated(&m);
-            if m.is_dir() {
-                pending.push(entry.path());
+            usage.dir += m.allocated();
+            if m.is_dir {
+                pending.push(path);
             }
         }
     }
@@ -310,35 +314,14 @@ fn db_files(db: &Path) -> [PathBuf; 3] {
     })
 }
 
-/// What the file at `path` takes on disk; 0 if there is none.
+/// What the file at `path` takes on disk; 0 if there is none. Asks for
+/// nothing else, the times least of all (see [`super::stat`]): the
+/// storage limit checks the database's files before every batch.
 fn allocated_at(path: &Path) -> u64 {
-    std::fs::symlink_metadata(path)
-        .map(|m| allocated(&m))
-        .unwrap_or(0)
-}
-
-/// What a file takes on disk: its allocated blocks, as `du` counts them (a
-/// sparse or preallocated file differs from its length).
-#[cfg(unix)]
-fn allocated(m: &std::fs::Metadata) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    m.blocks() * 512
-}
-
-#[cfg(not(unix))]
-fn allocated(m: &std::fs::Metadata) -> u64 {
-    m.len()
-}
-
-#[cfg(unix)]
-fn device(m: &std::fs::Metadata) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    m.dev()
-}
-
-#[cfg(not(unix))]
-fn device(_: &std::fs::Metadata) -> u64 {
-    0
+    stat(path, false)
+        .ok()
+        .flatten()
+        .map_or(0, |s| s.allocated())
 }
 
 /// The error a command refused for the limit is answered with: the one a
