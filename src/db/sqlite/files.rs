@@ -51,7 +51,7 @@ impl DbFiles {
     }
 
     /// Compares each recorded file with the file its path names now: one
-    /// `statx` per file. A file not seen before is recorded now.
+    /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         for f in &mut self.files {
             let lost = |what| Lost {
