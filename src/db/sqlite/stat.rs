@@ -122,14 +122,12 @@ mod tests {
         let link = dir.path().join("l");
         #[cfg(unix)]
         std::os::unix::fs::symlink(&file, &link).unwrap();
-        for (path, follow) in [
-            (&file, true),
-            (&file, false),
-            (&dir.path().to_owned(), false),
-        ]
-        .into_iter()
-        .chain(cfg!(unix).then_some((&link, true)))
-        {
+        let top = dir.path().to_owned();
+        let mut cases = vec![(&file, true), (&file, false), (&top, false)];
+        if cfg!(unix) {
+            cases.extend([(&link, true), (&link, false)]);
+        }
+        for (path, follow) in cases {
             let ours = stat(path, follow).unwrap().unwrap();
             let std = portable(path, follow).unwrap().unwrap();
             assert_eq!(ours, std, "{}", path.display());
