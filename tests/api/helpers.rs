@@ -265,10 +265,8 @@ impl Readers {
     /// child left behind could hold one open, and then what was read is
     /// all there is.
     pub async fn all_read(&self, limit: Duration) {
-        let deadline = std::time::Instant::now() + limit;
-        while self.0.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let readers = self.clone();
+        let _ = tokio::task::spawn_blocking(move || readers.all_read_blocking(limit)).await;
     }
 
     /// [`Readers::all_read`], for code that is not async.
