@@ -106,13 +106,15 @@ pub async fn check_many(
     names.sort_unstable();
     names.dedup();
     let budgets = from_rows(conn.load_budgets(&names).await?)?;
-    let days: Vec<Result<(&Budget, Day), Error>> = items
+    // Each day written out once: it keys the usage rows read and written.
+    let days: Vec<Result<(&Budget, Day, String), Error>> = items
         .iter()
         .map(|i| {
             let b = budgets
                 .get(i.budget.as_str())
                 .ok_or_else(|| Refusal::UnknownBudget(i.budget.clone()))?;
-            Ok((b, b.day(i.day, now)?))
+            let day = b.day(i.day, now)?;
+            Ok((b, day, day.to_string()))
         })
         .collect();
 
@@ -120,14 +122,14 @@ pub async fn check_many(
     let mut decisions = Vec::with_capacity(items.len());
     let mut prunes = Vec::new();
     for (i, (item, day)) in items.iter().zip(days).enumerate() {
-        let (budget, day) = match day {
+        let (budget, day, text) = match day {
             Ok(d) => d,
             Err(e) => {
                 decisions.push(Err(e));
                 continue;
             }
         };
-        let step = usage.step(item, day, budget);
+        let step = usage.step(item, &text, budget);
         if step.first_of_day {
             prunes.push((i, budget.spec.kept_days(now).oldest));
         }
@@ -161,29 +163,25 @@ impl DayUsage {
     async fn read(
         conn: &mut impl Store,
         items: &[CheckItem<'_>],
-        days: &[Result<(&Budget, Day), Error>],
+        days: &[Result<(&Budget, Day, String), Error>],
     ) -> Result<Self, Error> {
         let mut usage = DayUsage {
             visitors: HashMap::new(),
             globals: HashMap::new(),
         };
-        let counted: Vec<(&str, String, &str)> = items
+        let visitor_keys: Vec<(&str, &str, &str)> = items
             .iter()
             .zip(days)
             .filter_map(|(item, day)| {
-                let (_, day) = day.as_ref().ok()?;
-                Some((item.budget.as_str(), day.to_string(), item.visitor.as_str()))
+                let (_, _, day) = day.as_ref().ok()?;
+                Some((item.budget.as_str(), day.as_str(), item.visitor.as_str()))
             })
             .collect();
-        if counted.is_empty() {
+        if visitor_keys.is_empty() {
             return Ok(usage);
         }
-        let visitor_keys: Vec<(&str, &str, &str)> = counted
-            .iter()
-            .map(|(b, d, v)| (*b, d.as_str(), *v))
-            .collect();
         let mut global_keys: Vec<(&str, &str)> =
-            counted.iter().map(|(b, d, _)| (*b, d.as_str())).collect();
+            visitor_keys.iter().map(|(b, d, _)| (*b, *d)).collect();
         // In one order everywhere: two processes locking the same days
         // cannot deadlock.
         global_keys.sort_unstable();
@@ -204,8 +202,8 @@ impl DayUsage {
 
     /// Decides a check on `day` from the counts it sees, and keeps the
     /// counts it leaves for the checks after it.
-    fn step(&mut self, item: &CheckItem<'_>, day: Day, budget: &Budget) -> Step {
-        let (b, d) = (item.budget.as_str().to_owned(), day.to_string());
+    fn step(&mut self, item: &CheckItem<'_>, day: &str, budget: &Budget) -> Step {
+        let (b, d) = (item.budget.as_str().to_owned(), day.to_owned());
         let visitor = self
             .visitors
             .entry((b.clone(), d.clone(), item.visitor.as_str().to_owned()))

@@ -274,25 +274,39 @@ fn meter_failed(err: &db::Error) -> Problem {
 /// change), and what is left of each, `r`, with the seconds until the day
 /// resets, `t`. A denied check also says `Retry-After: t`.
 pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
-    let mut h = HeaderMap::new();
+    let mut h = HeaderMap::with_capacity(4);
     let Some(w) = d.day.window(&d.timezone, now) else {
         return h;
     };
     let left = |limit: u32, used: i64| (i64::from(limit) - used).max(0);
-    let policy = format!(
-        "\"visitor\";q={};w={len}, \"global\";q={};w={len}",
-        d.visitor_limit,
-        d.global_limit,
-        len = w.length_secs
-    );
-    let state = format!(
-        "\"visitor\";r={};t={t}, \"global\";r={};t={t}",
-        left(d.visitor_limit, d.visitor_calls),
-        left(d.global_limit, d.global_calls),
-        t = w.resets_in_secs
-    );
+    let policy = quota_list([
+        (
+            "visitor",
+            [("q", d.visitor_limit.into()), ("w", w.length_secs)],
+        ),
+        (
+            "global",
+            [("q", d.global_limit.into()), ("w", w.length_secs)],
+        ),
+    ]);
+    let state = quota_list([
+        (
+            "visitor",
+            [
+                ("r", left(d.visitor_limit, d.visitor_calls)),
+                ("t", w.resets_in_secs),
+            ],
+        ),
+        (
+            "global",
+            [
+                ("r", left(d.global_limit, d.global_calls)),
+                ("t", w.resets_in_secs),
+            ],
+        ),
+    ]);
     for (name, value) in [("ratelimit-policy", policy), ("ratelimit", state)] {
-        if let Ok(v) = HeaderValue::from_str(&value) {
+        if let Ok(v) = HeaderValue::try_from(value) {
             h.insert(HeaderName::from_static(name), v);
         }
     }
@@ -300,6 +314,29 @@ pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
         h.insert(header::RETRY_AFTER, HeaderValue::from(w.resets_in_secs));
     }
     h
+}
+
+/// A structured-field list of quotas, `"visitor";q=3;w=86400, "global";...`,
+/// written piece by piece: every check answers two of these, and
+/// `format!` cost more than the rest of the answer's headers.
+fn quota_list<const N: usize>(items: [(&str, [(&str, i64); 2]); N]) -> String {
+    let mut out = String::with_capacity(80);
+    let mut number = itoa::Buffer::new();
+    for (i, (name, params)) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push('"');
+        out.push_str(name);
+        out.push('"');
+        for (key, value) in params {
+            out.push(';');
+            out.push_str(key);
+            out.push('=');
+            out.push_str(number.format(value));
+        }
+    }
+    out
 }
 
 fn reason_label(r: Reason) -> &'static str {
@@ -408,4 +445,45 @@ pub async fn reset(
         visitor: body.visitor,
         deleted_rows,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(reason: Reason, visitor_calls: i64, global_calls: i64) -> Decision {
+        Decision {
+            reason,
+            day: Day::parse("2026-03-01").unwrap(),
+            visitor_calls,
+            global_calls,
+            visitor_limit: 3,
+            global_limit: 4_000_000_000,
+            pruned_rows: 0,
+            timezone: jiff::tz::TimeZone::UTC,
+        }
+    }
+
+    #[test]
+    fn rate_limit_headers_spell_the_draft_fields() {
+        let now: Timestamp = "2026-03-01T23:00:00.5Z".parse().unwrap();
+        let h = rate_limit_headers(&decision(Reason::Ok, 2, 17), now);
+        assert_eq!(
+            h["ratelimit-policy"],
+            "\"visitor\";q=3;w=86400, \"global\";q=4000000000;w=86400"
+        );
+        assert_eq!(
+            h["ratelimit"],
+            "\"visitor\";r=1;t=3600, \"global\";r=3999999983;t=3600"
+        );
+        assert!(!h.contains_key("retry-after"));
+
+        // Denied: nothing left, and Retry-After says when the day resets.
+        let h = rate_limit_headers(&decision(Reason::VisitorLimit, 5, 17), now);
+        assert_eq!(
+            h["ratelimit"],
+            "\"visitor\";r=0;t=3600, \"global\";r=3999999983;t=3600"
+        );
+        assert_eq!(h["retry-after"], "3600");
+    }
 }

@@ -140,21 +140,56 @@ impl Day {
     }
 }
 
+impl Day {
+    /// `YYYY-MM-DD` written digit by digit: every check writes its day
+    /// two or three times (the usage rows' keys, the answer), and the
+    /// formatting machinery cost more than the rest of the conversion. A
+    /// year outside 0..=9999 (which no day tally keeps has) is `None`.
+    fn ascii(self) -> Option<[u8; 10]> {
+        let year = u16::try_from(self.0.year()).ok().filter(|y| *y <= 9999)?;
+        let digit = |n: u16| b'0' + (n % 10) as u8;
+        let (month, day) = (
+            u16::from(self.0.month().unsigned_abs()),
+            u16::from(self.0.day().unsigned_abs()),
+        );
+        Some([
+            digit(year / 1000),
+            digit(year / 100),
+            digit(year / 10),
+            digit(year),
+            b'-',
+            digit(month / 10),
+            digit(month),
+            b'-',
+            digit(day / 10),
+            digit(day),
+        ])
+    }
+}
+
 impl fmt::Display for Day {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:04}-{:02}-{:02}",
-            self.0.year(),
-            self.0.month(),
-            self.0.day()
-        )
+        match self.ascii() {
+            Some(text) => f.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?),
+            None => write!(
+                f,
+                "{:04}-{:02}-{:02}",
+                self.0.year(),
+                self.0.month(),
+                self.0.day()
+            ),
+        }
     }
 }
 
 impl Serialize for Day {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+        match self.ascii() {
+            Some(text) => {
+                s.serialize_str(std::str::from_utf8(&text).map_err(serde::ser::Error::custom)?)
+            }
+            None => s.collect_str(self),
+        }
     }
 }
 
@@ -417,6 +452,38 @@ mod tests {
         }
         for bad in ["", "a b", "a/b", "é", "a\n", &"n".repeat(129), "*"] {
             assert!(Name::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn days_are_written_as_parsed() {
+        // Every day of some years, the ends of the range a day can have,
+        // and years the digit-by-digit writer leaves to `write!`.
+        let mut day = jiff::civil::date(2023, 12, 25);
+        let mut days = vec![jiff::civil::date(1, 1, 1), jiff::civil::date(9999, 12, 31)];
+        for _ in 0..(3 * 366) {
+            days.push(day);
+            day = day.tomorrow().unwrap();
+        }
+        for date in days {
+            let text = Day(date).to_string();
+            let expected = format!("{:04}-{:02}-{:02}", date.year(), date.month(), date.day());
+            assert_eq!(text, expected);
+            assert_eq!(Day::parse(&text).unwrap(), Day(date));
+            assert_eq!(
+                serde_json::to_string(&Day(date)).unwrap(),
+                format!("\"{expected}\"")
+            );
+        }
+        for year in [-1, -9999] {
+            let date = jiff::civil::date(year, 3, 7);
+            assert!(Day(date).ascii().is_none());
+            let expected = format!("{:04}-03-07", year);
+            assert_eq!(Day(date).to_string(), expected);
+            assert_eq!(
+                serde_json::to_string(&Day(date)).unwrap(),
+                format!("\"{expected}\"")
+            );
         }
     }
 
