@@ -129,7 +129,7 @@ pub async fn check_many(
                 continue;
             }
         };
-        let step = usage.step(item, &text, budget);
+        let step = usage.step(item, text, budget);
         if step.first_of_day {
             prunes.push((i, budget.spec.kept_days(now).oldest));
         }
@@ -202,8 +202,8 @@ impl DayUsage {
 
     /// Decides a check on `day` from the counts it sees, and keeps the
     /// counts it leaves for the checks after it.
-    fn step(&mut self, item: &CheckItem<'_>, day: &str, budget: &Budget) -> Step {
-        let (b, d) = (item.budget.as_str().to_owned(), day.to_owned());
+    fn step(&mut self, item: &CheckItem<'_>, day: String, budget: &Budget) -> Step {
+        let (b, d) = (item.budget.as_str().to_owned(), day);
         let visitor = self
             .visitors
             .entry((b.clone(), d.clone(), item.visitor.as_str().to_owned()))

@@ -138,21 +138,20 @@ impl Day {
         let earliest = jiff::civil::date(1, 1, 1);
         Self(self.0.checked_sub(span).unwrap_or(earliest).max(earliest))
     }
-}
 
-impl Day {
-    /// `YYYY-MM-DD` written digit by digit: every check writes its day
-    /// two or three times (the usage rows' keys, the answer), and the
-    /// formatting machinery cost more than the rest of the conversion. A
-    /// year outside 0..=9999 (which no day tally keeps has) is `None`.
-    fn ascii(self) -> Option<[u8; 10]> {
+    /// `YYYY-MM-DD` written digit by digit into `buf`: every check writes
+    /// its day two or three times (the usage rows' keys, the answer), and
+    /// the formatting machinery cost more than the rest of the conversion.
+    /// `None` for a year outside 0..=9999 (tally keeps no such day), which
+    /// the callers write with `write!` instead.
+    fn iso_text(self, buf: &mut [u8; 10]) -> Option<&str> {
         let year = u16::try_from(self.0.year()).ok().filter(|y| *y <= 9999)?;
         let digit = |n: u16| b'0' + (n % 10) as u8;
         let (month, day) = (
             u16::from(self.0.month().unsigned_abs()),
             u16::from(self.0.day().unsigned_abs()),
         );
-        Some([
+        *buf = [
             digit(year / 1000),
             digit(year / 100),
             digit(year / 10),
@@ -163,14 +162,15 @@ impl Day {
             b'-',
             digit(day / 10),
             digit(day),
-        ])
+        ];
+        std::str::from_utf8(buf).ok()
     }
 }
 
 impl fmt::Display for Day {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.ascii() {
-            Some(text) => f.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?),
+        match self.iso_text(&mut [0; 10]) {
+            Some(text) => f.write_str(text),
             None => write!(
                 f,
                 "{:04}-{:02}-{:02}",
@@ -184,10 +184,8 @@ impl fmt::Display for Day {
 
 impl Serialize for Day {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self.ascii() {
-            Some(text) => {
-                s.serialize_str(std::str::from_utf8(&text).map_err(serde::ser::Error::custom)?)
-            }
+        match self.iso_text(&mut [0; 10]) {
+            Some(text) => s.serialize_str(text),
             None => s.collect_str(self),
         }
     }
@@ -469,6 +467,8 @@ mod tests {
             let text = Day(date).to_string();
             let expected = format!("{:04}-{:02}-{:02}", date.year(), date.month(), date.day());
             assert_eq!(text, expected);
+            // Written digit by digit, not by the fallback.
+            assert_eq!(Day(date).iso_text(&mut [0; 10]), Some(expected.as_str()));
             assert_eq!(Day::parse(&text).unwrap(), Day(date));
             assert_eq!(
                 serde_json::to_string(&Day(date)).unwrap(),
@@ -477,7 +477,7 @@ mod tests {
         }
         for year in [-1, -9999] {
             let date = jiff::civil::date(year, 3, 7);
-            assert!(Day(date).ascii().is_none());
+            assert!(Day(date).iso_text(&mut [0; 10]).is_none());
             let expected = format!("{:04}-03-07", year);
             assert_eq!(Day(date).to_string(), expected);
             assert_eq!(
