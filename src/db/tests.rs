@@ -133,6 +133,19 @@ fn names(names: &[&str]) -> Vec<Name> {
 /// and never let a prune delete a kept day.
 #[tokio::test]
 async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
+    set_based_agrees_with_one_at_a_time(9, false).await;
+}
+
+/// The same with every check of a batch on one budget's today, the batch
+/// SQLite reads and writes with the budget and the day bound once
+/// (`sqlite::store::read_one_day`): visitors over their limit, days
+/// turning over and prunes included.
+#[tokio::test]
+async fn set_based_checks_of_one_day_answer_as_one_at_a_time() {
+    set_based_agrees_with_one_at_a_time(21, true).await;
+}
+
+async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
     let mut batched = fresh_db().await;
     let mut single = fresh_db().await;
     let zones = ["UTC", "Pacific/Kiritimati", "America/New_York"];
@@ -156,13 +169,16 @@ async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
         .collect();
     let counters = names(&["c0", "c1"]);
 
-    let mut rng = fastrand::Rng::with_seed(9);
+    let mut rng = fastrand::Rng::with_seed(seed);
     // A week before clocks change in New York (2000-04-02).
     let mut now: Timestamp = "2000-03-26T20:00:00Z".parse().unwrap();
     let (rounds, mut refused, mut prunes) = (200, 0, 0);
     for _ in 0..rounds {
         now += SignedDuration::from_mins(rng.i64(0..=8 * 60));
-        let (incs, checks) = random_batch(&mut rng, now, &budgets, &visitors, &counters);
+        let (incs, checks) = match one_day {
+            false => random_batch(&mut rng, now, &budgets, &visitors, &counters),
+            true => one_day_batch(&mut rng, &budgets[0].0, &visitors),
+        };
         let before = dump(&mut single).await;
 
         // One at a time.
@@ -208,7 +224,80 @@ async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
     }
     // The comparison covered pruning and refusals, and not only them.
     assert!(prunes > 0, "no prunes");
-    assert!(refused > 0 && refused < rounds * 10, "refused: {refused}");
+    match one_day {
+        false => assert!(refused > 0 && refused < rounds * 10, "refused: {refused}"),
+        true => assert_eq!(refused, 0),
+    }
+}
+
+/// Up to 30 checks of `budget` on its today, no day named.
+fn one_day_batch<'a>(
+    rng: &mut fastrand::Rng,
+    budget: &'a Name,
+    visitors: &'a [VisitorId],
+) -> (Vec<(&'a Name, i64)>, Vec<CheckItem<'a>>) {
+    let checks = (0..rng.usize(1..30))
+        .map(|_| CheckItem {
+            budget,
+            visitor: &visitors[rng.usize(..visitors.len())],
+            day: None,
+        })
+        .collect();
+    (Vec::new(), checks)
+}
+
+/// SQLite's two forms of the usage rows' read and write, the one for a
+/// batch on one `(budget, day)` and the one for any days, agree: the same
+/// rows written (visitors repeated, spelled with quotes, backslashes and
+/// emoji, global row or none) and the same rows read back.
+#[tokio::test]
+async fn usage_of_one_day_reads_and_writes_as_of_any_days() {
+    use super::sqlite::store::{read_any_days, read_one_day, write_any_days, write_one_day};
+    let (mut one, mut any) = (fresh_db().await, fresh_db().await);
+    let names = ["A", "b\\\"q\"", "🎉 ü", "*", "x'y"];
+    let mut rng = fastrand::Rng::with_seed(4);
+    for round in 0..300 {
+        let budget = ["b0", "b1"][rng.usize(..2)];
+        let day = ["2026-03-01", "2026-03-02"][rng.usize(..2)];
+        let visitors: Vec<(&str, &str, &str, i64)> = (0..rng.usize(0..6))
+            .map(|_| {
+                (
+                    budget,
+                    day,
+                    names[rng.usize(..names.len())],
+                    rng.i64(0..1000),
+                )
+            })
+            .collect();
+        let global = rng.bool().then(|| rng.i64(0..1000));
+        let globals: Vec<(&str, &str, i64)> =
+            global.map(|c| (budget, day, c)).into_iter().collect();
+        write_one_day(&mut one, budget, day, &visitors, global)
+            .await
+            .unwrap();
+        write_any_days(&mut any, &visitors, &globals).await.unwrap();
+        assert_eq!(dump(&mut one).await, dump(&mut any).await, "round {round}");
+
+        let keys: Vec<(&str, &str, &str)> = (0..rng.usize(0..8))
+            .map(|_| (budget, day, names[rng.usize(..names.len())]))
+            .collect();
+        let with_global = rng.bool();
+        let global_keys: Vec<(&str, &str)> =
+            with_global.then_some((budget, day)).into_iter().collect();
+        let sorted = |rows: Vec<crate::db::store::UsageRow>| {
+            let mut rows: Vec<_> = rows
+                .into_iter()
+                .map(|r| (r.budget, r.day, r.visitor, r.calls))
+                .collect();
+            rows.sort();
+            rows
+        };
+        let got = read_one_day(&mut one, budget, day, &keys, with_global)
+            .await
+            .unwrap();
+        let want = read_any_days(&mut one, &keys, &global_keys).await.unwrap();
+        assert_eq!(sorted(got), sorted(want), "round {round}");
+    }
 }
 
 /// A batch of up to 30 commands: a quarter increments, the rest checks of

@@ -85,6 +85,21 @@ fn totals_json(totals: &[(&str, i64)]) -> String {
     to_json(&AsObject(totals))
 }
 
+/// The one `(budget, day)` every usage row of a batch is on, if there is
+/// one: the common batch, checks of one budget on its today. Its rows are
+/// then read and written with the budget and the day bound once and only
+/// the visitors carried as JSON, instead of three or four fields
+/// extracted from every element: SQLite's own CPU per check over 1,000
+/// visitors fell from about 4.6 us to 2.9.
+fn one_day<'a>(
+    visitors: impl IntoIterator<Item = (&'a str, &'a str)>,
+    globals: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Option<(&'a str, &'a str)> {
+    let mut keys = globals.into_iter().chain(visitors);
+    let first = keys.next()?;
+    keys.all(|k| k == first).then_some(first)
+}
+
 impl Store for SqliteConnection {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 
@@ -169,39 +184,13 @@ impl Store for SqliteConnection {
         visitors: &[(&str, &str, &str)],
         globals: &[(&str, &str)],
     ) -> Result<Vec<UsageRow>, Error> {
-        // Both kinds of rows in one statement, and as one row: a JSON array
-        // of `[budget, day, visitor, calls]` (see `upsert_counters!` for
-        // why one row). Tuples serialize as the JSON arrays `->> 0`, `->> 1`
-        // read; a global row has no visitor.
-        let rows: String = sqlx::query_scalar(
-            "SELECT json_group_array(json_array(budget, day, visitor, calls))
-             FROM (
-               SELECT u.budget, u.day, u.visitor, u.calls
-               FROM json_each(?1) AS k
-               JOIN budget_visitor_usage AS u
-                 ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
-               UNION ALL
-               SELECT g.budget, g.day, NULL, g.calls
-               FROM json_each(?2) AS k
-               JOIN budget_global_usage AS g
-                 ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1
-             )",
-        )
-        .bind(to_json(visitors))
-        .bind(to_json(globals))
-        .fetch_one(self)
-        .await
-        .map_err(error)?;
-        let rows: Vec<(String, String, Option<String>, i64)> = from_one_row(&rows, "usage")?;
-        Ok(rows
-            .into_iter()
-            .map(|(budget, day, visitor, calls)| UsageRow {
-                budget,
-                day,
-                visitor,
-                calls,
-            })
-            .collect())
+        let keys = visitors.iter().map(|(b, d, _)| (*b, *d));
+        match one_day(keys, globals.iter().copied()) {
+            Some((budget, day)) => {
+                read_one_day(self, budget, day, visitors, !globals.is_empty()).await
+            }
+            None => read_any_days(self, visitors, globals).await,
+        }
     }
 
     /// Both write-backs as one script, one round trip.
@@ -210,20 +199,14 @@ impl Store for SqliteConnection {
         visitors: &[(&str, &str, &str, i64)],
         globals: &[(&str, &str, i64)],
     ) -> Result<(), Error> {
-        sqlx::query(
-            "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
-             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
-             ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls;
-             INSERT INTO budget_global_usage (budget, day, calls)
-             SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2) WHERE true
-             ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
-        )
-        .bind(to_json(visitors))
-        .bind(to_json(globals))
-        .execute(self)
-        .await
-        .map_err(error)?;
-        Ok(())
+        let keys = visitors.iter().map(|(b, d, _, _)| (*b, *d));
+        match one_day(keys, globals.iter().map(|(b, d, _)| (*b, *d))) {
+            Some((budget, day)) => {
+                let global = globals.first().map(|(_, _, c)| *c);
+                write_one_day(self, budget, day, visitors, global).await
+            }
+            None => write_any_days(self, visitors, globals).await,
+        }
     }
 
     async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error> {
@@ -344,6 +327,143 @@ impl Store for SqliteConnection {
         .map_err(error)?
         .rows_affected())
     }
+}
+
+/// [`Store::read_usage`] for rows on any days: both kinds of rows in one
+/// statement, each key carried as a JSON array.
+pub(crate) async fn read_any_days(
+    conn: &mut SqliteConnection,
+    visitors: &[(&str, &str, &str)],
+    globals: &[(&str, &str)],
+) -> Result<Vec<UsageRow>, Error> {
+    // Both kinds of rows in one statement, and as one row: a JSON array
+    // of `[budget, day, visitor, calls]` (see `upsert_counters!` for
+    // why one row). Tuples serialize as the JSON arrays `->> 0`, `->> 1`
+    // read; a global row has no visitor.
+    let rows: String = sqlx::query_scalar(
+        "SELECT json_group_array(json_array(budget, day, visitor, calls))
+         FROM (
+           SELECT u.budget, u.day, u.visitor, u.calls
+           FROM json_each(?1) AS k
+           JOIN budget_visitor_usage AS u
+             ON u.budget = k.value ->> 0 AND u.day = k.value ->> 1 AND u.visitor = k.value ->> 2
+           UNION ALL
+           SELECT g.budget, g.day, NULL, g.calls
+           FROM json_each(?2) AS k
+           JOIN budget_global_usage AS g
+             ON g.budget = k.value ->> 0 AND g.day = k.value ->> 1
+         )",
+    )
+    .bind(to_json(visitors))
+    .bind(to_json(globals))
+    .fetch_one(conn)
+    .await
+    .map_err(error)?;
+    let rows: Vec<(String, String, Option<String>, i64)> = from_one_row(&rows, "usage")?;
+    Ok(rows
+        .into_iter()
+        .map(|(budget, day, visitor, calls)| UsageRow {
+            budget,
+            day,
+            visitor,
+            calls,
+        })
+        .collect())
+}
+
+/// [`Store::write_usage`] when every row is on one `(budget, day)`
+/// ([`one_day`]): the visitors' calls as one JSON object, the global row's
+/// calls (if any) as a parameter of its own.
+pub(crate) async fn write_one_day(
+    conn: &mut SqliteConnection,
+    budget: &str,
+    day: &str,
+    visitors: &[(&str, &str, &str, i64)],
+    global: Option<i64>,
+) -> Result<(), Error> {
+    let calls: Vec<(&str, i64)> = visitors.iter().map(|(_, _, v, c)| (*v, *c)).collect();
+    // `?4` NULL: no global row to write.
+    sqlx::query(
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT ?1, ?2, key, value FROM json_each(?3) WHERE true
+         ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls;
+         INSERT INTO budget_global_usage (budget, day, calls)
+         SELECT ?1, ?2, ?4 WHERE ?4 IS NOT NULL
+         ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
+    )
+    .bind(budget)
+    .bind(day)
+    .bind(totals_json(&calls))
+    .bind(global)
+    .execute(conn)
+    .await
+    .map_err(error)?;
+    Ok(())
+}
+
+/// [`Store::write_usage`] for rows on any days: both write-backs as one
+/// script, each row carried as a JSON array.
+pub(crate) async fn write_any_days(
+    conn: &mut SqliteConnection,
+    visitors: &[(&str, &str, &str, i64)],
+    globals: &[(&str, &str, i64)],
+) -> Result<(), Error> {
+    sqlx::query(
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(?1) WHERE true
+         ON CONFLICT (budget, day, visitor) DO UPDATE SET calls = excluded.calls;
+         INSERT INTO budget_global_usage (budget, day, calls)
+         SELECT value ->> 0, value ->> 1, value ->> 2 FROM json_each(?2) WHERE true
+         ON CONFLICT (budget, day) DO UPDATE SET calls = excluded.calls;",
+    )
+    .bind(to_json(visitors))
+    .bind(to_json(globals))
+    .execute(conn)
+    .await
+    .map_err(error)?;
+    Ok(())
+}
+
+/// [`Store::read_usage`] when every row is on one `(budget, day)`
+/// ([`one_day`]): the visitors' rows as one JSON row of `[visitor, calls]`
+/// pairs, and the global row (if asked) as a column of its own.
+pub(crate) async fn read_one_day(
+    conn: &mut SqliteConnection,
+    budget: &str,
+    day: &str,
+    visitors: &[(&str, &str, &str)],
+    global: bool,
+) -> Result<Vec<UsageRow>, Error> {
+    let names: Vec<&str> = visitors.iter().map(|(_, _, v)| *v).collect();
+    // CROSS JOIN keeps the visitors as the outer loop, each one a lookup
+    // in the primary key: left to itself the planner scanned the day's
+    // rows and searched the JSON for each (measured over 1,000 visitors:
+    // 50 us of SQLite's CPU a check, against 3).
+    let (global_calls, rows): (Option<i64>, String) = sqlx::query_as(
+        "SELECT
+           CASE WHEN ?4 THEN (SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2) END,
+           (SELECT json_group_array(json_array(u.visitor, u.calls))
+            FROM json_each(?3) AS k
+            CROSS JOIN budget_visitor_usage AS u
+              ON u.budget = ?1 AND u.day = ?2 AND u.visitor = k.value)",
+    )
+    .bind(budget)
+    .bind(day)
+    .bind(to_json(&names))
+    .bind(global)
+    .fetch_one(conn)
+    .await
+    .map_err(error)?;
+    let rows: Vec<(String, i64)> = from_one_row(&rows, "usage")?;
+    let row = |visitor, calls| UsageRow {
+        budget: budget.to_owned(),
+        day: day.to_owned(),
+        visitor,
+        calls,
+    };
+    let mut usage: Vec<UsageRow> = rows.into_iter().map(|(v, c)| row(Some(v), c)).collect();
+    usage.extend(global_calls.map(|c| row(None, c)));
+    Ok(usage)
 }
 
 /// The named budgets that exist, in one statement.
