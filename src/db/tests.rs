@@ -138,8 +138,10 @@ async fn set_based_checks_answer_as_one_at_a_time_as_the_clock_moves() {
 
 /// The same with every check of a batch on one budget's today, the batch
 /// SQLite reads and writes with the budget and the day bound once
-/// (`sqlite::store::read_one_day`): visitors over their limit, days
-/// turning over and prunes included.
+/// (`sqlite::store::read_one_day`, taken for such a batch as its own
+/// tests show): visitors over their limit, a budget that denies every
+/// check by its visitor limit (a day with no global row), days turning
+/// over and prunes included.
 #[tokio::test]
 async fn set_based_checks_of_one_day_answer_as_one_at_a_time() {
     set_based_agrees_with_one_at_a_time(21, true).await;
@@ -149,7 +151,7 @@ async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
     let mut batched = fresh_db().await;
     let mut single = fresh_db().await;
     let zones = ["UTC", "Pacific/Kiritimati", "America/New_York"];
-    let budgets: Vec<(Name, BudgetSpec)> = zones
+    let mut budgets: Vec<(Name, BudgetSpec)> = zones
         .iter()
         .enumerate()
         .map(|(i, tz)| {
@@ -158,6 +160,11 @@ async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
             (Name::parse(&format!("b{i}")).unwrap(), spec)
         })
         .collect();
+    if one_day {
+        // Every check over its visitor limit: a day with no global row.
+        let spec = BudgetSpec::new(0, 5, Some(1), Some("UTC")).unwrap();
+        budgets.push((Name::parse("zero").unwrap(), spec));
+    }
     for (name, spec) in &budgets {
         for conn in [&mut batched, &mut single] {
             budgets::put(conn, name, spec).await.unwrap();
@@ -177,7 +184,10 @@ async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
         now += SignedDuration::from_mins(rng.i64(0..=8 * 60));
         let (incs, checks) = match one_day {
             false => random_batch(&mut rng, now, &budgets, &visitors, &counters),
-            true => one_day_batch(&mut rng, &budgets[0].0, &visitors),
+            true => {
+                let budget = &budgets[[0, budgets.len() - 1][rng.usize(..2)]].0;
+                one_day_batch(&mut rng, budget, &visitors)
+            }
         };
         let before = dump(&mut single).await;
 
