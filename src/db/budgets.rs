@@ -106,7 +106,8 @@ pub async fn check_many(
     names.sort_unstable();
     names.dedup();
     let budgets = from_rows(conn.load_budgets(&names).await?)?;
-    // Each day written out once: it keys the usage rows read and written.
+    // Each check's day written out once: the text keys the usage rows it
+    // reads and writes.
     let days: Vec<Result<(&Budget, Day, String), Error>> = items
         .iter()
         .map(|i| {

@@ -336,6 +336,50 @@ impl Store for SqliteConnection {
     }
 }
 
+/// [`read_one_day`]'s statement: `?1` the budget, `?2` the day, `?3` the
+/// visitors as a JSON array, `?4` whether to read the global row. CROSS
+/// JOIN keeps the visitors as the outer loop, each one a lookup in the
+/// primary key: left to itself the planner scanned the day's rows and
+/// searched the JSON for each (measured over 1,000 visitors: 50 us of
+/// SQLite's CPU a check, against 3).
+const READ_ONE_DAY: &str = "SELECT
+   CASE WHEN ?4 THEN (SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2) END,
+   (SELECT json_group_array(json_array(u.visitor, u.calls))
+    FROM json_each(?3) AS k
+    CROSS JOIN budget_visitor_usage AS u
+      ON u.budget = ?1 AND u.day = ?2 AND u.visitor = k.value)";
+
+/// [`Store::read_usage`] when every row is on one `(budget, day)`
+/// ([`one_day`]): the visitors' rows as one JSON row of `[visitor, calls]`
+/// pairs, and the global row (if asked) as a column of its own.
+pub(crate) async fn read_one_day(
+    conn: &mut SqliteConnection,
+    budget: &str,
+    day: &str,
+    visitors: &[(&str, &str, &str)],
+    global: bool,
+) -> Result<Vec<UsageRow>, Error> {
+    let names: Vec<&str> = visitors.iter().map(|(_, _, v)| *v).collect();
+    let (global_calls, rows): (Option<i64>, String) = sqlx::query_as(READ_ONE_DAY)
+        .bind(budget)
+        .bind(day)
+        .bind(to_json(&names))
+        .bind(global)
+        .fetch_one(conn)
+        .await
+        .map_err(error)?;
+    let rows: Vec<(String, i64)> = from_one_row(&rows, "usage")?;
+    let row = |visitor, calls| UsageRow {
+        budget: budget.to_owned(),
+        day: day.to_owned(),
+        visitor,
+        calls,
+    };
+    let mut usage: Vec<UsageRow> = rows.into_iter().map(|(v, c)| row(Some(v), c)).collect();
+    usage.extend(global_calls.map(|c| row(None, c)));
+    Ok(usage)
+}
+
 /// [`Store::read_usage`] for rows on any days: both kinds of rows in one
 /// statement, each key carried as a JSON array.
 pub(crate) async fn read_any_days(
@@ -429,50 +473,6 @@ pub(crate) async fn write_any_days(
     .await
     .map_err(error)?;
     Ok(())
-}
-
-/// [`read_one_day`]'s statement: `?1` the budget, `?2` the day, `?3` the
-/// visitors as a JSON array, `?4` whether to read the global row. CROSS
-/// JOIN keeps the visitors as the outer loop, each one a lookup in the
-/// primary key: left to itself the planner scanned the day's rows and
-/// searched the JSON for each (measured over 1,000 visitors: 50 us of
-/// SQLite's CPU a check, against 3).
-const READ_ONE_DAY: &str = "SELECT
-   CASE WHEN ?4 THEN (SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2) END,
-   (SELECT json_group_array(json_array(u.visitor, u.calls))
-    FROM json_each(?3) AS k
-    CROSS JOIN budget_visitor_usage AS u
-      ON u.budget = ?1 AND u.day = ?2 AND u.visitor = k.value)";
-
-/// [`Store::read_usage`] when every row is on one `(budget, day)`
-/// ([`one_day`]): the visitors' rows as one JSON row of `[visitor, calls]`
-/// pairs, and the global row (if asked) as a column of its own.
-pub(crate) async fn read_one_day(
-    conn: &mut SqliteConnection,
-    budget: &str,
-    day: &str,
-    visitors: &[(&str, &str, &str)],
-    global: bool,
-) -> Result<Vec<UsageRow>, Error> {
-    let names: Vec<&str> = visitors.iter().map(|(_, _, v)| *v).collect();
-    let (global_calls, rows): (Option<i64>, String) = sqlx::query_as(READ_ONE_DAY)
-        .bind(budget)
-        .bind(day)
-        .bind(to_json(&names))
-        .bind(global)
-        .fetch_one(conn)
-        .await
-        .map_err(error)?;
-    let rows: Vec<(String, i64)> = from_one_row(&rows, "usage")?;
-    let row = |visitor, calls| UsageRow {
-        budget: budget.to_owned(),
-        day: day.to_owned(),
-        visitor,
-        calls,
-    };
-    let mut usage: Vec<UsageRow> = rows.into_iter().map(|(v, c)| row(Some(v), c)).collect();
-    usage.extend(global_calls.map(|c| row(None, c)));
-    Ok(usage)
 }
 
 /// The named budgets that exist, in one statement.
