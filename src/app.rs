@@ -156,7 +156,8 @@ impl Application {
         let stop = CancellationToken::new();
         let limits = Limits {
             name: "api",
-            screen: http::limits::oversized_head,
+            // The API's request frame screens heads itself.
+            screen: None,
             header_timeout: settings.header_timeout,
             max_connections: self.max_connections,
             drain_timeout: settings.drain_timeout,
@@ -265,7 +266,7 @@ fn serve_metrics(
     }
     let limits = Limits {
         name: "metrics",
-        screen: http::limits::oversized_head,
+        screen: Some(http::limits::screen),
         header_timeout: settings.header_timeout,
         max_connections: server::METRICS_MAX_CONNECTIONS,
         drain_timeout: Duration::from_secs(1),

@@ -13,9 +13,9 @@
 //!   so this one timer bounds idle keep-alive connections too); past it the
 //!   connection is closed without an answer;
 //! - a **bounded head**: hyper buffers at most [`HARD_HEAD_BYTES`] of
-//!   request head per connection; the listener's [`Screen`]
-//!   (`http::limits`) answers smaller, still too large heads (and long
-//!   URIs) with problem+json;
+//!   request head per connection; `http::limits` answers smaller, still
+//!   too large heads (and long URIs) with problem+json, from the API's
+//!   request frame or from the listener's [`Screen`];
 //! - a **cap on open connections** ([`Limits::max_connections`]): past it a
 //!   new connection gets a small static `503` problem and is closed at once,
 //!   so its descriptor is released and the process never reaches `EMFILE`;
@@ -87,8 +87,10 @@ pub type Screen = fn(&hyper::Request<Incoming>) -> Option<Response>;
 pub struct Limits {
     /// The `listener` label of this listener's metrics (`api`, `metrics`).
     pub name: &'static str,
-    /// Asked first about every request head (`crate::http::limits`).
-    pub screen: Screen,
+    /// Asked first about every request head (`crate::http::limits`), when
+    /// the router does not ask itself: the API's request frame does, so
+    /// that its refusals carry request ids and are counted by route.
+    pub screen: Option<Screen>,
     pub header_timeout: Duration,
     pub max_connections: usize,
     /// How long requests in flight may take to finish once stopping.
@@ -235,7 +237,7 @@ async fn connection(
     stream: TcpStream,
     router: Router,
     http: Arc<http1::Builder>,
-    (screen, body_timeout): (Screen, Duration),
+    (screen, body_timeout): (Option<Screen>, Duration),
     slot: Slot,
     stop: CancellationToken,
     force: CancellationToken,
@@ -253,7 +255,7 @@ async fn connection(
             // head, or a client could hold its connection slot with a body
             // it never finishes. No body, no timer.
             // An oversized head is refused before anything else looks at it.
-            let refused = screen(&req);
+            let refused = screen.and_then(|screen| screen(&req));
             let req = match req.body().is_end_stream() {
                 true => req.map(Body::new),
                 false => req.map(|b| Body::new(DeadlineBody::new(b, body_timeout))),
@@ -316,12 +318,15 @@ impl Drop for Slot {
     }
 }
 
-/// The whole answer to a connection past the cap, built once.
+/// The whole answer to a connection past the cap, built once. It is written
+/// before (or without) reading the request, so it may be a budget check's
+/// answer: it says `"allowed": false`, as every check's refusal does.
 fn refusal(max_connections: usize) -> Vec<u8> {
     let body = serde_json::json!({
         "type": "/problems/too-many-connections",
         "title": "Too many connections",
         "status": 503,
+        "allowed": false,
         "detail": format!(
             "tally already has its maximum of {max_connections} connections open; \
              nothing was done, retry shortly"
@@ -484,5 +489,6 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["status"], 503);
         assert_eq!(v["type"], "/problems/too-many-connections");
+        assert_eq!(v["allowed"], false, "it may be a check's answer");
     }
 }

@@ -86,6 +86,26 @@ pub async fn check(
         .unwrap_or_else(|| Err(Error::Internal("a check produced no decision".into())))
 }
 
+/// Why a check could not be counted whatever else holds: it names an
+/// unknown budget, or a day its budget does not keep. `None` when it names
+/// a budget and a day it could count on. Reads only: a check refused for
+/// another reason first (past the storage limit, say) still hears its own
+/// `404` or `422`, not a retryable refusal that no retry could get past.
+pub async fn refusal(
+    conn: &mut impl Store,
+    item: CheckItem<'_>,
+    now: Timestamp,
+) -> Result<Option<Error>, Error> {
+    let budget = match one(
+        conn.load_budgets(&[item.budget.as_str()]).await?,
+        item.budget,
+    ) {
+        Ok(b) => b,
+        Err(e) => return Ok(Some(e)),
+    };
+    Ok(budget.day(item.day, now).err().map(Error::from))
+}
+
 /// Runs the checks in order, as if each ran alone at its place in the
 /// queue: each decided by [`meter::decide`] from the counts the checks
 /// before it left. A check naming an unknown budget or a day its budget

@@ -1,5 +1,6 @@
-//! What every request passes through, in one service: its id, the time
-//! limit, panic catching, and its count and duration by route.
+//! What every request passes through, in one service: its id, the rules
+//! on its head ([`limits`]), the time limit, panic catching, and its count
+//! and duration by route.
 //!
 //! One layer instead of a stack of them (tower-http's request-id, trace and
 //! catch-panic layers, a `from_fn` middleware, the timeout and its error
@@ -35,6 +36,7 @@ use tower::{Layer, Service};
 use super::{
     Problem,
     instrument::{self, REQUEST_ID},
+    limits,
 };
 
 tokio::task_local! {
@@ -101,6 +103,12 @@ where
         let id = id_of(&mut req);
         let method = instrument::method_label(req.method());
         let route = req.extensions().get::<MatchedPath>().cloned();
+        // A head tally does not accept is answered before any extractor
+        // reads it; a budget check's refusal denies.
+        let refused = limits::refused_head(&req).map(|p| match &route {
+            Some(r) if r.as_str() == self.layer.check_route => p.with("allowed", false),
+            _ => p,
+        });
         // The service that was made ready is the one called (tower's
         // contract); a clone takes its place for the next request.
         let ready = self.inner.clone();
@@ -112,6 +120,9 @@ where
         let series = Arc::clone(&self.series);
         Box::pin(async move {
             let answer = REQUEST.scope(id, async {
+                if let Some(refused) = refused {
+                    return refused.into_response();
+                }
                 let mut run = std::pin::pin!(AssertUnwindSafe(inner.call(req)).catch_unwind());
                 // An answer ready at the first poll (a probe, a read of a
                 // value kept in memory) needs no timer: the time limit is
@@ -229,7 +240,7 @@ mod tests {
     }
 
     async fn call(path: &str, id: Option<&str>) -> (Response, Value) {
-        let mut req = Request::get(path);
+        let mut req = Request::get(path).header("host", "tally");
         if let Some(id) = id {
             req = req.header(REQUEST_ID, id);
         }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use reqwest::{Client, StatusCode};
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -139,6 +139,38 @@ async fn heads_and_uris_too_large_answer_problems() {
     )
     .await;
     assert_eq!(body["type"], "/problems/uri-too-long");
+
+    // A budget check's refusal denies, whatever refuses it; these
+    // answers are counted by route like any other.
+    let check = "/budgets/b/check";
+    let long = format!("{check}?pad={}", "a".repeat(10 * 1024));
+    let r = client.post(app.url(&long)).json(&json!({"visitor": "v"}));
+    let body = problem(r.send().await.unwrap(), StatusCode::URI_TOO_LONG).await;
+    assert_eq!(body["allowed"], false, "{body}");
+    let r = client
+        .post(app.url(check))
+        .header("x-filler", "a".repeat(20 * 1024))
+        .json(&json!({"visitor": "v"}));
+    let body = problem(
+        r.send().await.unwrap(),
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+    )
+    .await;
+    assert_eq!(body["allowed"], false, "{body}");
+    let metrics = client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for status in [414, 431] {
+        let series = format!(
+            "tally_http_requests_total{{method=\"POST\",route=\"/budgets/{{name}}/check\",status=\"{status}\"}} 1"
+        );
+        assert!(metrics.contains(&series), "no {series} in\n{metrics}");
+    }
 
     // Just under the limits: served as usual.
     let r = client

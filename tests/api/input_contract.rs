@@ -460,6 +460,49 @@ async fn raw(app: &TestApp, request: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// HTTP/1.1's rule on `Host` (RFC 9112, section 3.2): a request without
+/// one, or with two, is `400`, and writes nothing; HTTP/1.0 needs none.
+#[tokio::test]
+async fn a_request_needs_exactly_one_host() {
+    let app = spawn_app().await;
+    app.budget("hb", 5, 5).await;
+    let body = r#"{"visitor":"v"}"#;
+    for (head, why) in [
+        ("POST /counters/h HTTP/1.1\r\n", "must have"),
+        (
+            "POST /counters/h HTTP/1.1\r\nHost: a\r\nHost: b\r\n",
+            "more than one",
+        ),
+        ("POST /budgets/hb/check HTTP/1.1\r\n", "must have"),
+    ] {
+        let request = format!(
+            "{head}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let answer = raw(&app, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        let (_, json) = answer.split_once("\r\n\r\n").unwrap();
+        let p: Value = serde_json::from_str(json).unwrap();
+        assert_eq!(p["type"], "/problems/invalid-host", "{p}");
+        assert!(p["detail"].as_str().unwrap().contains(why), "{p}");
+        assert!(p["request_id"].is_string(), "{p}");
+        if head.contains("/check") {
+            assert_eq!(p["allowed"], false, "a check's refusal denies: {p}");
+        }
+    }
+    let v: Value = app.get("/counters/h").await.json().await.unwrap();
+    assert_eq!(v["value"], 0, "no refused request wrote");
+    let u = app.usage("hb", "").await;
+    assert_eq!(u["global_calls"], 0);
+    // HTTP/1.0 has no Host rule.
+    let answer = raw(&app, b"GET /livez HTTP/1.0\r\n\r\n").await;
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer}"
+    );
+    app.stop().await.unwrap();
+}
+
 /// A `POST` without a body is valid where the body is optional, whatever
 /// its `Content-Type`; a body that is there must still be JSON.
 #[tokio::test]

@@ -2,13 +2,16 @@
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
+use jiff::Timestamp;
 use sqlx::{Connection, SqliteConnection};
 
 use super::{files::DbFiles, space};
 use crate::db::{
-    Error,
+    Error, budgets,
     command::{Command, Queued},
-    keys, txn,
+    keys,
+    store::Store,
+    txn,
     writer::{Engine, Lost},
 };
 
@@ -33,7 +36,9 @@ impl Engine for SqliteWriter {
     /// storage-full without running (nothing of them is written); those
     /// that only delete (resets) still run, in queue order, so that room
     /// can be made, and so do retries of keyed writes whose key is stored,
-    /// which replay their answer and write nothing.
+    /// which replay their answer and write nothing. A refused check that
+    /// could not be counted anyway (an unknown budget, a day out of its
+    /// window) hears that instead: no retry would get it past.
     async fn apply(&mut self, batch: &mut [Queued]) -> txn::Applied {
         let adding = batch.iter().filter(|q| adds_data(&q.command)).count();
         let Err(over) = self.space.admit(adding) else {
@@ -49,8 +54,13 @@ impl Engine for SqliteWriter {
         // Stable: the commands that run keep their order.
         batch.sort_by_key(refused);
         let runs = batch.iter().filter(|q| !refused(q)).count();
+        let now = self.conn.now().await.ok();
         for q in &mut batch[runs..] {
-            q.command.fail(refusal.clone());
+            let own = match (&q.command, now) {
+                (Command::Check { .. }, Some(now)) => check_refusal(&mut self.conn, q, now).await,
+                _ => None,
+            };
+            q.command.fail(own.unwrap_or_else(|| refusal.clone()));
         }
         match runs {
             0 => Ok(()),
@@ -107,6 +117,26 @@ fn adds_data(command: &Command) -> bool {
         command,
         Command::Increment { .. } | Command::PutBudget { .. } | Command::Check { .. }
     )
+}
+
+/// A check's own refusal ([`budgets::refusal`]: an unknown budget, a day
+/// out of its window), if it has one; `None` also when it cannot be read.
+async fn check_refusal(conn: &mut SqliteConnection, q: &Queued, now: Timestamp) -> Option<Error> {
+    let Command::Check {
+        budget,
+        visitor,
+        day,
+        ..
+    } = &q.command
+    else {
+        return None;
+    };
+    let item = budgets::CheckItem {
+        budget,
+        visitor,
+        day: *day,
+    };
+    budgets::refusal(conn, item, now).await.ok().flatten()
 }
 
 /// The keys of `batch`'s commands that add data which are stored already.

@@ -259,6 +259,28 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         .unwrap();
     assert!(r.status().is_server_error(), "{}", r.status());
     assert_eq!(r.json::<Value>().await.unwrap()["allowed"], false);
+    // A check that could never be counted still hears why, not a refusal
+    // a retry could get past.
+    for (path, body, status, kind) in [
+        (
+            "/budgets/nobody/check",
+            json!({"visitor": "v"}),
+            StatusCode::NOT_FOUND,
+            "/problems/not-found",
+        ),
+        (
+            "/budgets/b/check",
+            json!({"visitor": "v", "day": "2020-01-01"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "/problems/day-outside-window",
+        ),
+    ] {
+        let r = client.post(bin.url(path)).json(&body).send().await.unwrap();
+        assert!(r.headers().get("retry-after").is_none(), "{path}");
+        let p = problem(r, status).await;
+        assert_eq!(p["type"], kind, "{p}");
+        assert_eq!(p["allowed"], false, "{p}");
+    }
     let r = client
         .post(bin.url("/budgets/b/reset"))
         .bearer_auth(ADMIN)
