@@ -69,9 +69,29 @@ pub fn marker_path(db: &Path) -> PathBuf {
     db.with_file_name(name)
 }
 
-/// The marker beside `db`, if there is one that reads.
+/// The marker beside `db`, if there is one that reads. A marker whose
+/// database is gone describes a database that no longer exists: it is
+/// removed (and said so), so that the new database started in its place is
+/// never taken for the restored one.
 pub fn marker(db: &Path) -> Option<Marker> {
-    let text = std::fs::read_to_string(marker_path(db)).ok()?;
+    let path = marker_path(db);
+    if !db.exists() {
+        if path.exists() {
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::warn!(
+                    marker = %path.display(),
+                    "removed the marker of a restore whose database is gone"
+                ),
+                Err(e) => tracing::warn!(
+                    marker = %path.display(),
+                    error = %e,
+                    "the marker of a restore whose database is gone could not be removed"
+                ),
+            }
+        }
+        return None;
+    }
+    let text = std::fs::read_to_string(path).ok()?;
     serde_json::from_str(&text).ok()
 }
 
@@ -88,15 +108,43 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
         );
         return Ok(Outcome::DatabaseExists);
     }
+    // What a database leaves beside it belongs to it: SQLite would replay a
+    // WAL left there over the restored file (the undo silently undone), and
+    // Litestream would take its own state there for the restored file's.
+    let left: Vec<String> = leftovers(db)
+        .into_iter()
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !left.is_empty() {
+        bail!(
+            "the database {} is gone but {} of it is still there: a restore beside them would \
+             be mixed with the database they belong to. Move the whole data directory aside \
+             (or delete those too) and run this again",
+            db.display(),
+            left.join(", ")
+        );
+    }
     // Litestream restores the latest state for an instant it has not seen
-    // yet: recorded and logged as a restore to that instant, a mistyped
-    // year or time zone would look like a mistake undone.
+    // yet, and for its zero time (0001-01-01T00:00:00Z, which it reads as no
+    // instant at all): recorded and logged as a restore to that instant, a
+    // mistyped year or time zone would look like a mistake undone. No
+    // replica holds anything from before 1970.
     if target_ts > Timestamp::now() {
         bail!(
             "the instant {target} is in the future: a restore to a point in time undoes what \
              was written after an instant before now (the latest state is a plain restore)"
         );
     }
+    if target_ts < Timestamp::UNIX_EPOCH {
+        bail!(
+            "the instant {target} is before 1970: no replica holds anything from then (is the \
+             year mistyped?)"
+        );
+    }
+    // A marker with no database describes one that is gone; the latest
+    // state restored below writes none.
+    remove_file(&marker_path(db))?;
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -225,14 +273,32 @@ fn remove_sqlite_files(db: &Path) -> anyhow::Result<()> {
         beside(db, "-shm"),
         beside(db, ".tmp"),
     ] {
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("removing {}", path.display()));
-            }
-            _ => {}
-        }
+        remove_file(&path)?;
     }
     Ok(())
+}
+
+/// What a database at `db` leaves beside it: SQLite's WAL and its index,
+/// and Litestream's local state (`.NAME-litestream`).
+fn leftovers(db: &Path) -> [PathBuf; 3] {
+    let mut state = std::ffi::OsString::from(".");
+    state.push(db.file_name().unwrap_or_default());
+    state.push("-litestream");
+    [
+        beside(db, "-wal"),
+        beside(db, "-shm"),
+        db.with_file_name(state),
+    ]
+}
+
+/// Removes the file at `path`, if there is one.
+fn remove_file(path: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", path.display()))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn path_str(p: &Path) -> anyhow::Result<&str> {
@@ -312,6 +378,73 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         let e = restore_to(&db, target, &ls).await.unwrap_err();
         assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
         assert!(!db.exists());
+    }
+
+    /// Litestream reads its zero time as no instant, and restores the
+    /// latest state: every instant before 1970 is refused before it is
+    /// asked.
+    #[tokio::test]
+    async fn an_instant_before_1970_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = failing_litestream(dir.path());
+        let db = dir.path().join("data").join("tally.db");
+        for t in [
+            "0001-01-01T00:00:00Z",
+            "0001-01-01T05:00:00+05:00",
+            "1969-12-31T23:59:59Z",
+        ] {
+            let e = restore_to(&db, t.parse().unwrap(), &ls).await.unwrap_err();
+            assert!(format!("{e:#}").contains("before 1970"), "{t}: {e:#}");
+            assert!(!db.exists());
+        }
+    }
+
+    /// A WAL, its index or Litestream's state left by a database that is
+    /// gone stops the restore, and is left as it was: SQLite would replay
+    /// the WAL over the restored file.
+    #[tokio::test]
+    async fn what_a_gone_database_left_stops_the_restore() {
+        for left in ["tally.db-wal", "tally.db-shm", ".tally.db-litestream"] {
+            let dir = tempfile::tempdir().unwrap();
+            let ls = failing_litestream(dir.path());
+            let data = dir.path().join("data");
+            std::fs::create_dir(&data).unwrap();
+            let db = data.join("tally.db");
+            let path = data.join(left);
+            match left.ends_with("-litestream") {
+                true => std::fs::create_dir(&path).unwrap(),
+                false => std::fs::write(&path, b"the old database's").unwrap(),
+            }
+            let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            let e = format!("{e:#}");
+            assert!(
+                e.contains(left) && e.contains("Move the whole data directory"),
+                "{e}"
+            );
+            assert!(!db.exists(), "{left}: restored beside it");
+            assert!(path.exists(), "{left} was touched");
+        }
+    }
+
+    /// A marker whose database is gone is not reported, and is removed: a
+    /// new database made in its place is not the restored one.
+    #[test]
+    fn a_marker_without_its_database_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        let m = Marker {
+            target: "2026-05-01T10:04:00Z".into(),
+            txid: "0000000000000002".into(),
+            last_transaction_at: None,
+            restored_at: "2026-05-01T11:00:00Z".into(),
+        };
+        std::fs::write(marker_path(&db), serde_json::to_vec(&m).unwrap()).unwrap();
+        std::fs::write(&db, b"").unwrap();
+        assert_eq!(marker(&db).map(|m| m.txid), Some(m.txid.clone()));
+        std::fs::remove_file(&db).unwrap();
+        assert!(marker(&db).is_none());
+        assert!(!marker_path(&db).exists());
     }
 
     #[test]

@@ -78,7 +78,8 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 ///   whole batch runs again;
 /// - the server out of reach or unable to take writes now:
 ///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
-///   57P01-57P03, shutting down or starting; 53300, out of connection
+///   57P01-57P03, shutting down or starting; 57P05 and 25P03, a session
+///   ended for being idle too long; 53300, out of connection
 ///   slots; 57014, a statement cancelled by `statement_timeout`; 25006, a
 ///   read-only transaction: a standby, or a primary demoted by a
 ///   switchover, that a connection still reaches. The server did not do
@@ -113,9 +114,15 @@ fn needs_new_connection(e: &Error) -> bool {
 
 /// SQLSTATEs after which a connection is of no more use: class 08
 /// (connection exceptions), 57P01-57P03 (the server shutting down or
-/// starting), 25006 (it takes no writes: a standby, a demoted primary).
+/// starting), 57P05 and 25P03 (the server ended a session idle past its
+/// `idle_session_timeout` or `idle_in_transaction_session_timeout`), 25006
+/// (it takes no writes: a standby, a demoted primary).
 fn connection_done(code: &str) -> bool {
-    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
+    code.starts_with("08")
+        || matches!(
+            code,
+            "57P01" | "57P02" | "57P03" | "57P05" | "25P03" | "25006"
+        )
 }
 
 /// Longest wait for a connection to the server, the writer's or a reader's.

@@ -610,6 +610,54 @@ async fn connections_that_died_while_idle_cost_no_client_an_error() {
     stop_all(bins).await;
 }
 
+/// A server that ends idle sessions (`idle_session_timeout`, set on the
+/// database as an operator or a managed service sets it) costs no client
+/// an error either: each write, read and check after a quiet spell finds
+/// its connection ended (57P05) and uses a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_that_ends_idle_sessions_costs_no_client_an_error() {
+    let url = postgres::fresh_database().await;
+    postgres::sql(
+        &url,
+        "DO $$ BEGIN
+           EXECUTE format('ALTER DATABASE %I SET idle_session_timeout = %L',
+                          current_database(), '300ms');
+         END $$",
+    )
+    .await;
+    let bins = processes(1, &url, &[]);
+    let client = Client::new();
+    let r = client
+        .put(bins[0].url("/budgets/quiet"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 10, "global_limit": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+    let counter = bins[0].url("/counters/quiet");
+    for expected in 1..=3 {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let r = client.post(&counter).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["value"], expected);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let r = client.get(&counter).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["value"], expected);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let r = client
+            .post(bins[0].url("/budgets/quiet/check"))
+            .json(&json!({"visitor": "v"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+        assert_eq!(json(r).await["visitor_calls"], expected);
+    }
+    stop_all(bins).await;
+}
+
 /// Keyed writes (applied one by one, in savepoints) to many counters from
 /// several processes take their row locks in one order: no deadlock, no
 /// retry, every write answered 200 and counted once.
