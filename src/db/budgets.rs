@@ -154,7 +154,7 @@ pub async fn check_many(
         if step.first_of_day {
             prunes.push((i, budget.spec.kept_days(now).oldest));
         }
-        decisions.push(Ok(Decision::new(budget, day, step)));
+        decisions.push(Ok(Decision::new(budget, day, step, now)));
     }
     if usage.is_empty() {
         return Ok(decisions);

@@ -145,5 +145,6 @@ fn decode_decision(s: &str) -> Result<Decision, String> {
         global_limit: d.global_limit,
         pruned_rows: 0,
         timezone: load_timezone(&d.timezone).map_err(|e| e.0)?,
+        decided_at: None,
     })
 }

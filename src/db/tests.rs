@@ -107,7 +107,7 @@ async fn reference_check(
             .await
             .unwrap();
     }
-    let mut decision = Decision::new(&budget, day, step);
+    let mut decision = Decision::new(&budget, day, step, now);
     if step.first_of_day {
         let cutoff = budget.spec.kept_days(now).oldest.to_string();
         for sql in [

@@ -301,7 +301,14 @@ async fn apply_once(
     if let Some(stored) = &stored {
         return match command {
             Command::Increment { reply, .. } => reply.set_replayed(keys::replay(stored)),
-            Command::Check { reply, .. } => reply.set_replayed(keys::replay(stored)),
+            // Replayed now: its rate-limit headers count from this batch's
+            // time, not the first answer's.
+            Command::Check { reply, .. } => {
+                reply.set_replayed(keys::replay::<Decision>(stored).map(|d| Decision {
+                    decided_at: Some(now),
+                    ..d
+                }))
+            }
             Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
                 reply.set_replayed(keys::replay(stored))
             }

@@ -230,7 +230,8 @@ pub async fn check(
             // Budget names are configured by the operator: a bounded set.
             crate::prometheus::budget_decisions(name.as_str(), reason_label(decision.reason))
                 .increment(1);
-            let mut headers = rate_limit_headers(&decision, Timestamp::now());
+            let at = decision.decided_at.unwrap_or_else(Timestamp::now);
+            let mut headers = rate_limit_headers(&decision, at);
             headers.extend(replayed_header(replayed));
             Ok((headers, Json(decision.into())))
         }
@@ -462,6 +463,7 @@ mod tests {
             global_limit: 4_000_000_000,
             pruned_rows: 0,
             timezone: jiff::tz::TimeZone::UTC,
+            decided_at: None,
         }
     }
 

@@ -57,7 +57,7 @@ pub fn decide(visitor_limit: u32, global_limit: u32, before: Counts) -> Step {
 
 impl Decision {
     /// The answer to a call on `budget` that took `step` on `day`.
-    pub fn new(budget: &Budget, day: Day, step: Step) -> Self {
+    pub fn new(budget: &Budget, day: Day, step: Step, now: jiff::Timestamp) -> Self {
         Decision {
             reason: step.reason,
             day,
@@ -67,6 +67,7 @@ impl Decision {
             global_limit: budget.spec.global_limit,
             pruned_rows: 0,
             timezone: budget.spec.timezone.clone(),
+            decided_at: Some(now),
         }
     }
 }

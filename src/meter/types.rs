@@ -381,6 +381,13 @@ pub struct Decision {
     pub pruned_rows: u64,
     /// The budget's time zone, which `day` is a day of.
     pub timezone: TimeZone,
+    /// When the check was decided (or its stored decision replayed), by
+    /// the clock that chose `day`: the database's (PostgreSQL's, for every
+    /// process alike; SQLite's is tally's own). The rate-limit headers
+    /// count the day's window from it, so that a process whose clock is
+    /// off neither tells a client the day is over nor to wait a year.
+    /// `None` for a decision read back from storage and not yet replayed.
+    pub decided_at: Option<Timestamp>,
 }
 
 impl Decision {

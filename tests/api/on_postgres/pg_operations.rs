@@ -277,6 +277,8 @@ async fn a_process_whose_clock_runs_ahead_goes_by_the_servers_clock() {
 
     let mut allowed = 0;
     let mut days = std::collections::HashSet::new();
+    // Seconds until the day resets, as each answer's RateLimit header says.
+    let mut resets = Vec::new();
     let visitors = std::iter::repeat_n("v", 10).chain(["w0", "w1", "w2", "w3", "w4", "w5"]);
     for (i, visitor) in visitors.enumerate() {
         let r = client
@@ -286,11 +288,25 @@ async fn a_process_whose_clock_runs_ahead_goes_by_the_servers_clock() {
             .await
             .unwrap();
         assert_eq!(r.status(), StatusCode::OK);
+        let header = r.headers()["ratelimit"].to_str().unwrap().to_owned();
+        resets.extend(
+            header
+                .split(';')
+                .filter_map(|f| f.strip_prefix("t="))
+                .map(|t| t.split(',').next().unwrap().parse::<u64>().unwrap()),
+        );
         let d = json(r).await;
         allowed += usize::from(d["allowed"] == true);
         days.insert(d["day"].as_str().unwrap().to_owned());
     }
     assert_eq!(days.len(), 1, "checks counted on {days:?}");
+    // The day's window by the server's clock too: both processes tell the
+    // same time until it resets, within a day, the fast one not 0.
+    let (least, most) = (resets.iter().min().unwrap(), resets.iter().max().unwrap());
+    assert!(
+        most - least <= 10 && *most <= 86_400 && *least > 0,
+        "the day resets in {resets:?} seconds"
+    );
     // v: its 5, then w0..w2 until the global 8. Every call past its
     // visitor's limit is counted globally, allowed or not: 5 + 6.
     assert_eq!(allowed, 8);
