@@ -30,6 +30,7 @@ use super::{
     stats::{CommitClock, QueueStats},
     txn::Applied,
 };
+use crate::telemetry::Throttle;
 
 /// The writer, ready to run on its own thread ([`Writer::spawn`]):
 /// created by [`super::Database::open`] around the engine it opened.
@@ -339,7 +340,10 @@ impl<E: Engine> WriterLoop<E> {
                 return;
             }
             Err(e) => {
-                tracing::error!(error = %e, batch = size, "batch not committed; every caller in it gets an error");
+                static FAILED: Throttle = Throttle::new(Duration::from_secs(10));
+                if let Some(held_back) = FAILED.admit() {
+                    tracing::error!(error = %e, batch = size, held_back, "batch not committed; every caller in it gets an error (one line every 10 s at most; held_back: like lines not written since the last)");
+                }
                 return;
             }
             Ok(()) => {

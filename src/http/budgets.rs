@@ -19,6 +19,7 @@ use super::{
 use crate::{
     db,
     meter::{Budget, BudgetSpec, Day, Decision, Name, Reason, VisitorId},
+    telemetry::Throttle,
 };
 
 /// A budget's configuration.
@@ -251,7 +252,10 @@ fn meter_failed(err: &db::Error) -> Problem {
     // An unreachable server is logged by the writer when it goes and when
     // it comes back, not once per denied check.
     if !matches!(err, db::Error::Unavailable(_) | db::Error::Busy(_)) {
-        tracing::error!(error = %err, request_id = %request_id().as_deref().unwrap_or(""), "budget check failed; denying");
+        static FAILED: Throttle = Throttle::new(std::time::Duration::from_secs(10));
+        if let Some(held_back) = FAILED.admit() {
+            tracing::error!(error = %err, request_id = %request_id().as_deref().unwrap_or(""), held_back, "budget check failed; denying (one line every 10 s at most; held_back: like lines not written since the last)");
+        }
     }
     let denied = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,

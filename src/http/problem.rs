@@ -13,6 +13,7 @@ use serde_json::{Map, Value, json};
 use crate::{
     db,
     meter::{InvalidInput, Refusal},
+    telemetry::Throttle,
 };
 
 /// `Retry-After` for writes refused because the disk is full or the
@@ -23,6 +24,10 @@ pub const STORAGE_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// `Retry-After` while the database server cannot be reached: the writer
 /// tries to connect again for the next write, so a short wait is enough.
 pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The log lines of requests the database failed, throttled: a failure
+/// that lasts fails every request.
+static DATABASE_ERRORS: Throttle = Throttle::new(Duration::from_secs(10));
 
 /// A problem document, with optional extension members and `Retry-After`.
 /// Boxed: it travels in the `Err` side of every handler's result.
@@ -248,7 +253,9 @@ impl From<db::Error> for Problem {
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Raced(_) | db::Error::Database(_) | db::Error::Internal(_)) => {
-                tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), "database error");
+                if let Some(held_back) = DATABASE_ERRORS.admit() {
+                    tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), held_back, "database error (one line every 10 s at most; held_back: like lines not written since the last)");
+                }
                 Self::internal("the database failed; nothing was written")
                     .with("reason", "database_error")
             }

@@ -454,3 +454,61 @@ async fn sigterm_on_a_full_disk_logs_the_failed_checkpoint_and_exits_0() {
         if refused { 0 } else { 1 }
     );
 }
+
+/// A failure that lasts (here, tables dropped behind tally's back) fails
+/// every request, each with its problem, but is logged once per place and
+/// period with how many like lines were held back, not once per request.
+#[tokio::test]
+async fn a_lasting_database_failure_is_logged_once_not_per_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let client = Client::new();
+    let r = client
+        .put(bin.url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 100, "global_limit": 100}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    {
+        use sqlx::ConnectOptions;
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&db)
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql("DROP TABLE budget_visitor_usage; DROP TABLE counters")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    for i in 0..40 {
+        let r = client
+            .post(bin.url("/budgets/b/check"))
+            .json(&json!({"visitor": format!("v{i}")}))
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(
+            (&p["allowed"], &p["reason"]),
+            (&json!(false), &json!("meter_error"))
+        );
+        let r = client.post(bin.url("/counters/c")).send().await.unwrap();
+        let p = problem(r, StatusCode::INTERNAL_SERVER_ERROR).await;
+        assert_eq!(p["reason"], "database_error", "{p}");
+    }
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+    let log = bin.log_text();
+    for line in [
+        "\"message\":\"budget check failed; denying",
+        "\"message\":\"database error",
+    ] {
+        let n = log.matches(line).count();
+        assert_eq!(n, 1, "{line}: {n} lines in\n{log}");
+    }
+}
