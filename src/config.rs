@@ -50,7 +50,7 @@ pub enum Command {
     /// is then restored instead. See docs/runbooks.md.
     RestoreTo {
         /// The instant, RFC 3339 (2026-05-01T10:04:00Z).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_instant)]
         timestamp: jiff::Timestamp,
         /// Litestream's configuration file.
         #[arg(long, default_value = "/etc/litestream.yml")]
@@ -270,6 +270,20 @@ impl std::str::FromStr for Storage {
 /// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
 /// is a SQLite file's path. A URL is checked when the database is opened,
 /// not here: an error here would echo it, password and all.
+/// An instant as RFC 3339 writes it: a date, a time and an offset (or `Z`).
+/// A time zone annotation (`[Europe/Paris]`, RFC 9557) is refused rather
+/// than dropped: the instant is read from the offset alone, and an
+/// annotation that disagrees with it would be silently ignored.
+fn parse_instant(s: &str) -> Result<jiff::Timestamp, String> {
+    if s.contains('[') {
+        return Err(format!(
+            "`{s}`: give the instant with an offset or Z (2026-05-01T10:04:00Z), without a \
+             [time zone] annotation"
+        ));
+    }
+    s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))
+}
+
 fn parse_storage(s: &str) -> Result<Storage, String> {
     let lower = s.to_ascii_lowercase();
     if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
@@ -417,6 +431,20 @@ impl Settings {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_instant_has_an_offset_and_no_annotation() {
+        let t = super::parse_instant("2026-05-01T12:04:00+02:00").unwrap();
+        assert_eq!(t.to_string(), "2026-05-01T10:04:00Z");
+        for bad in [
+            "2026-05-01T10:04:00+00:00[!Europe/Paris]",
+            "2026-05-01T10:04:00Z[UTC]",
+            "2026-05-01T10:04:00",
+            "2026-05-01",
+        ] {
+            assert!(super::parse_instant(bad).is_err(), "{bad}");
+        }
+    }
+
     use super::*;
     use clap::CommandFactory;
 
