@@ -86,24 +86,28 @@ pub async fn check(
         .unwrap_or_else(|| Err(Error::Internal("a check produced no decision".into())))
 }
 
-/// Why a check could not be counted whatever else holds: it names an
-/// unknown budget, or a day its budget does not keep. `None` when it names
-/// a budget and a day it could count on. Reads only: a check refused for
-/// another reason first (past the storage limit, say) still hears its own
-/// `404` or `422`, not a retryable refusal that no retry could get past.
-pub async fn refusal(
+/// Why each check could not be counted whatever else holds: it names an
+/// unknown budget, or a day its budget does not keep; `None` for one that
+/// names a budget and a day it could count on. Reads only, one statement
+/// for them all: a check refused for another reason first (past the
+/// storage limit, say) still hears its own `404` or `422`, not a
+/// retryable refusal that no retry could get past.
+pub async fn refusals(
     conn: &mut impl Store,
-    item: CheckItem<'_>,
+    items: &[CheckItem<'_>],
     now: Timestamp,
-) -> Result<Option<Error>, Error> {
-    let budget = match one(
-        conn.load_budgets(&[item.budget.as_str()]).await?,
-        item.budget,
-    ) {
-        Ok(b) => b,
-        Err(e) => return Ok(Some(e)),
-    };
-    Ok(budget.day(item.day, now).err().map(Error::from))
+) -> Result<Vec<Option<Error>>, Error> {
+    let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let budgets = from_rows(conn.load_budgets(&names).await?)?;
+    Ok(items
+        .iter()
+        .map(|i| match budgets.get(i.budget.as_str()) {
+            None => Some(Refusal::UnknownBudget(i.budget.clone()).into()),
+            Some(b) => b.day(i.day, now).err().map(Error::from),
+        })
+        .collect())
 }
 
 /// Runs the checks in order, as if each ran alone at its place in the

@@ -249,9 +249,16 @@ fn meter_failed(err: &db::Error) -> Problem {
     metrics::counter!("tally_budget_decisions_total",
         "budget" => "", "reason" => "meter_error")
     .increment(1);
-    // An unreachable server is logged by the writer when it goes and when
-    // it comes back, not once per denied check.
-    if !matches!(err, db::Error::Unavailable(_) | db::Error::Busy(_)) {
+    // An unreachable server, a full disk (or the storage limit) and a lost
+    // file are logged by the writer when they start and when they end, a
+    // held row once per batch: not once per denied check.
+    if !matches!(
+        err,
+        db::Error::Unavailable(_)
+            | db::Error::Busy(_)
+            | db::Error::StorageFull(_)
+            | db::Error::StorageLost(_)
+    ) {
         static FAILED: Throttle = Throttle::new(std::time::Duration::from_secs(10));
         if let Some(held_back) = FAILED.admit() {
             tracing::error!(error = %err, request_id = %request_id().as_deref().unwrap_or(""), held_back, "budget check failed; denying (one line every 10 s at most; held_back: like lines not written since the last)");

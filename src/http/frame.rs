@@ -100,15 +100,16 @@ where
 
     fn call(&mut self, mut req: Request) -> BoxFuture {
         let started = Instant::now();
-        let id = id_of(&mut req);
-        let method = instrument::method_label(req.method());
         let route = req.extensions().get::<MatchedPath>().cloned();
         // A head tally does not accept is answered before any extractor
-        // reads it; a budget check's refusal denies.
+        // reads it, measured as the client sent it (before an unsafe
+        // request id is taken out); a budget check's refusal denies.
         let refused = limits::refused_head(&req).map(|p| match &route {
             Some(r) if r.as_str() == self.layer.check_route => p.with("allowed", false),
             _ => p,
         });
+        let id = id_of(&mut req);
+        let method = instrument::method_label(req.method());
         // The service that was made ready is the one called (tower's
         // contract); a clone takes its place for the next request.
         let ready = self.inner.clone();

@@ -121,6 +121,16 @@ async fn heads_and_uris_too_large_answer_problems() {
     let body = problem(r, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
     assert_eq!(body["type"], "/problems/header-too-large");
 
+    // Measured as sent: a request id tally would replace still counts.
+    let r = client
+        .get(app.url("/counters/x"))
+        .header("x-request-id", "a".repeat(20 * 1024))
+        .send()
+        .await
+        .unwrap();
+    let body = problem(r, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
+    assert_eq!(body["type"], "/problems/header-too-large");
+
     let mut many = client.get(app.url("/counters/x"));
     for i in 0..70 {
         many = many.header(format!("x-field-{i}"), "1");

@@ -2,7 +2,6 @@
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
-use jiff::Timestamp;
 use sqlx::{Connection, SqliteConnection};
 
 use super::{files::DbFiles, space};
@@ -54,12 +53,8 @@ impl Engine for SqliteWriter {
         // Stable: the commands that run keep their order.
         batch.sort_by_key(refused);
         let runs = batch.iter().filter(|q| !refused(q)).count();
-        let now = self.conn.now().await.ok();
-        for q in &mut batch[runs..] {
-            let own = match (&q.command, now) {
-                (Command::Check { .. }, Some(now)) => check_refusal(&mut self.conn, q, now).await,
-                _ => None,
-            };
+        let own = check_refusals(&mut self.conn, &batch[runs..]).await;
+        for (q, own) in batch[runs..].iter_mut().zip(own) {
             q.command.fail(own.unwrap_or_else(|| refusal.clone()));
         }
         match runs {
@@ -119,24 +114,46 @@ fn adds_data(command: &Command) -> bool {
     )
 }
 
-/// A check's own refusal ([`budgets::refusal`]: an unknown budget, a day
-/// out of its window), if it has one; `None` also when it cannot be read.
-async fn check_refusal(conn: &mut SqliteConnection, q: &Queued, now: Timestamp) -> Option<Error> {
-    let Command::Check {
-        budget,
-        visitor,
-        day,
-        ..
-    } = &q.command
-    else {
-        return None;
+/// Each refused command's own refusal, if it is a check that has one
+/// ([`budgets::refusals`]: an unknown budget, a day out of its window);
+/// `None` for the rest, and for all when they cannot be read. Looked up
+/// before the batch's other commands run: a check queued after a delete of
+/// its budget hears the storage refusal, not `404`.
+async fn check_refusals(conn: &mut SqliteConnection, refused: &[Queued]) -> Vec<Option<Error>> {
+    let mut own: Vec<Option<Error>> = refused.iter().map(|_| None).collect();
+    let checks: Vec<(usize, budgets::CheckItem<'_>)> = refused
+        .iter()
+        .enumerate()
+        .filter_map(|(i, q)| match &q.command {
+            Command::Check {
+                budget,
+                visitor,
+                day,
+                ..
+            } => Some((
+                i,
+                budgets::CheckItem {
+                    budget,
+                    visitor,
+                    day: *day,
+                },
+            )),
+            _ => None,
+        })
+        .collect();
+    if checks.is_empty() {
+        return own;
+    }
+    let Ok(now) = conn.now().await else {
+        return own;
     };
-    let item = budgets::CheckItem {
-        budget,
-        visitor,
-        day: *day,
-    };
-    budgets::refusal(conn, item, now).await.ok().flatten()
+    let items: Vec<budgets::CheckItem<'_>> = checks.iter().map(|(_, item)| *item).collect();
+    if let Ok(found) = budgets::refusals(conn, &items, now).await {
+        for ((i, _), found) in checks.iter().zip(found) {
+            own[*i] = found;
+        }
+    }
+    own
 }
 
 /// The keys of `batch`'s commands that add data which are stored already.

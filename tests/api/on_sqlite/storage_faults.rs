@@ -485,6 +485,7 @@ async fn a_lasting_database_failure_is_logged_once_not_per_request() {
             .await
             .unwrap();
     }
+    let started = Instant::now();
     for i in 0..40 {
         let r = client
             .post(bin.url("/budgets/b/check"))
@@ -501,6 +502,9 @@ async fn a_lasting_database_failure_is_logged_once_not_per_request() {
         let p = problem(r, StatusCode::INTERNAL_SERVER_ERROR).await;
         assert_eq!(p["reason"], "database_error", "{p}");
     }
+    // One line a place per 10 s began: on a slow machine the 80 requests
+    // may span more than one.
+    let most = 1 + (started.elapsed().as_secs() / 10) as usize;
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
     let log = bin.log_text();
@@ -509,6 +513,6 @@ async fn a_lasting_database_failure_is_logged_once_not_per_request() {
         "\"message\":\"database error",
     ] {
         let n = log.matches(line).count();
-        assert_eq!(n, 1, "{line}: {n} lines in\n{log}");
+        assert!((1..=most).contains(&n), "{line}: {n} lines in\n{log}");
     }
 }

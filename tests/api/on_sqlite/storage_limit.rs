@@ -281,6 +281,14 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         assert_eq!(p["type"], kind, "{p}");
         assert_eq!(p["allowed"], false, "{p}");
     }
+    // Still past the limit: a check that could be counted is still denied.
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": "v"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
     let r = client
         .post(bin.url("/budgets/b/reset"))
         .bearer_auth(ADMIN)
