@@ -17,9 +17,24 @@ use crate::meter::{
     self, Budget, BudgetSpec, Counts, Day, Decision, Name, Refusal, Step, VisitorId,
 };
 
-/// Creates or replaces a budget's configuration. Usage is kept.
-pub async fn put(conn: &mut impl Store, name: &Name, spec: &BudgetSpec) -> Result<Budget, Error> {
+/// Creates or replaces a budget's configuration. Usage on the days the
+/// budget keeps under it (today in its time zone, and `retention_days`
+/// before it, at `now`) is kept; usage outside them is deleted at once: days
+/// before a shortened retention, and days after today that moving the time
+/// zone west leaves (they would otherwise count against a day that has not
+/// begun, and no client could read or reset them). What a day holds never
+/// depends on whether a prune has run since.
+pub async fn put(
+    conn: &mut impl Store,
+    name: &Name,
+    spec: &BudgetSpec,
+    now: Timestamp,
+) -> Result<Budget, Error> {
     conn.put_budget(name.as_str(), spec).await?;
+    let kept = spec.kept_days(now);
+    conn.prune(name.as_str(), &kept.oldest.to_string()).await?;
+    conn.prune_after(name.as_str(), &kept.today.to_string())
+        .await?;
     Ok(Budget {
         name: name.clone(),
         spec: spec.clone(),

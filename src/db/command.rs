@@ -232,9 +232,8 @@ impl Command {
     /// on or a reset clears, and the days a budget keeps.
     pub fn goes_by_the_time(&self) -> bool {
         match self {
-            Command::Check { .. } | Command::Reset { .. } => true,
+            Command::Check { .. } | Command::Reset { .. } | Command::PutBudget { .. } => true,
             Command::Increment { .. }
-            | Command::PutBudget { .. }
             | Command::DeleteBudget { .. }
             | Command::DeleteCounter { .. } => false,
         }

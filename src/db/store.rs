@@ -124,6 +124,10 @@ pub(super) trait Store {
     /// Deletes a budget's usage on days before `before`; returns the rows.
     async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error>;
 
+    /// Deletes a budget's usage on days after `after` (days a time zone
+    /// moved west leaves ahead of today); returns the rows deleted.
+    async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error>;
+
     /// Deletes one day's usage of a budget, or one visitor's row of it;
     /// returns the rows deleted.
     async fn delete_usage(

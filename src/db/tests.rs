@@ -167,7 +167,9 @@ async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
     }
     for (name, spec) in &budgets {
         for conn in [&mut batched, &mut single] {
-            budgets::put(conn, name, spec).await.unwrap();
+            budgets::put(conn, name, spec, Timestamp::now())
+                .await
+                .unwrap();
         }
     }
     let visitors: Vec<VisitorId> = ["A", "B", "C", "*"]
@@ -516,7 +518,9 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
     let c = Name::parse("c").unwrap();
     let spec = BudgetSpec::new(100, 100, None, None).unwrap();
     for name in [&b, &other] {
-        budgets::put(&mut conn, name, &spec).await.unwrap();
+        budgets::put(&mut conn, name, &spec, Timestamp::now())
+            .await
+            .unwrap();
     }
     let visitor = VisitorId::parse("v").unwrap();
     let queued = |command| Queued {

@@ -251,7 +251,9 @@ async fn apply(conn: &mut impl Store, command: &mut Command, now: Timestamp) {
         Command::Increment { name, by, reply } => {
             reply.set(counters::increment(conn, name, *by).await)
         }
-        Command::PutBudget { name, spec, reply } => reply.set(budgets::put(conn, name, spec).await),
+        Command::PutBudget { name, spec, reply } => {
+            reply.set(budgets::put(conn, name, spec, now).await)
+        }
         Command::Check {
             budget,
             visitor,

@@ -357,3 +357,64 @@ async fn checks_carry_ratelimit_fields_for_the_budget_day() {
     );
     app.stop().await.unwrap();
 }
+
+/// A PUT keeps the usage on the days the budget keeps under it and deletes
+/// the rest at once: a time zone moved west leaves no usage on a day that
+/// has not begun there (it would count against that day, and no client
+/// could read or reset it), and what a past day holds after retention was
+/// shortened and lengthened again does not depend on whether a prune ran.
+#[tokio::test]
+async fn a_put_keeps_only_the_usage_of_the_days_it_keeps() {
+    let app = spawn_app().await;
+    let put = |tz: &'static str, retention: u32| json!({"visitor_limit": 5, "global_limit": 50, "retention_days": retention, "timezone": tz});
+    // Kiritimati (+14) is always a day or two ahead of Pago Pago (-11).
+    let r = app
+        .admin_put_budget("west", put("Pacific/Kiritimati", 7))
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let d: Value = app
+        .post_json("/budgets/west/check", json!({"visitor": "v"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let ahead = d["day"].as_str().unwrap().to_owned();
+    for tz in ["Pacific/Pago_Pago", "Pacific/Kiritimati"] {
+        let r = app.admin_put_budget("west", put(tz, 7)).await;
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    // Kiritimati's midnight may have passed meanwhile: then the day is
+    // gone from the window and not worth asking about.
+    if today_in("Pacific/Kiritimati", 0) == ahead {
+        let u = app.usage("west", &format!("day={ahead}&visitor=v")).await;
+        assert_eq!(
+            (&u["global_calls"], &u["visitor_calls"]),
+            (&json!(0), &json!(0)),
+            "{u}"
+        );
+    }
+
+    let r = app.admin_put_budget("kept", put("UTC", 7)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let past = today_in("UTC", -3);
+    let d = app.check("kept", "v", &past).await;
+    assert_eq!(d["visitor_calls"], 1, "{d}");
+    let r = app.admin_put_budget("kept", put("UTC", 1)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = app.admin_put_budget("kept", put("UTC", 7)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let u = app.usage("kept", &format!("day={past}&visitor=v")).await;
+    assert_eq!(
+        (&u["global_calls"], &u["visitor_calls"]),
+        (&json!(0), &json!(0)),
+        "{u}"
+    );
+    // Today's usage is kept through all of it.
+    let d = app.check("kept", "v", &DAY).await;
+    assert_eq!(d["visitor_calls"], 1, "{d}");
+    let r = app.admin_put_budget("kept", put("UTC", 1)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let u = app.usage("kept", &format!("day={}&visitor=v", *DAY)).await;
+    assert_eq!(u["visitor_calls"], 1, "{u}");
+    app.stop().await.unwrap();
+}

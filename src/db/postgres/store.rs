@@ -203,6 +203,23 @@ impl Store for PgConnection {
         Ok(deleted)
     }
 
+    async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error> {
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day > $2",
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day > $2",
+        ] {
+            let r = sqlx::query(sql)
+                .bind(budget)
+                .bind(after)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?;
+            deleted += r.rows_affected();
+        }
+        Ok(deleted)
+    }
+
     async fn delete_usage(
         &mut self,
         budget: &str,

@@ -229,6 +229,19 @@ impl Store for SqliteConnection {
         Ok(deleted.rows_affected())
     }
 
+    async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error> {
+        let deleted = sqlx::query(
+            "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day > ?2;
+             DELETE FROM budget_global_usage WHERE budget = ?1 AND day > ?2;",
+        )
+        .bind(budget)
+        .bind(after)
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(deleted.rows_affected())
+    }
+
     async fn delete_usage(
         &mut self,
         budget: &str,
