@@ -56,12 +56,24 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     }
     // Under Litestream, tally stops with its parent.
     let parent = settings.litestream_socket.is_some().then_some(parent);
-    // Before anything is served: a SIGTERM from then on drains.
-    let signal = tally::app::shutdown_signal();
-    let app = Application::build(settings).await?;
+    // Before anything is served: a SIGTERM from then on drains, and one
+    // that comes while tally starts (restoring, waiting for the first
+    // replica sync, which may take minutes) ends the start: nothing has
+    // been accepted yet. The parent's death ends it too.
+    let mut stop = Box::pin(stop_requested(parent, tally::app::shutdown_signal()));
+    let app = tokio::select! {
+        app = Application::build(settings) => app?,
+        why = &mut stop => {
+            if let StopReason::ParentExited { pid } = why {
+                bail!("the parent process (Litestream, pid {pid}) exited while tally was starting");
+            }
+            tracing::info!("stopped while starting, before serving anything");
+            return Ok(());
+        }
+    };
     let (why_tx, why) = tokio::sync::oneshot::channel();
     app.run_until_stopped(async move {
-        let _ = why_tx.send(stop_requested(parent, signal).await);
+        let _ = why_tx.send(stop.await);
     })
     .await?;
     // Drained cleanly, but without Litestream nothing replicates: exit

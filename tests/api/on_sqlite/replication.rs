@@ -190,6 +190,35 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     assert!(!logs.contains("\"serving\""), "{logs}");
 }
 
+/// A stop asked for while tally waits for the first replica sync ends the
+/// wait at once (the chart lets that wait run for minutes, longer than a
+/// pod's grace period); nothing was served, so nothing is left to drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_waiting_for_the_replica_ends_the_start() {
+    let mut d = Deployment::new(&format!("http://127.0.0.1:{}", free_port()), "nowhere");
+    d.extra_env
+        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "60".into()));
+    let mut run = d.replicate();
+    // Long enough for Litestream to start tally and tally to begin waiting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        run.child.try_wait().unwrap().is_none(),
+        "{}",
+        run.log_text()
+    );
+    run.signal(Signal::SIGTERM);
+    let signalled = std::time::Instant::now();
+    run.wait(Duration::from_secs(20)).await;
+    assert!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "stopped {:?} after SIGTERM",
+        signalled.elapsed()
+    );
+    let logs = run.log_text();
+    assert!(logs.contains("stopped while starting"), "{logs}");
+    assert!(!logs.contains("\"serving\""), "{logs}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
     let s3 = S3::start().await;
