@@ -267,9 +267,6 @@ impl std::str::FromStr for Storage {
     }
 }
 
-/// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
-/// is a SQLite file's path. A URL is checked when the database is opened,
-/// not here: an error here would echo it, password and all.
 /// An instant as RFC 3339 writes it: a date, a time and an offset (or `Z`).
 /// A time zone annotation (`[Europe/Paris]`, RFC 9557) is refused rather
 /// than dropped: the instant is read from the offset alone, and an
@@ -284,6 +281,9 @@ fn parse_instant(s: &str) -> Result<jiff::Timestamp, String> {
     s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))
 }
 
+/// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
+/// is a SQLite file's path. A URL is checked when the database is opened,
+/// not here: an error here would echo it, password and all.
 fn parse_storage(s: &str) -> Result<Storage, String> {
     let lower = s.to_ascii_lowercase();
     if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
@@ -431,9 +431,12 @@ impl Settings {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
     #[test]
     fn an_instant_has_an_offset_and_no_annotation() {
-        let t = super::parse_instant("2026-05-01T12:04:00+02:00").unwrap();
+        let t = parse_instant("2026-05-01T12:04:00+02:00").unwrap();
         assert_eq!(t.to_string(), "2026-05-01T10:04:00Z");
         for bad in [
             "2026-05-01T10:04:00+00:00[!Europe/Paris]",
@@ -441,12 +444,9 @@ mod tests {
             "2026-05-01T10:04:00",
             "2026-05-01",
         ] {
-            assert!(super::parse_instant(bad).is_err(), "{bad}");
+            assert!(parse_instant(bad).is_err(), "{bad}");
         }
     }
-
-    use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn cli_is_well_formed() {
