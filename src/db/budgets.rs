@@ -112,17 +112,35 @@ pub async fn refusals(
     items: &[CheckItem<'_>],
     now: Timestamp,
 ) -> Result<Vec<Option<Error>>, Error> {
+    let budgets = named_budgets(conn, items).await?;
+    Ok(items
+        .iter()
+        .map(|i| day_of(&budgets, i, now).err())
+        .collect())
+}
+
+/// The budgets `items` name that exist, by name, in one statement.
+async fn named_budgets(
+    conn: &mut impl Store,
+    items: &[CheckItem<'_>],
+) -> Result<HashMap<String, Budget>, Error> {
     let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
     names.sort_unstable();
     names.dedup();
-    let budgets = from_rows(conn.load_budgets(&names).await?)?;
-    Ok(items
-        .iter()
-        .map(|i| match budgets.get(i.budget.as_str()) {
-            None => Some(Refusal::UnknownBudget(i.budget.clone()).into()),
-            Some(b) => b.day(i.day, now).err().map(Error::from),
-        })
-        .collect())
+    from_rows(conn.load_budgets(&names).await?)
+}
+
+/// The budget a check names and the day it counts on ([`Budget::day`]), or
+/// why it counts on none: an unknown budget, a day the budget does not keep.
+fn day_of<'b>(
+    budgets: &'b HashMap<String, Budget>,
+    item: &CheckItem<'_>,
+    now: Timestamp,
+) -> Result<(&'b Budget, Day), Error> {
+    let b = budgets
+        .get(item.budget.as_str())
+        .ok_or_else(|| Refusal::UnknownBudget(item.budget.clone()))?;
+    Ok((b, b.day(item.day, now)?))
 }
 
 /// Runs the checks in order, as if each ran alone at its place in the
@@ -141,21 +159,12 @@ pub async fn check_many(
     items: &[CheckItem<'_>],
     now: Timestamp,
 ) -> Result<Vec<Result<Decision, Error>>, Error> {
-    let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
-    names.sort_unstable();
-    names.dedup();
-    let budgets = from_rows(conn.load_budgets(&names).await?)?;
+    let budgets = named_budgets(conn, items).await?;
     // Each check's day written out once: the text keys the usage rows it
     // reads and writes.
     let days: Vec<Result<(&Budget, Day, String), Error>> = items
         .iter()
-        .map(|i| {
-            let b = budgets
-                .get(i.budget.as_str())
-                .ok_or_else(|| Refusal::UnknownBudget(i.budget.clone()))?;
-            let day = b.day(i.day, now)?;
-            Ok((b, day, day.to_string()))
-        })
+        .map(|i| day_of(&budgets, i, now).map(|(b, day)| (b, day, day.to_string())))
         .collect();
 
     let mut usage = DayUsage::read(conn, items, &days).await?;

@@ -199,6 +199,24 @@ const DATABASE: &str = "database_error";
 pub const NOT_COMMITTED: &str = "not_committed";
 
 impl Command {
+    /// What a check asks, for the budget rules ([`super::budgets`]); `None`
+    /// for any other command.
+    pub fn check_item(&self) -> Option<super::budgets::CheckItem<'_>> {
+        match self {
+            Command::Check {
+                budget,
+                visitor,
+                day,
+                ..
+            } => Some(super::budgets::CheckItem {
+                budget,
+                visitor,
+                day: *day,
+            }),
+            _ => None,
+        }
+    }
+
     /// The counter value this command committed, for
     /// [`super::committed::Committed::publish`]: an increment's new value,
     /// 0 for a deleted counter; nothing for a command replayed for an

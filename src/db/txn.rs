@@ -63,16 +63,7 @@ async fn run_set_based<S: Store>(
     for q in batch {
         match &q.command {
             Command::Increment { name, by, .. } => increments.push((name, *by)),
-            Command::Check {
-                budget,
-                visitor,
-                day,
-                ..
-            } => checks.push(budgets::CheckItem {
-                budget,
-                visitor,
-                day: *day,
-            }),
+            c @ Command::Check { .. } => checks.extend(c.check_item()),
             // Any other command, a delete among them: a check queued after
             // the delete of its budget must find it gone, and one queued
             // before it must be counted first; only one by one, in queue

@@ -124,22 +124,7 @@ async fn check_refusals(conn: &mut SqliteConnection, refused: &[Queued]) -> Vec<
     let checks: Vec<(usize, budgets::CheckItem<'_>)> = refused
         .iter()
         .enumerate()
-        .filter_map(|(i, q)| match &q.command {
-            Command::Check {
-                budget,
-                visitor,
-                day,
-                ..
-            } => Some((
-                i,
-                budgets::CheckItem {
-                    budget,
-                    visitor,
-                    day: *day,
-                },
-            )),
-            _ => None,
-        })
+        .filter_map(|(i, q)| Some((i, q.command.check_item()?)))
         .collect();
     if checks.is_empty() {
         return own;
