@@ -120,11 +120,11 @@ pub struct Settings {
     pub admin_token: Option<SecretString>,
 
     /// How long in-flight requests may take to finish after SIGTERM, in seconds.
-    #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_seconds)]
+    #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_positive_seconds)]
     pub drain_timeout: Duration,
 
     /// Longest a single request may run before it is answered 503, in seconds.
-    #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
+    #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_positive_seconds)]
     pub request_timeout: Duration,
 
     /// Longest a connection may take to send a complete request header, in
@@ -149,7 +149,7 @@ pub struct Settings {
 
     /// Longest wait at startup for the first confirmed replica sync, in
     /// seconds; tally exits non-zero when it passes.
-    #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_seconds)]
+    #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_positive_seconds)]
     pub replica_wait_timeout: Duration,
 
     /// SQLite only: the most the database's directory may use on disk
@@ -471,6 +471,24 @@ mod tests {
         // A zero header timeout would close every connection at once.
         assert!(Cli::try_parse_from(["tally", "--header-timeout", "0"]).is_err());
         assert!(Cli::try_parse_from(["tally", "--max-connections", "0"]).is_err());
+        // No zero waits either: a request timeout of 0 would answer every
+        // write 503 while it commits, a drain of 0 would cut every request
+        // in flight, and a replica wait of 0 would fail every start.
+        for flag in [
+            "--request-timeout",
+            "--drain-timeout",
+            "--replica-wait-timeout",
+        ] {
+            assert!(Cli::try_parse_from(["tally", flag, "0"]).is_err(), "{flag}");
+            assert!(
+                Cli::try_parse_from(["tally", flag, "0.0001"]).is_err(),
+                "{flag}"
+            );
+            assert!(
+                Cli::try_parse_from(["tally", flag, "0.5"]).is_ok(),
+                "{flag}"
+            );
+        }
     }
 
     #[test]
