@@ -277,13 +277,13 @@ fn serve_metrics(
 /// Why tally stopped serving.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
-    /// SIGTERM or ctrl-c: a clean, requested stop.
+    /// SIGTERM, ctrl-c or SIGHUP: a clean, requested stop.
     Signal,
     /// The parent process (Litestream) is gone.
     ParentExited { pid: u32 },
 }
 
-/// Resolves on SIGTERM or ctrl-c, or, when `parent` is given, once that
+/// Resolves on SIGTERM, ctrl-c or SIGHUP, or, when `parent` is given, once that
 /// process is no longer tally's parent.
 ///
 /// Under Litestream (`replicate -exec tally`) tally must not outlive its
@@ -344,7 +344,7 @@ pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()
     }
 }
 
-/// Listens for SIGTERM and ctrl-c (SIGINT) from the moment it is called,
+/// Listens for SIGTERM, ctrl-c (SIGINT) and SIGHUP from the moment it is called,
 /// and resolves on the first. Call it before serving: until a handler is
 /// installed, SIGTERM's default action kills the process, and an
 /// orchestrator may send it right after the first answer.
@@ -367,10 +367,14 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     };
     let term = listen(SignalKind::terminate(), "SIGTERM");
     let int = listen(SignalKind::interrupt(), "ctrl-c");
+    // A hangup (the terminal tally was started from closing, say) would
+    // otherwise kill it on the spot, with no drain.
+    let hup = listen(SignalKind::hangup(), "SIGHUP");
     async move {
         tokio::select! {
             () = term => {}
             () = int => {}
+            () = hup => {}
         }
     }
 }

@@ -338,11 +338,11 @@ impl Binary {
     }
 
     pub fn sigterm(&self) {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal).unwrap();
     }
 
     /// Waits for the process to exit, at most `limit`, and then for its

@@ -3,6 +3,7 @@
 
 use std::{collections::HashSet, time::Duration};
 
+use nix::sys::signal::Signal;
 use reqwest::{Client, StatusCode};
 use serde_json::Value;
 
@@ -22,6 +23,17 @@ async fn read_counter(db: &str, name: &str) -> i64 {
 
 #[tokio::test]
 async fn sigterm_commits_and_answers_every_accepted_write() {
+    stop_commits_and_answers_every_accepted_write(Signal::SIGTERM).await;
+}
+
+/// A hangup (the terminal tally runs in closing) is a clean stop too, not
+/// the default action's instant death.
+#[tokio::test]
+async fn sighup_drains_as_sigterm_does() {
+    stop_commits_and_answers_every_accepted_write(Signal::SIGHUP).await;
+}
+
+async fn stop_commits_and_answers_every_accepted_write(signal: Signal) {
     let dir = tempfile::tempdir().unwrap();
     let db = match on_postgres() {
         true => database_in(dir.path()).await,
@@ -53,7 +65,7 @@ async fn sigterm_commits_and_answers_every_accepted_write() {
     // connection is closed, as shutdown should. The polls go on a client
     // of their own, so that no write reuses their idle connection.
     wait_for_queue_depth(&Client::new(), &bin.url(""), 16).await;
-    bin.sigterm();
+    bin.signal(signal);
     let mut values = HashSet::new();
     for t in tasks {
         let r = t.await.unwrap().expect("accepted write is answered");
@@ -65,6 +77,10 @@ async fn sigterm_commits_and_answers_every_accepted_write() {
     assert_eq!(status.code(), Some(0), "{}", bin.log_text());
     let logs = bin.log_text();
     assert!(logs.contains("stopped cleanly"));
+    assert!(
+        logs.contains(&format!("{} received", signal.as_str())),
+        "{logs}"
+    );
     // Durable by default: WAL and synchronous=FULL (2). The WAL was
     // checkpointed into the main file on the way out.
     if !on_postgres() {
