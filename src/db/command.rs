@@ -257,6 +257,29 @@ impl Command {
         }
     }
 
+    /// The row this command waits for when another transaction holds it,
+    /// as a key: a counter's row, a visitor's usage of a budget (whatever
+    /// the day), or a budget's own row for the admin's commands. Written
+    /// with the budget's length first, so that no two rows share a key.
+    pub(crate) fn held_row(&self) -> String {
+        match self {
+            Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => {
+                format!("c:{}", name.as_str())
+            }
+            Command::Check {
+                budget, visitor, ..
+            } => format!(
+                "v:{}:{}{}",
+                budget.as_str().len(),
+                budget.as_str(),
+                visitor.as_str()
+            ),
+            Command::PutBudget { name, .. }
+            | Command::DeleteBudget { name, .. }
+            | Command::Reset { budget: name, .. } => format!("b:{}", name.as_str()),
+        }
+    }
+
     /// The command's result so far in its batch: `Some(Ok(()))` or its
     /// error, `None` before it ran.
     pub fn outcome(&self) -> Option<Result<(), &Error>> {

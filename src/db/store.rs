@@ -59,6 +59,11 @@ pub(super) trait Store {
     /// for a row (SQLite's one writer).
     const AFTER_BUSY: Option<&'static str> = None;
 
+    /// Opens a transaction for commands on rows found held by another
+    /// transaction a moment ago (`txn::apply_probes`): it waits for a row
+    /// only as briefly as [`Self::AFTER_BUSY`] does.
+    const BEGIN_PROBE: &'static str = Self::BEGIN;
+
     /// The time the transaction's rules go by (today, a day's window):
     /// the one clock every process writing the database shares.
     async fn now(&mut self) -> Result<jiff::Timestamp, Error>;

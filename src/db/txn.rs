@@ -133,7 +133,34 @@ async fn run_set_based<S: Store>(
 /// as it does on some I/O errors), the commands after it do not run and
 /// every caller gets the error.
 async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Applied {
-    let mut broken = begin(conn, S::BEGIN).await.err();
+    one_by_one(conn, batch, Pass::Batch).await
+}
+
+/// Applies commands on rows another transaction was found holding a
+/// moment ago (one command per row), one by one in one transaction of
+/// their own, each waiting for its row only briefly
+/// ([`Store::BEGIN_PROBE`]).
+pub(super) async fn apply_probes<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Applied {
+    one_by_one(conn, batch, Pass::Probe).await
+}
+
+/// Which rule commands are applied by, and so how long they wait for a
+/// row another transaction holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// [`apply_batch`]: the lock timeout for the first such row, briefly
+    /// for the rest.
+    Batch,
+    /// [`apply_probes`]: briefly for every row.
+    Probe,
+}
+
+async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) -> Applied {
+    let begin_with = match pass {
+        Pass::Batch => S::BEGIN,
+        Pass::Probe => S::BEGIN_PROBE,
+    };
+    let mut broken = begin(conn, begin_with).await.err();
     let began = broken.is_none();
     // Read once per batch, from the database's clock on PostgreSQL (a
     // round trip): only if a command of the batch goes by the time.
@@ -150,7 +177,8 @@ async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Appli
     // cost a lock timeout each, one after another, and hold up the whole
     // batch past its deadline. A command whose row is free does not wait at
     // all, whatever else its budget or counter has held.
-    let mut waited = false;
+    // A probe waits briefly from the start.
+    let mut waited = pass == Pass::Probe;
     for i in lock_order(batch) {
         let q = &mut batch[i];
         if let Some(e) = &broken {

@@ -54,7 +54,7 @@ use super::{
     list::KeyRange,
     reads::{BoxFuture, Reads},
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    txn::{Applied, apply_batch},
+    txn::{Applied, Pass, apply_batch, apply_probes},
     writer::{Engine, Lost},
 };
 use crate::{
@@ -241,6 +241,7 @@ fn timestamp(micros: i64) -> Result<Timestamp, Error> {
         .map_err(|e| Error::Internal(format!("the server's clock reads {micros} us: {e}").into()))
 }
 
+mod held;
 mod readers;
 mod store;
 mod writer;

@@ -29,6 +29,8 @@ impl Store for PgConnection {
 
     const BEGIN_SET_BASED: &'static str = "BEGIN; SET LOCAL lock_timeout = '250ms'";
 
+    const BEGIN_PROBE: &'static str = "BEGIN; SET LOCAL lock_timeout = '20ms'";
+
     /// The server's clock, at the transaction's start: the same for every
     /// process, however far their own clocks drift.
     async fn now(&mut self) -> Result<Timestamp, Error> {

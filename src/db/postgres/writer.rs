@@ -2,13 +2,16 @@
 //! it and dropped when it breaks or reaches a server that takes no writes;
 //! a batch that lost a race with another process runs again.
 
-use super::*;
+use tokio::time::Instant;
+
+use super::{held::HeldRows, *};
 
 /// The writer's connection: opened when a batch needs one, dropped when it
 /// breaks.
 pub struct WriterConn {
     options: PgConnectOptions,
     conn: Option<PgConnection>,
+    held: HeldRows,
 }
 
 impl Engine for WriterConn {
@@ -38,6 +41,7 @@ impl WriterConn {
             // Told apart from the readers in `pg_stat_activity`.
             options: options.application_name("tally-writer"),
             conn: None,
+            held: HeldRows::default(),
         }
     }
 
@@ -51,9 +55,37 @@ impl WriterConn {
             .ok_or_else(|| Error::Internal("no writer connection".into()))
     }
 
-    /// Applies a batch, running it again when it lost a race with another
-    /// process.
+    /// Applies a batch. Commands on rows found held by another transaction
+    /// a moment ago do not wait for them again ([`HeldRows`]): they are
+    /// answered row-busy at once, or, now and then, tried briefly in a
+    /// transaction of their own once the rest has committed.
     pub async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
+        let split = self.held.split(batch, Instant::now());
+        let (normal, rest) = batch.split_at_mut(split.normal);
+        let probes = &mut rest[..split.probes];
+        if !normal.is_empty() {
+            self.run(normal, Pass::Batch).await?;
+            log_busy(normal);
+            self.held.learn(normal, Instant::now());
+        }
+        if !probes.is_empty() {
+            match self.run(probes, Pass::Probe).await {
+                Ok(()) => self.held.learn(probes, Instant::now()),
+                // The rest of the batch committed: only the probes' callers
+                // hear that theirs did not.
+                Err(e) => {
+                    for q in probes.iter_mut() {
+                        q.command.fail(e.clone());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies commands in one transaction, running it again when it lost
+    /// a race with another process.
+    async fn run(&mut self, batch: &mut [Queued], pass: Pass) -> Applied {
         let mut attempt = 0;
         // A connection kept from an earlier batch may have died while idle
         // (a server restart, a proxy's or firewall's idle timeout): a batch
@@ -68,7 +100,13 @@ impl WriterConn {
             let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
             let limit =
                 BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
-            let Ok(applied) = tokio::time::timeout(limit, apply_batch(conn, batch)).await else {
+            let applying = async {
+                match pass {
+                    Pass::Batch => apply_batch(conn, batch).await,
+                    Pass::Probe => apply_probes(conn, batch).await,
+                }
+            };
+            let Ok(applied) = tokio::time::timeout(limit, applying).await else {
                 // Cut off somewhere between BEGIN and COMMIT's answer: the
                 // batch may have committed.
                 tracing::error!(
@@ -107,7 +145,6 @@ impl WriterConn {
                 Err(Error::OutcomeUnknown) => self.drop_connection(&Error::OutcomeUnknown),
                 _ => {}
             }
-            log_busy(batch, &applied);
             return applied;
         }
     }
@@ -145,13 +182,10 @@ impl WriterConn {
 }
 
 /// Names the commands of a committed batch that found their row held by
-/// another transaction past the lock timeout: one line per batch, and a
-/// batch that meets a held row waits the lock timeout, so a row held for
-/// long is not one line per request.
-fn log_busy(batch: &[Queued], applied: &Applied) {
-    if applied.is_err() {
-        return;
-    }
+/// another transaction past the lock timeout: one line per batch, and only
+/// when a row is found held, not while it stays held ([`HeldRows`]), so a
+/// row held for long is not one line per request.
+fn log_busy(batch: &[Queued]) {
     let busy: Vec<String> = batch
         .iter()
         .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(_)))))
