@@ -154,6 +154,9 @@ impl Application {
         let settings = &self.settings;
         // Cancelled by the shutdown signal, or by the writer dying.
         let stop = CancellationToken::new();
+        // Cancelled by the shutdown signal when there is a shutdown delay:
+        // serving goes on, every answer asking its client to reconnect.
+        let closing = CancellationToken::new();
         let limits = Limits {
             name: "api",
             // The API's request frame screens heads itself.
@@ -161,6 +164,7 @@ impl Application {
             header_timeout: settings.header_timeout,
             max_connections: self.max_connections,
             drain_timeout: settings.drain_timeout,
+            closing: closing.clone(),
         };
         let mut serve = tokio::spawn(server::serve(
             self.listener,
@@ -180,12 +184,31 @@ impl Application {
         // that the pod is restarted, rather than answer errors forever.
         let mut writer = self.writer;
         let mut writer_died = None;
-        // Polled until it fires (which cancels `stop`), never after.
+        // Polled until it fires (which cancels `stop`, or `closing` first
+        // when there is a delay), never after.
         let mut shutdown = std::pin::pin!(shutdown);
+        let delay = settings.shutdown_delay;
+        let lame_duck = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(lame_duck);
         let served = loop {
             tokio::select! {
                 served = &mut serve => break served,
-                () = &mut shutdown, if !stop.is_cancelled() => stop.cancel(),
+                () = &mut shutdown, if !stop.is_cancelled() && !closing.is_cancelled() => {
+                    if delay.is_zero() {
+                        stop.cancel();
+                    } else {
+                        tracing::info!(
+                            shutdown_delay = ?delay,
+                            "serving on for the shutdown delay, asking every client to \
+                             reconnect; then draining"
+                        );
+                        closing.cancel();
+                        lame_duck.as_mut().reset(tokio::time::Instant::now() + delay);
+                    }
+                }
+                () = &mut lame_duck, if closing.is_cancelled() && !stop.is_cancelled() => {
+                    stop.cancel();
+                }
                 e = writer.died(), if writer_died.is_none() => {
                     tracing::error!(error = %e, "the writer stopped; shutting down");
                     writer_died = Some(e);
@@ -270,6 +293,8 @@ fn serve_metrics(
         header_timeout: settings.header_timeout,
         max_connections: server::METRICS_MAX_CONNECTIONS,
         drain_timeout: Duration::from_secs(1),
+        // Scrapers keep their connection: the metrics stay up to the end.
+        closing: CancellationToken::new(),
     };
     tokio::spawn(server::serve(listener, router, limits, stop.clone()))
 }

@@ -119,6 +119,14 @@ pub struct Settings {
           value_parser = parse_secret)]
     pub admin_token: Option<SecretString>,
 
+    /// How long tally keeps serving after SIGTERM before it stops accepting
+    /// connections, in seconds: its answers meanwhile carry `Connection:
+    /// close`, so that clients reconnect, through the load balancer, to
+    /// other processes while the balancer learns of the stop. For several
+    /// processes behind one address; 0 stops accepting at once.
+    #[arg(long, env = "TALLY_SHUTDOWN_DELAY", default_value = "0", value_parser = parse_seconds)]
+    pub shutdown_delay: Duration,
+
     /// How long in-flight requests may take to finish after SIGTERM, in seconds.
     #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_positive_seconds)]
     pub drain_timeout: Duration,

@@ -95,6 +95,11 @@ pub struct Limits {
     pub max_connections: usize,
     /// How long requests in flight may take to finish once stopping.
     pub drain_timeout: Duration,
+    /// Once cancelled (a stop asked for, before `stop`), every answer
+    /// carries `Connection: close`, so that keep-alive clients reconnect
+    /// (through a load balancer, to another process) while this one still
+    /// serves.
+    pub closing: CancellationToken,
 }
 
 /// How serving ended.
@@ -178,7 +183,7 @@ pub async fn serve(
                     Arc::clone(&http),
                     (limits.screen, limits.header_timeout),
                     slot,
-                    stop.clone(),
+                    (limits.closing.clone(), stop.clone()),
                     force.clone(),
                 ));
             }
@@ -239,7 +244,7 @@ async fn connection(
     http: Arc<http1::Builder>,
     (screen, body_timeout): (Option<Screen>, Duration),
     slot: Slot,
-    stop: CancellationToken,
+    (closing, stop): (CancellationToken, CancellationToken),
     force: CancellationToken,
 ) {
     // Set when hyper hands a complete request head to the router. Until
@@ -261,11 +266,19 @@ async fn connection(
                 false => req.map(|b| Body::new(DeadlineBody::new(b, body_timeout))),
             };
             let router = router.clone();
+            let close = closing.is_cancelled();
             async move {
-                match refused {
-                    Some(answer) => Ok(answer),
+                let Ok(mut answer) = match refused {
+                    Some(answer) => Ok::<_, std::convert::Infallible>(answer),
                     None => router.oneshot(req).await,
+                };
+                if close {
+                    answer.headers_mut().insert(
+                        hyper::header::CONNECTION,
+                        hyper::header::HeaderValue::from_static("close"),
+                    );
                 }
+                Ok::<_, std::convert::Infallible>(answer)
             }
         })
     };

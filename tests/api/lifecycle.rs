@@ -97,6 +97,43 @@ async fn stop_commits_and_answers_every_accepted_write(signal: Signal) {
     assert_eq!(read_counter(db, "drain").await, 20);
 }
 
+/// With a shutdown delay tally serves on after SIGTERM, new connections
+/// included, each answer asking its client to reconnect (`Connection:
+/// close`, so that keep-alive clients move, through the load balancer, to
+/// another process); then it drains as usual and exits 0.
+#[tokio::test]
+async fn a_shutdown_delay_serves_on_asking_clients_to_reconnect() {
+    const DELAY: Duration = Duration::from_secs(5);
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_SHUTDOWN_DELAY", "5"),
+    ]);
+    let kept = Client::new();
+    let r = kept.post(bin.url("/counters/d")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(r.headers().get("connection").is_none());
+    let signalled = std::time::Instant::now();
+    bin.sigterm();
+    while !bin.log_text().contains("serving on for the shutdown delay") {
+        assert!(signalled.elapsed() < DELAY / 2, "{}", bin.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A connection kept from before, and a new one.
+    for client in [&kept, &Client::new()] {
+        let r = client.post(bin.url("/counters/d")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["connection"], "close");
+    }
+    assert!(signalled.elapsed() < DELAY, "too slow to tell");
+    let status = bin.wait(Duration::from_secs(30)).await;
+    assert!(signalled.elapsed() >= DELAY);
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    assert!(bin.log_text().contains("stopped cleanly"));
+    assert_eq!(read_counter(&db, "d").await, 3);
+}
+
 #[tokio::test]
 async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
     let dir = tempfile::tempdir().unwrap();

@@ -408,23 +408,30 @@ fn the_autoscaler_only_when_enabled_and_then_the_deployment_has_no_replicas() {
 }
 
 #[test]
-fn grace_covers_the_drain_and_the_writer_only() {
+fn grace_covers_the_delay_the_drain_and_the_writer_only() {
     let shutdown = &values_yaml()["shutdown"];
-    let [drain, writer, margin] = ["drainTimeoutSeconds", "writerDrainSeconds", "marginSeconds"]
-        .map(|k| u64_at(&shutdown[k]));
+    let [delay, drain, writer, margin] = [
+        "endpointDelaySeconds",
+        "drainTimeoutSeconds",
+        "writerDrainSeconds",
+        "marginSeconds",
+    ]
+    .map(|k| u64_at(&shutdown[k]));
     let docs = with_url(&[]);
     assert_eq!(
         u64_at(&pod_spec(&docs)["terminationGracePeriodSeconds"]),
-        drain + writer + margin
+        delay + drain + writer + margin
     );
     assert_eq!(
         u64_at(&pod_spec(&docs)["terminationGracePeriodSeconds"]),
-        25
+        30
     );
+    assert_eq!(env(tally(&docs), "TALLY_SHUTDOWN_DELAY"), delay.to_string());
     assert_eq!(env(tally(&docs), "TALLY_DRAIN_TIMEOUT"), drain.to_string());
 
     // Litestream's sync timeout plays no part.
     let docs = with_url(&[
+        ("shutdown.endpointDelaySeconds", "2"),
         ("shutdown.drainTimeoutSeconds", "17"),
         ("shutdown.writerDrainSeconds", "3"),
         ("shutdown.syncTimeoutSeconds", "41"),
@@ -432,8 +439,9 @@ fn grace_covers_the_drain_and_the_writer_only() {
     ]);
     assert_eq!(
         u64_at(&pod_spec(&docs)["terminationGracePeriodSeconds"]),
-        27
+        29
     );
+    assert_eq!(env(tally(&docs), "TALLY_SHUTDOWN_DELAY"), "2");
     assert_eq!(env(tally(&docs), "TALLY_DRAIN_TIMEOUT"), "17");
 }
 

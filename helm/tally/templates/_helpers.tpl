@@ -127,15 +127,17 @@ Whether Litestream's metrics listener runs: only where Litestream does.
 {{- end }}
 
 {{/*
-The pod's termination grace, in seconds: tally's drain, the writer's
-drain, Litestream's final sync (SQLite only) and a margin. The same values
-are rendered into TALLY_DRAIN_TIMEOUT and shutdown-sync-timeout
-(configmap.yaml), so the sum cannot drift from its parts.
+The pod's termination grace, in seconds: with PostgreSQL the time tally
+serves on after SIGTERM (TALLY_SHUTDOWN_DELAY), tally's drain, the
+writer's drain, Litestream's final sync (SQLite only) and a margin. The
+same values are rendered into TALLY_SHUTDOWN_DELAY, TALLY_DRAIN_TIMEOUT and
+shutdown-sync-timeout (configmap.yaml), so the sum cannot drift from its
+parts.
 */}}
 {{- define "tally.terminationGracePeriodSeconds" -}}
 {{- with .Values.shutdown }}
 {{- if include "tally.postgres" $ }}
-{{- add .drainTimeoutSeconds .writerDrainSeconds .marginSeconds }}
+{{- add .endpointDelaySeconds .drainTimeoutSeconds .writerDrainSeconds .marginSeconds }}
 {{- else }}
 {{- add .drainTimeoutSeconds .writerDrainSeconds .syncTimeoutSeconds .marginSeconds }}
 {{- end }}
@@ -393,6 +395,8 @@ only, and no Litestream at all.
 # The root filesystem is read-only: the tmp volume.
 - name: TMPDIR
   value: /tmp
+- name: TALLY_SHUTDOWN_DELAY
+  value: {{ .Values.shutdown.endpointDelaySeconds | int | quote }}
 {{- end }}
 
 {{/*
