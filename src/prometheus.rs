@@ -97,6 +97,11 @@ fn describe() {
         "Writes accepted whose outcome is unknown: the reply was lost, or the \
          database connection broke during COMMIT."
     );
+    describe_gauge!(
+        "tally_rows_held",
+        "PostgreSQL: rows this process found held by another transaction past the lock \
+         timeout and still takes for held (their writes are answered row-busy at once)."
+    );
     describe_counter!(
         "tally_write_retries_total",
         "Batches run again after losing a race with another tally process \

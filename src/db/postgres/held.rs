@@ -30,11 +30,27 @@ pub const PROBES_PER_BATCH: usize = 4;
 /// forgotten (its next command waits the lock timeout again).
 const MOST_ROWS: usize = 4096;
 
+/// A row no command has tried for this long is forgotten: nothing asks
+/// for it, so whether it is still held is unknown (its next command waits
+/// the lock timeout again, if it is).
+pub const FORGET_AFTER: Duration = Duration::from_secs(10);
+
 /// The rows found held, each with when it was last tried and the error
 /// that try gave (what the commands refused at once are answered).
-#[derive(Default)]
 pub struct HeldRows {
     rows: HashMap<String, Held>,
+    /// How many `tally_rows_held` shows.
+    shown: usize,
+}
+
+impl Default for HeldRows {
+    fn default() -> Self {
+        metrics::gauge!("tally_rows_held").set(0.0);
+        HeldRows {
+            rows: HashMap::new(),
+            shown: 0,
+        }
+    }
 }
 
 struct Held {
@@ -176,6 +192,8 @@ impl HeldRows {
                 );
             }
         }
+        self.rows
+            .retain(|_, h| now.saturating_duration_since(h.tried) < FORGET_AFTER);
         while self.rows.len() > MOST_ROWS
             && let Some(oldest) = self
                 .rows
@@ -184,6 +202,10 @@ impl HeldRows {
                 .map(|(row, _)| row.clone())
         {
             self.rows.remove(&oldest);
+        }
+        if self.rows.len() != self.shown {
+            self.shown = self.rows.len();
+            metrics::gauge!("tally_rows_held").set(self.shown as f64);
         }
     }
 }
@@ -383,6 +405,45 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["v:1:cv7", "v:1:cv1", "v:1:cv8"]
         );
+    }
+
+    /// A row nothing asked for in `FORGET_AFTER` is forgotten.
+    #[test]
+    fn a_row_nothing_asks_for_is_forgotten() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        let mut first = vec![increment("quiet"), increment("asked")];
+        held.split(&mut first, t0);
+        for q in &mut first {
+            q.command.fail(busy());
+        }
+        held.learn(&first, t0);
+        // "asked" is tried now and then, and stays held.
+        let mut t = t0;
+        while t < t0 + FORGET_AFTER {
+            t += PROBE_EVERY;
+            let mut batch = vec![increment("asked")];
+            assert_eq!(
+                held.split(&mut batch, t),
+                Split {
+                    normal: 0,
+                    probes: 1
+                }
+            );
+            batch[0].command.fail(busy());
+            held.learn(&batch, t);
+        }
+        let mut batch = vec![increment("quiet"), increment("asked")];
+        let split = held.split(&mut batch, t + PROBE_EVERY / 2);
+        assert_eq!(
+            split,
+            Split {
+                normal: 1,
+                probes: 0
+            }
+        );
+        assert_eq!(batch[0].command.held_row(), "c:quiet");
+        assert_eq!(held.rows.len(), 1);
     }
 
     /// At most `PROBES_PER_BATCH` rows are tried in one batch; the others

@@ -553,6 +553,12 @@ async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
             );
         }
     }
+    // Each process shows what it takes for held: the counter and the day
+    // at least (a visitor whose check waited too, until it is forgotten).
+    for bin in &bins {
+        let held = metric(&client, bin, "tally_rows_held").await;
+        assert!(held.is_some_and(|n| n >= 2.0), "{held:?}");
+    }
     sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
     // Released: the rows take writes again, once tried (each within a
     // quarter of a second of a write to it).
