@@ -235,7 +235,7 @@ impl DayUsage {
         // cannot deadlock.
         global_keys.sort_unstable();
         global_keys.dedup();
-        conn.lock_days(&global_keys).await?;
+        conn.lock_days(&global_keys).await.map_err(Error::at_day)?;
         for row in conn.read_usage(&visitor_keys, &global_keys).await? {
             match row.visitor {
                 Some(v) => usage.visitors.insert((row.budget, row.day, v), row.calls),
@@ -300,7 +300,7 @@ pub async fn reset(
     let rows = conn.load_budgets(&[budget.as_str()]).await?;
     let day = one(rows, budget)?.day(day, now)?;
     let (b, d) = (budget.as_str(), day.to_string());
-    conn.lock_days(&[(b, &d)]).await?;
+    conn.lock_days(&[(b, &d)]).await.map_err(Error::at_day)?;
     let deleted = conn
         .delete_usage(b, &d, visitor.map(VisitorId::as_str))
         .await?;

@@ -280,6 +280,18 @@ impl Command {
         }
     }
 
+    /// Whether its result is the one stored for its idempotency key.
+    pub fn is_replayed(&self) -> bool {
+        match self {
+            Command::Increment { reply, .. } => reply.is_replayed(),
+            Command::PutBudget { reply, .. } => reply.is_replayed(),
+            Command::Check { reply, .. } => reply.is_replayed(),
+            Command::Reset { reply, .. } => reply.is_replayed(),
+            Command::DeleteBudget { reply, .. } => reply.is_replayed(),
+            Command::DeleteCounter { reply, .. } => reply.is_replayed(),
+        }
+    }
+
     /// The command's result so far in its batch: `Some(Ok(()))` or its
     /// error, `None` before it ran.
     pub fn outcome(&self) -> Option<Result<(), &Error>> {
@@ -397,7 +409,7 @@ mod tests {
             Error::StorageFull(db()),
             Error::StorageLost(Arc::from(std::path::Path::new("x"))),
             Error::Unavailable(db()),
-            Error::Busy(db()),
+            Error::Busy(db(), crate::db::HeldRow::Own),
             Error::OutcomeUnknown,
             Error::Database(db()),
         ]

@@ -168,7 +168,7 @@ pub enum Error {
     /// succeeds once the row is released. The batch's other commands are
     /// not held up by it.
     #[error("a row it needs was locked by another transaction past the lock timeout: {0}")]
-    Busy(#[source] Arc<sqlx::Error>),
+    Busy(#[source] Arc<sqlx::Error>, HeldRow),
     /// The transaction lost a race with another (a deadlock, a
     /// serialization failure): nothing of it committed, and the same
     /// transaction run again can succeed.
@@ -201,7 +201,26 @@ impl Error {
     }
 }
 
+/// Which row a command found held ([`Error::Busy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldRow {
+    /// Its own: a counter, a visitor's usage, a budget.
+    Own,
+    /// The day of a budget it counts on (the day's global usage row, which
+    /// every writer of that day's usage locks first).
+    Day,
+}
+
 impl Error {
+    /// The error of a statement that locks a budget's days: a row found
+    /// held there is the day's.
+    pub(crate) fn at_day(self) -> Self {
+        match self {
+            Error::Busy(e, _) => Error::Busy(e, HeldRow::Day),
+            e => e,
+        }
+    }
+
     /// A stable name for logs and metric labels.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -212,7 +231,7 @@ impl Error {
             Error::StorageFull(_) => "storage_full",
             Error::StorageLost(_) => "storage_lost",
             Error::Unavailable(_) => "unavailable",
-            Error::Busy(_) => "busy",
+            Error::Busy(..) => "busy",
             Error::Raced(_) | Error::Database(_) | Error::Internal(_) => "database_error",
         }
     }
@@ -248,7 +267,7 @@ impl Error {
             Error::StorageFull(_)
                 | Error::StorageLost(_)
                 | Error::Unavailable(_)
-                | Error::Busy(_)
+                | Error::Busy(..)
                 | Error::Raced(_)
                 | Error::Database(_)
                 | Error::Internal(_)

@@ -55,13 +55,13 @@ pub(super) trait Store {
 
     /// Shortens, for the rest of the transaction, how long a statement
     /// waits for a row lock, once a command has waited the whole lock
-    /// timeout: see `txn::apply_one_by_one`. `None` where nothing waits
+    /// timeout: see `txn::one_by_one`. `None` where nothing waits
     /// for a row (SQLite's one writer).
     const AFTER_BUSY: Option<&'static str> = None;
 
-    /// Opens a transaction for commands on rows found held by another
-    /// transaction a moment ago (`txn::apply_probes`): it waits for a row
-    /// only as briefly as [`Self::AFTER_BUSY`] does.
+    /// Opens a transaction whose statements wait for a row only as
+    /// briefly as [`Self::AFTER_BUSY`] has them wait: while rows are known
+    /// to be held by another transaction (`txn::Pass`).
     const BEGIN_PROBE: &'static str = Self::BEGIN;
 
     /// The time the transaction's rules go by (today, a day's window):

@@ -29,11 +29,19 @@ pub(super) type Applied = Result<(), Error>;
 /// Applies a batch in one transaction: set-based when it can be, else one
 /// command at a time. Keyed commands claim and store their key one by one.
 pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> Applied {
+    apply_by(conn, batch, Pass::Batch).await
+}
+
+/// Applies commands in one transaction by the rule `pass` names.
+pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: Pass) -> Applied {
     let keyed = batch.iter().any(|q| q.key.is_some());
-    if !keyed && let Some(applied) = apply_set_based(conn, batch).await {
+    if pass != Pass::Probe
+        && !keyed
+        && let Some(applied) = apply_set_based(conn, batch).await
+    {
         return applied;
     }
-    apply_one_by_one(conn, batch).await
+    one_by_one(conn, batch, pass).await
 }
 
 /// All increments of the batch in one statement, all checks in a
@@ -80,7 +88,7 @@ async fn run_set_based<S: Store>(
             Ok(Some(values)) => (values, Ok(())),
             Ok(None) => return None,
             // One row held elsewhere: one by one, only its commands wait.
-            Err(Error::Busy(_)) => {
+            Err(Error::Busy(..)) => {
                 let _ = conn.exec("ROLLBACK").await;
                 return None;
             }
@@ -132,33 +140,27 @@ async fn run_set_based<S: Store>(
 /// cannot be rolled back because SQLite already rolled everything back,
 /// as it does on some I/O errors), the commands after it do not run and
 /// every caller gets the error.
-async fn apply_one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Applied {
-    one_by_one(conn, batch, Pass::Batch).await
-}
-
-/// Applies commands on rows another transaction was found holding a
-/// moment ago (one command per row), one by one in one transaction of
-/// their own, each waiting for its row only briefly
-/// ([`Store::BEGIN_PROBE`]).
-pub(super) async fn apply_probes<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Applied {
-    one_by_one(conn, batch, Pass::Probe).await
-}
-
 /// Which rule commands are applied by, and so how long they wait for a
 /// row another transaction holds.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Pass {
-    /// [`apply_batch`]: the lock timeout for the first such row, briefly
-    /// for the rest.
+    /// [`apply_batch`]: set-based if it can be, else one by one; the lock
+    /// timeout for the first such row, briefly for the rest.
     Batch,
-    /// [`apply_probes`]: briefly for every row.
+    /// The same, briefly for every row: while rows are known to be held
+    /// by another transaction, one more found held costs its batch no
+    /// lock timeout.
+    Wary,
+    /// Rows another transaction was found holding a moment ago (one
+    /// command per row): one by one, each waiting for its row only briefly
+    /// ([`Store::BEGIN_PROBE`]).
     Probe,
 }
 
 async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) -> Applied {
     let begin_with = match pass {
         Pass::Batch => S::BEGIN,
-        Pass::Probe => S::BEGIN_PROBE,
+        Pass::Wary | Pass::Probe => S::BEGIN_PROBE,
     };
     let mut broken = begin(conn, begin_with).await.err();
     let began = broken.is_none();
@@ -177,8 +179,8 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
     // cost a lock timeout each, one after another, and hold up the whole
     // batch past its deadline. A command whose row is free does not wait at
     // all, whatever else its budget or counter has held.
-    // A probe waits briefly from the start.
-    let mut waited = pass == Pass::Probe;
+    // Wary or probing: briefly from the start (`begin_with`).
+    let mut waited = pass != Pass::Batch;
     for i in lock_order(batch) {
         let q = &mut batch[i];
         if let Some(e) = &broken {
@@ -188,7 +190,7 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
         broken = apply_in_savepoint(conn, q, now).await.err();
         if !waited
             && broken.is_none()
-            && let Some(Err(Error::Busy(_))) = q.command.outcome()
+            && let Some(Err(Error::Busy(..))) = q.command.outcome()
             && let Some(shorter) = S::AFTER_BUSY
         {
             waited = true;

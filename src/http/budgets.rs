@@ -255,7 +255,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     if !matches!(
         err,
         db::Error::Unavailable(_)
-            | db::Error::Busy(_)
+            | db::Error::Busy(..)
             | db::Error::StorageFull(_)
             | db::Error::StorageLost(_)
     ) {
@@ -275,7 +275,7 @@ fn meter_failed(err: &db::Error) -> Problem {
     // A full or lost disk is not over at once, an unreachable server may
     // be: say when to try again.
     denied.retry_after(match err {
-        db::Error::Unavailable(_) | db::Error::Busy(_) => super::problem::UNAVAILABLE_RETRY_AFTER,
+        db::Error::Unavailable(_) | db::Error::Busy(..) => super::problem::UNAVAILABLE_RETRY_AFTER,
         _ => super::problem::STORAGE_RETRY_AFTER,
     })
 }

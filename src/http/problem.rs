@@ -241,7 +241,7 @@ impl From<db::Error> for Problem {
             .with("reason", "database_unavailable")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
             // The writer logs the rows it found busy, once per batch.
-            db::Error::Busy(_) => Self::new(
+            db::Error::Busy(..) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "row-busy",
                 "Row busy",

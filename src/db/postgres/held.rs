@@ -3,42 +3,47 @@
 //!
 //! The writer has one connection and applies one batch at a time, so a
 //! batch that waits for a held row holds up every write behind it. Once a
-//! command has waited the whole lock timeout for a row and been answered
-//! row-busy, later commands on that row do not wait again: they are
-//! answered row-busy at once, except that every [`PROBE_EVERY`] one batch
-//! tries the row again, briefly and in a transaction of its own after the
-//! rest of the batch has committed (`txn::apply_probes`). The first
-//! command to get the row forgets it. Without this, a client retrying a
-//! write to a held row put a lock timeout into nearly every batch, and
-//! every other write of the process waited that long.
+//! command has waited for a row and been answered row-busy, later commands
+//! on that row do not wait again: they are answered row-busy with their
+//! batch, except that every [`PROBE_EVERY`] a batch tries a few such rows
+//! again, briefly, in a transaction of its own after the rest of the batch
+//! has committed (`txn::Pass::Probe`). The first command to get the row
+//! forgets it. While any row is remembered, batches wait for no row long
+//! (`txn::Pass::Wary`), so meeting one more costs no lock timeout. Without
+//! this, a client retrying a write to a held row put a lock timeout into
+//! nearly every batch, and every other write of the process waited that
+//! long.
 
 use std::{collections::HashMap, time::Duration};
 
 use tokio::time::Instant;
 
 use super::{Error, Queued};
+use crate::db::HeldRow;
 use crate::db::command::Command;
 
-/// How often a row found held is tried again.
+/// How often a row found held is tried again, and how often a batch tries
+/// any.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 
 /// The most held rows one batch tries again: each try can wait the
-/// probe's brief lock timeout.
-pub const PROBES_PER_BATCH: usize = 4;
+/// brief lock timeout, with the whole writer waiting.
+pub const PROBES_PER_BATCH: usize = 2;
 
 /// The most rows remembered; past it the one tried longest ago is
-/// forgotten (its next command waits the lock timeout again).
+/// forgotten.
 const MOST_ROWS: usize = 4096;
 
 /// A row no command has tried for this long is forgotten: nothing asks
-/// for it, so whether it is still held is unknown (its next command waits
-/// the lock timeout again, if it is).
+/// for it, so whether it is still held is unknown.
 pub const FORGET_AFTER: Duration = Duration::from_secs(10);
 
 /// The rows found held, each with when it was last tried and the error
-/// that try gave (what the commands refused at once are answered).
+/// that try gave (what the commands refused without a try are answered).
 pub struct HeldRows {
     rows: HashMap<String, Held>,
+    /// When a batch may next try rows.
+    next_probes: Option<Instant>,
     /// How many `tally_rows_held` shows.
     shown: usize,
 }
@@ -48,6 +53,7 @@ impl Default for HeldRows {
         metrics::gauge!("tally_rows_held").set(0.0);
         HeldRows {
             rows: HashMap::new(),
+            next_probes: None,
             shown: 0,
         }
     }
@@ -68,11 +74,20 @@ pub struct Split {
 }
 
 impl HeldRows {
+    /// Whether rows are known to be held: then no command waits for a row
+    /// long.
+    pub fn wary(&self) -> bool {
+        !self.rows.is_empty()
+    }
+
     /// Sorts the batch into commands applied as usual, commands that try a
     /// held row again (the first command on each row tried), and commands
-    /// answered row-busy now (set here). The sort is stable, and a row's
-    /// commands after its try are answered, so the commands on each row
-    /// keep their queue order.
+    /// answered row-busy (set here). A keyed command is never answered
+    /// without a try: a retry of a write that committed is answered from
+    /// its key, which needs no row. The sort is stable, the commands on a
+    /// row after its try are answered, and a row is tried only when no
+    /// command applied as usual could be put out of its queue order by it
+    /// (the budget's own commands, a keyed command on the same row).
     pub fn split(&mut self, batch: &mut [Queued], now: Instant) -> Split {
         if self.rows.is_empty() {
             return Split {
@@ -80,116 +95,106 @@ impl HeldRows {
                 probes: 0,
             };
         }
-        let mut probing: Vec<String> = Vec::new();
-        for q in batch.iter_mut() {
-            let Some((row, held)) = self.held(&q.command) else {
-                continue;
-            };
-            if probing.len() < PROBES_PER_BATCH
-                && !probing.contains(&row)
-                && now >= held.tried + PROBE_EVERY
-            {
-                held.tried = now;
-                probing.push(row);
-            } else {
-                q.command.fail(held.error.clone());
+        // The remembered row each command waits for; none for the commands
+        // applied as usual.
+        let remembered: Vec<Option<String>> = batch
+            .iter()
+            .map(|q| match q.key {
+                Some(_) => None,
+                None => self.remembered(&q.command),
+            })
+            .collect();
+        let mut probing: Vec<(String, usize)> = Vec::new();
+        if self.next_probes.is_none_or(|t| now >= t) {
+            // Due rows, each by its first command, tried longest ago first.
+            let mut due: Vec<(Instant, String, usize)> = Vec::new();
+            for (i, row) in remembered.iter().enumerate() {
+                let Some(row) = row else { continue };
+                let tried = self.rows[row].tried;
+                if now >= tried + PROBE_EVERY && !due.iter().any(|(_, r, _)| r == row) {
+                    due.push((tried, row.clone(), i));
+                }
+            }
+            due.sort_by_key(|(tried, _, _)| *tried);
+            for (_, row, i) in due {
+                if probing.len() == PROBES_PER_BATCH {
+                    break;
+                }
+                let out_of_order = remembered
+                    .iter()
+                    .zip(batch.iter())
+                    .any(|(r, q)| r.is_none() && reorders(&batch[i].command, &q.command));
+                if !out_of_order {
+                    probing.push((row, i));
+                }
             }
         }
-        // 0: as usual; 1: a try; 2: answered. A command left unanswered
-        // on a held row is its row's try.
+        if !probing.is_empty() {
+            self.next_probes = Some(now + PROBE_EVERY);
+        }
+        let mut answered = 0;
+        for (i, (q, row)) in batch.iter_mut().zip(&remembered).enumerate() {
+            let Some(row) = row else { continue };
+            match probing.iter().any(|(r, first)| r == row && *first == i) {
+                true => {
+                    if let Some(held) = self.rows.get_mut(row) {
+                        held.tried = now;
+                    }
+                }
+                false => {
+                    answered += 1;
+                    q.command.fail(self.rows[row].error.clone());
+                }
+            }
+        }
+        // 0: as usual; 1: a try; 2: answered. Only a try is still
+        // unanswered on a remembered row.
+        let tries: Vec<&str> = probing.iter().map(|(r, _)| r.as_str()).collect();
         batch.sort_by_cached_key(|q| match q.command.outcome() {
             Some(_) => 2u8,
-            None if self.rows_of(&q.command).any(|r| self.rows.contains_key(&r)) => 1,
+            None if q.key.is_none() && rows_of(&q.command).any(|r| tries.contains(&r.as_str())) => {
+                1
+            }
             None => 0,
         });
-        let answered = batch
-            .iter()
-            .filter(|q| q.command.outcome().is_some())
-            .count();
         Split {
             normal: batch.len() - answered - probing.len(),
             probes: probing.len(),
         }
     }
 
-    /// The rows a command waits for, by the keys they are remembered by:
-    /// its own ([`Command::held_row`]), and for a check its budget's days
-    /// too.
-    fn rows_of<'a>(&self, command: &'a Command) -> impl Iterator<Item = String> + 'a {
-        let days = match command {
-            Command::Check { budget, .. } => Some(days_of(budget.as_str())),
-            _ => None,
-        };
-        std::iter::once(command.held_row()).chain(days)
-    }
-
-    /// The first of a command's rows found held, and what is known of it.
-    fn held(&mut self, command: &Command) -> Option<(String, &mut Held)> {
-        let row = self.rows_of(command).find(|r| self.rows.contains_key(r))?;
-        let held = self.rows.get_mut(&row)?;
-        Some((row, held))
+    /// The first of a command's rows that is remembered as held.
+    fn remembered(&self, command: &Command) -> Option<String> {
+        rows_of(command).find(|r| self.rows.contains_key(r))
     }
 
     /// Learns from commands that ran (and committed): a row-busy answer
-    /// remembers its row, a success forgets it. When two checks of one
-    /// budget or more found their rows held and none of its checks got
-    /// its rows, what is held is the budget's day (or its own row): every
-    /// check of that budget is then answered, and tried, as one row.
+    /// remembers the row it waited for (a check's or a reset's budget day,
+    /// when that was it), any other forgets the command's rows. A replay
+    /// of an idempotency key touched no row and says nothing.
     pub fn learn(&mut self, ran: &[Queued], now: Instant) {
-        let mut checked: Vec<Checked> = Vec::new();
         for q in ran {
+            if q.command.is_replayed() {
+                continue;
+            }
             match q.command.outcome() {
-                Some(Err(e @ Error::Busy(_))) => {
-                    self.rows.insert(
-                        q.command.held_row(),
-                        Held {
-                            tried: now,
-                            error: e.clone(),
-                        },
-                    );
+                Some(Err(e @ Error::Busy(_, held))) => {
+                    let row = match (&q.command, held) {
+                        (
+                            Command::Check { budget, .. } | Command::Reset { budget, .. },
+                            HeldRow::Day,
+                        ) => days_of(budget.as_str()),
+                        _ => q.command.held_row(),
+                    };
+                    let error = e.clone();
+                    self.rows.insert(row, Held { tried: now, error });
                 }
-                Some(Ok(())) if !self.rows.is_empty() => {
-                    for row in self.rows_of(&q.command).collect::<Vec<_>>() {
+                Some(_) if !self.rows.is_empty() => {
+                    for row in rows_of(&q.command) {
                         self.rows.remove(&row);
                     }
                 }
                 _ => {}
-            }
-            if let Command::Check { budget, .. } = &q.command {
-                let i = match checked.iter().position(|c| c.budget == budget.as_str()) {
-                    Some(i) => i,
-                    None => {
-                        checked.push(Checked {
-                            budget: budget.as_str(),
-                            busy: 0,
-                            through: false,
-                            error: None,
-                        });
-                        checked.len() - 1
-                    }
-                };
-                match q.command.outcome() {
-                    Some(Err(e @ Error::Busy(_))) => {
-                        checked[i].busy += 1;
-                        checked[i].error = Some(e);
-                    }
-                    Some(Ok(())) => checked[i].through = true,
-                    _ => {}
-                }
-            }
-        }
-        for c in checked {
-            if c.busy >= 2
-                && !c.through
-                && let Some(e) = c.error
-            {
-                self.rows.insert(
-                    days_of(c.budget),
-                    Held {
-                        tried: now,
-                        error: e.clone(),
-                    },
-                );
             }
         }
         self.rows
@@ -210,20 +215,47 @@ impl HeldRows {
     }
 }
 
-/// What one batch's checks of one budget met ([`HeldRows::learn`]).
-struct Checked<'a> {
-    budget: &'a str,
-    /// How many were answered row-busy, and the last such error.
-    busy: usize,
-    error: Option<&'a Error>,
-    /// Whether one got its rows.
-    through: bool,
+/// The rows a command waits for, by the keys they are remembered by: its
+/// own ([`Command::held_row`]), and for a check or a reset its budget's
+/// days.
+fn rows_of(command: &Command) -> impl Iterator<Item = String> + '_ {
+    let days = match command {
+        Command::Check { budget, .. } | Command::Reset { budget, .. } => {
+            Some(days_of(budget.as_str()))
+        }
+        _ => None,
+    };
+    std::iter::once(command.held_row()).chain(days)
 }
 
-/// The key a budget's days are remembered by, when checks of it find them
-/// held.
+/// The key a budget's days are remembered by.
 fn days_of(budget: &str) -> String {
     format!("d:{budget}")
+}
+
+/// Whether `applied`, applied with the rest of its batch, could be put out
+/// of queue order by a try of `tried` run after it: a command on the same
+/// counter or budget, unless both are checks of different visitors (which
+/// commute but for who meets a global limit first, among calls made at
+/// once).
+fn reorders(tried: &Command, applied: &Command) -> bool {
+    let name = |c: &Command| match c {
+        Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => {
+            (0, name.as_str().to_owned())
+        }
+        Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => {
+            (1, name.as_str().to_owned())
+        }
+        Command::Check { budget, .. } | Command::Reset { budget, .. } => {
+            (1, budget.as_str().to_owned())
+        }
+    };
+    if name(tried) != name(applied) {
+        return false;
+    }
+    let both_checks =
+        matches!(tried, Command::Check { .. }) && matches!(applied, Command::Check { .. });
+    !both_checks || tried.held_row() == applied.held_row()
 }
 
 #[cfg(test)]
@@ -232,39 +264,47 @@ mod tests {
 
     use super::*;
     use crate::{
-        db::command::{Command, Reply},
-        meter::{Name, VisitorId},
+        db::command::Reply,
+        meter::{IdempotencyKey, Name, VisitorId},
     };
 
-    fn increment(name: &str) -> Queued {
-        let (reply, _) = Reply::new();
+    fn queued(command: Command) -> Queued {
         Queued {
-            command: Command::Increment {
-                name: Name::parse(name).unwrap(),
-                by: 1,
-                reply,
-            },
+            command,
             key: None,
             request_id: None,
         }
+    }
+
+    fn increment(name: &str) -> Queued {
+        let (reply, _) = Reply::new();
+        queued(Command::Increment {
+            name: Name::parse(name).unwrap(),
+            by: 1,
+            reply,
+        })
     }
 
     fn check(budget: &str, visitor: &str) -> Queued {
         let (reply, _) = Reply::new();
-        Queued {
-            command: Command::Check {
-                budget: Name::parse(budget).unwrap(),
-                visitor: VisitorId::parse(visitor).unwrap(),
-                day: None,
-                reply,
-            },
-            key: None,
-            request_id: None,
-        }
+        queued(Command::Check {
+            budget: Name::parse(budget).unwrap(),
+            visitor: VisitorId::parse(visitor).unwrap(),
+            day: None,
+            reply,
+        })
     }
 
-    fn busy() -> Error {
-        Error::Busy(Arc::new(sqlx::Error::PoolTimedOut))
+    fn delete_budget(name: &str) -> Queued {
+        let (reply, _) = Reply::new();
+        queued(Command::DeleteBudget {
+            name: Name::parse(name).unwrap(),
+            reply,
+        })
+    }
+
+    fn busy(at: HeldRow) -> Error {
+        Error::Busy(Arc::new(sqlx::Error::PoolTimedOut), at)
     }
 
     fn set_ok(q: &mut Queued) {
@@ -274,31 +314,41 @@ mod tests {
         }
     }
 
-    /// A row found held is answered at once, tried again once per
+    fn rows(batch: &[Queued]) -> Vec<String> {
+        batch.iter().map(|q| q.command.held_row()).collect()
+    }
+
+    /// Runs `batch` through `held` as if every command on a row in `busy`
+    /// were refused, and every other one went through (increments only).
+    fn learn_from(held: &mut HeldRows, mut batch: Vec<Queued>, at: HeldRow, now: Instant) {
+        held.split(&mut batch, now);
+        for q in &mut batch {
+            q.command.fail(busy(at));
+        }
+        held.learn(&batch, now);
+    }
+
+    /// A row found held is answered without a try, tried again once per
     /// `PROBE_EVERY` (by its first command, after the rest of the batch;
     /// the others on it answered), and forgotten when a command gets it.
     #[test]
-    fn a_held_row_is_answered_at_once_and_tried_again_now_and_then() {
+    fn a_held_row_is_answered_and_tried_again_now_and_then() {
         let mut held = HeldRows::default();
         let t0 = Instant::now();
-        let mut first = vec![
-            increment("a"),
-            increment("held"),
-            increment("freed"),
-            check("b", "v"),
-        ];
+        assert!(!held.wary());
+        let mut first = vec![increment("a"), increment("held"), increment("freed")];
         assert_eq!(
             held.split(&mut first, t0),
             Split {
-                normal: 4,
+                normal: 3,
                 probes: 0
             }
         );
         set_ok(&mut first[0]);
-        for q in &mut first[1..] {
-            q.command.fail(busy());
-        }
+        first[1].command.fail(busy(HeldRow::Own));
+        first[2].command.fail(busy(HeldRow::Own));
         held.learn(&first, t0);
+        assert!(held.wary());
 
         let batch = || {
             vec![
@@ -307,29 +357,27 @@ mod tests {
                 check("b", "w"),
                 increment("freed"),
                 increment("held"),
-                // The same visitor of another budget: another row.
-                check("c", "v"),
-                check("b", "v"),
             ]
         };
-        let rows = |b: &[Queued]| b.iter().map(|q| q.command.held_row()).collect::<Vec<_>>();
         let mut soon = batch();
         let split = held.split(&mut soon, t0 + PROBE_EVERY / 2);
         assert_eq!(
             split,
             Split {
-                normal: 3,
+                normal: 2,
                 probes: 0
             }
         );
-        assert_eq!(rows(&soon[..3]), ["c:a", "v:1:bw", "v:1:cv"]);
-        assert!(soon[..3].iter().all(|q| q.command.outcome().is_none()));
-        assert!(
-            soon[3..]
-                .iter()
-                .all(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(_))))),
+        assert_eq!(
+            rows(&soon),
+            ["c:a", "v:1:bw", "c:held", "c:freed", "c:held"]
         );
-        assert_eq!(rows(&soon[3..]), ["c:held", "c:freed", "c:held", "v:1:bv"]);
+        assert!(soon[..2].iter().all(|q| q.command.outcome().is_none()));
+        assert!(
+            soon[2..]
+                .iter()
+                .all(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(..))))),
+        );
 
         // Past PROBE_EVERY each held row's first command tries it.
         let mut later = batch();
@@ -337,23 +385,21 @@ mod tests {
         assert_eq!(
             split,
             Split {
-                normal: 3,
-                probes: 3
+                normal: 2,
+                probes: 2
             }
         );
-        assert_eq!(rows(&later[3..6]), ["c:held", "c:freed", "v:1:bv"]);
-        assert!(later[..6].iter().all(|q| q.command.outcome().is_none()));
-        assert_eq!(rows(&later[6..]), ["c:held"]);
-        assert!(later[6].command.outcome().is_some());
-        // "held" still is; "freed" and the visitor's row were had.
-        later[3].command.fail(busy());
-        set_ok(&mut later[4]);
-        later[5].command.fail(Error::Closed);
-        held.learn(&later[3..6], t0 + PROBE_EVERY);
+        assert_eq!(rows(&later[2..4]), ["c:held", "c:freed"]);
+        assert!(later[..4].iter().all(|q| q.command.outcome().is_none()));
+        assert!(later[4].command.outcome().is_some());
+        // "held" still is; "freed" was had.
+        later[2].command.fail(busy(HeldRow::Own));
+        set_ok(&mut later[3]);
+        held.learn(&later[2..4], t0 + PROBE_EVERY);
 
         // Tried just now: answered; "freed" is not held any more.
         let mut next = vec![increment("held"), increment("freed")];
-        let split = held.split(&mut next, t0 + PROBE_EVERY + PROBE_EVERY / 2);
+        let split = held.split(&mut next, t0 + PROBE_EVERY * 3 / 2);
         assert_eq!(
             split,
             Split {
@@ -364,77 +410,80 @@ mod tests {
         assert_eq!(next[0].command.held_row(), "c:freed");
     }
 
-    /// Two checks of a budget refused row-busy and none through: the
-    /// budget's day is what is held, and every check of it is answered
-    /// (one tries it now and then), whatever its visitor.
+    /// A batch tries at most `PROBES_PER_BATCH` rows, those tried longest
+    /// ago first, and batches try rows at most once per `PROBE_EVERY`.
     #[test]
-    fn checks_of_a_held_day_are_answered_as_one_row() {
+    fn few_rows_are_tried_the_oldest_first() {
         let mut held = HeldRows::default();
         let t0 = Instant::now();
-        // One refused check is its visitor's row only.
-        let mut one = vec![check("b", "v1"), check("c", "v1"), check("c", "v2")];
-        held.split(&mut one, t0);
-        one[0].command.fail(busy());
-        one[1].command.fail(busy());
-        one[2].command.fail(busy());
-        held.learn(&one, t0);
-        let mut next = vec![check("b", "v9"), check("c", "v9"), increment("a")];
-        let split = held.split(&mut next, t0 + PROBE_EVERY / 2);
-        assert_eq!(
-            split,
-            Split {
-                normal: 2,
-                probes: 0
-            }
+        let names = ["h0", "h1", "h2", "h3"];
+        learn_from(
+            &mut held,
+            vec![increment("h3"), increment("h2")],
+            HeldRow::Own,
+            t0,
         );
-        assert_eq!(next[2].command.held_row(), "v:1:cv9");
-        // Then one check of "c" tries the day for all of them.
-        let mut later = vec![check("c", "v7"), check("c", "v8"), check("c", "v1")];
-        let split = held.split(&mut later, t0 + PROBE_EVERY);
+        let t1 = t0 + Duration::from_millis(10);
+        learn_from(
+            &mut held,
+            vec![increment("h1"), increment("h0")],
+            HeldRow::Own,
+            t1,
+        );
+        let t2 = t1 + PROBE_EVERY;
+        let mut batch: Vec<Queued> = names.iter().map(|n| increment(n)).collect();
         assert_eq!(
-            split,
+            held.split(&mut batch, t2),
             Split {
                 normal: 0,
                 probes: 2
             }
         );
+        assert_eq!(rows(&batch[..2]), ["c:h2", "c:h3"]);
+        // Not again within PROBE_EVERY, whatever is due.
+        let mut batch: Vec<Queued> = names.iter().map(|n| increment(n)).collect();
+        let t3 = t2 + PROBE_EVERY / 2;
         assert_eq!(
-            later
-                .iter()
-                .map(|q| q.command.held_row())
-                .collect::<Vec<_>>(),
-            ["v:1:cv7", "v:1:cv1", "v:1:cv8"]
+            held.split(&mut batch, t3),
+            Split {
+                normal: 0,
+                probes: 0
+            }
         );
+        let mut batch: Vec<Queued> = names.iter().map(|n| increment(n)).collect();
+        let t4 = t2 + PROBE_EVERY;
+        assert_eq!(
+            held.split(&mut batch, t4),
+            Split {
+                normal: 0,
+                probes: 2
+            }
+        );
+        assert_eq!(rows(&batch[..2]), ["c:h0", "c:h1"]);
     }
 
-    /// A row nothing asked for in `FORGET_AFTER` is forgotten.
+    /// A check refused at its budget's day is remembered as the day: every
+    /// check of that budget is then answered, whatever the visitor, and one
+    /// tries the day for all. A check refused at its own row is that
+    /// visitor's only, and a try of it does not stand for the day.
     #[test]
-    fn a_row_nothing_asks_for_is_forgotten() {
+    fn a_held_day_is_every_check_of_its_budget() {
         let mut held = HeldRows::default();
         let t0 = Instant::now();
-        let mut first = vec![increment("quiet"), increment("asked")];
-        held.split(&mut first, t0);
-        for q in &mut first {
-            q.command.fail(busy());
-        }
-        held.learn(&first, t0);
-        // "asked" is tried now and then, and stays held.
-        let mut t = t0;
-        while t < t0 + FORGET_AFTER {
-            t += PROBE_EVERY;
-            let mut batch = vec![increment("asked")];
-            assert_eq!(
-                held.split(&mut batch, t),
-                Split {
-                    normal: 0,
-                    probes: 1
-                }
-            );
-            batch[0].command.fail(busy());
-            held.learn(&batch, t);
-        }
-        let mut batch = vec![increment("quiet"), increment("asked")];
-        let split = held.split(&mut batch, t + PROBE_EVERY / 2);
+        learn_from(
+            &mut held,
+            vec![check("b", "v1"), check("b", "v2")],
+            HeldRow::Own,
+            t0,
+        );
+        learn_from(&mut held, vec![check("c", "v1")], HeldRow::Day, t0);
+        let mut next = vec![
+            check("b", "v3"),
+            check("c", "v9"),
+            check("b", "v1"),
+            check("c", "v8"),
+        ];
+        let split = held.split(&mut next, t0 + PROBE_EVERY / 2);
         assert_eq!(
             split,
             Split {
@@ -442,41 +491,102 @@ mod tests {
                 probes: 0
             }
         );
-        assert_eq!(batch[0].command.held_row(), "c:quiet");
-        assert_eq!(held.rows.len(), 1);
-    }
-
-    /// At most `PROBES_PER_BATCH` rows are tried in one batch; the others
-    /// are answered and tried in a later one.
-    #[test]
-    fn a_batch_tries_few_held_rows() {
-        let mut held = HeldRows::default();
-        let t0 = Instant::now();
-        let rows = PROBES_PER_BATCH + 2;
-        let mut first: Vec<Queued> = (0..rows).map(|i| increment(&format!("h{i}"))).collect();
-        held.split(&mut first, t0);
-        for q in &mut first {
-            q.command.fail(busy());
-        }
-        held.learn(&first, t0);
-        let mut batch: Vec<Queued> = (0..rows).map(|i| increment(&format!("h{i}"))).collect();
-        let split = held.split(&mut batch, t0 + PROBE_EVERY);
+        assert_eq!(rows(&next[..1]), ["v:1:bv3"]);
+        // Held visitors' tries, refused again, do not make b's day held.
+        let mut later = vec![check("b", "v1"), check("b", "v2"), check("b", "v3")];
+        let t1 = t0 + PROBE_EVERY;
         assert_eq!(
-            split,
+            held.split(&mut later, t1),
             Split {
-                normal: 0,
-                probes: PROBES_PER_BATCH
-            }
-        );
-        // The rows not tried are the next batch's.
-        let mut batch: Vec<Queued> = (0..rows).map(|i| increment(&format!("h{i}"))).collect();
-        let split = held.split(&mut batch, t0 + PROBE_EVERY);
-        assert_eq!(
-            split,
-            Split {
-                normal: 0,
+                normal: 1,
                 probes: 2
             }
         );
+        later[1].command.fail(busy(HeldRow::Own));
+        later[2].command.fail(busy(HeldRow::Own));
+        held.learn(&later[1..], t1);
+        let mut next = vec![check("b", "v4")];
+        assert_eq!(
+            held.split(&mut next, t1),
+            Split {
+                normal: 1,
+                probes: 0
+            }
+        );
+    }
+
+    /// A keyed command is never answered without a try (a replay needs no
+    /// row), a replay forgets nothing, and a row is not tried apart from a
+    /// command on the same budget or counter applied as usual.
+    #[test]
+    fn keys_and_queue_order_come_first() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(
+            &mut held,
+            vec![increment("k"), check("b", "v")],
+            HeldRow::Own,
+            t0,
+        );
+        let t1 = t0 + PROBE_EVERY;
+        let mut keyed = increment("k");
+        keyed.key = Some(IdempotencyKey::parse("key-1").unwrap());
+        let mut batch = vec![increment("k"), keyed, check("b", "v"), delete_budget("b")];
+        // "k" has a keyed command applied as usual, "b" a delete: no try.
+        assert_eq!(
+            held.split(&mut batch, t1),
+            Split {
+                normal: 2,
+                probes: 0
+            }
+        );
+        assert!(batch[0].key.is_some());
+        assert_eq!(rows(&batch[2..]), ["c:k", "v:1:bv"]);
+        // A replay of the key: the row stays remembered (and is tried, now
+        // that nothing else on it is applied as usual).
+        if let Command::Increment { reply, .. } = &mut batch[0].command {
+            reply.set_replayed(Ok(5));
+        }
+        held.learn(&batch[..1], t1);
+        let mut next = vec![increment("k")];
+        assert_eq!(
+            held.split(&mut next, t1),
+            Split {
+                normal: 0,
+                probes: 1
+            }
+        );
+    }
+
+    /// Any answer but row-busy forgets the rows (an overflow, an unknown
+    /// budget); a row nothing asks for in `FORGET_AFTER` is forgotten.
+    #[test]
+    fn rows_are_forgotten() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(
+            &mut held,
+            vec![increment("over"), increment("quiet")],
+            HeldRow::Own,
+            t0,
+        );
+        let t1 = t0 + PROBE_EVERY;
+        let mut batch = vec![increment("over")];
+        assert_eq!(
+            held.split(&mut batch, t1),
+            Split {
+                normal: 0,
+                probes: 1
+            }
+        );
+        batch[0].command.fail(Error::Internal("overflow".into()));
+        held.learn(&batch, t1);
+        assert!(!held.rows.contains_key("c:over"));
+        let mut t = t1;
+        while t < t0 + FORGET_AFTER {
+            t += PROBE_EVERY;
+            held.learn(&[], t);
+        }
+        assert!(!held.wary());
     }
 }

@@ -54,7 +54,7 @@ use super::{
     list::KeyRange,
     reads::{BoxFuture, Reads},
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    txn::{Applied, Pass, apply_batch, apply_probes},
+    txn::{self, Applied, Pass},
     writer::{Engine, Lost},
 };
 use crate::{
@@ -91,7 +91,7 @@ pub(super) fn error(e: sqlx::Error) -> Error {
     let unreachable = code.is_some_and(|c| connection_done(c) || matches!(c, "53300" | "57014"));
     match code {
         Some("53100") => Error::StorageFull(Arc::new(e)),
-        Some("55P03") => Error::Busy(Arc::new(e)),
+        Some("55P03") => Error::Busy(Arc::new(e), super::HeldRow::Own),
         Some("40001" | "40P01") => Error::Raced(Arc::new(e)),
         _ if unreachable => Error::Unavailable(Arc::new(e)),
         _ => Error::from_sqlx(e),

@@ -57,14 +57,19 @@ impl WriterConn {
 
     /// Applies a batch. Commands on rows found held by another transaction
     /// a moment ago do not wait for them again ([`HeldRows`]): they are
-    /// answered row-busy at once, or, now and then, tried briefly in a
-    /// transaction of their own once the rest has committed.
+    /// answered row-busy with the batch, or, now and then, tried briefly in
+    /// a transaction of their own once the rest has committed; and while
+    /// any row is known held, no command waits for a row long.
     pub async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
+        let pass = match self.held.wary() {
+            true => Pass::Wary,
+            false => Pass::Batch,
+        };
         let split = self.held.split(batch, Instant::now());
         let (normal, rest) = batch.split_at_mut(split.normal);
         let probes = &mut rest[..split.probes];
         if !normal.is_empty() {
-            self.run(normal, Pass::Batch).await?;
+            self.run(normal, pass).await?;
             log_busy(normal);
             self.held.learn(normal, Instant::now());
         }
@@ -100,13 +105,8 @@ impl WriterConn {
             let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
             let limit =
                 BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
-            let applying = async {
-                match pass {
-                    Pass::Batch => apply_batch(conn, batch).await,
-                    Pass::Probe => apply_probes(conn, batch).await,
-                }
-            };
-            let Ok(applied) = tokio::time::timeout(limit, applying).await else {
+            let Ok(applied) = tokio::time::timeout(limit, txn::apply_by(conn, batch, pass)).await
+            else {
                 // Cut off somewhere between BEGIN and COMMIT's answer: the
                 // batch may have committed.
                 tracing::error!(
@@ -188,7 +188,7 @@ impl WriterConn {
 fn log_busy(batch: &[Queued]) {
     let busy: Vec<String> = batch
         .iter()
-        .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(_)))))
+        .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(..)))))
         .map(|q| q.command.to_string())
         .collect();
     if let Some(first) = busy.first() {

@@ -510,9 +510,8 @@ async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "{what}");
         assert_eq!(r.headers()["retry-after"], "1", "{what}");
     };
-    // Each process finds the rows held by waiting out the lock timeout:
-    // the counter's at once, the day's once a batch holds two checks of
-    // new visitors (each new visitor's first check waits, until then).
+    // Each process finds the rows held by waiting out the lock timeout
+    // once (or twice, should its first batch hold only some of these).
     for attempt in 0.. {
         let writes = bins
             .iter()
