@@ -60,8 +60,8 @@ pub(super) trait Store {
     const AFTER_BUSY: Option<&'static str> = None;
 
     /// Opens a transaction whose statements wait for a row only as
-    /// briefly as [`Self::AFTER_BUSY`] has them wait: while rows are known
-    /// to be held by another transaction (`txn::Pass`).
+    /// briefly as [`Self::AFTER_BUSY`] has them wait: to try again rows
+    /// found held by another transaction a moment ago (`txn::Pass`).
     const BEGIN_PROBE: &'static str = Self::BEGIN;
 
     /// The time the transaction's rules go by (today, a day's window):

@@ -147,9 +147,12 @@ pub(super) enum Pass {
     /// [`apply_batch`]: set-based if it can be, else one by one; the lock
     /// timeout for the first such row, briefly for the rest.
     Batch,
-    /// The same, briefly for every row: while rows are known to be held
-    /// by another transaction, one more found held costs its batch no
-    /// lock timeout.
+    /// The same, but the first such row is waited for as a set-based
+    /// batch waits ([`Store::BEGIN_SET_BASED`], 250 ms on PostgreSQL), not
+    /// the whole lock timeout: while rows are known to be held by another
+    /// transaction, one more found held costs its batch little, and
+    /// another tally process's batch, which holds its rows for
+    /// milliseconds, is still waited for.
     Wary,
     /// Rows another transaction was found holding a moment ago (one
     /// command per row): one by one, each waiting for its row only briefly
@@ -160,7 +163,8 @@ pub(super) enum Pass {
 async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) -> Applied {
     let begin_with = match pass {
         Pass::Batch => S::BEGIN,
-        Pass::Wary | Pass::Probe => S::BEGIN_PROBE,
+        Pass::Wary => S::BEGIN_SET_BASED,
+        Pass::Probe => S::BEGIN_PROBE,
     };
     let mut broken = begin(conn, begin_with).await.err();
     let began = broken.is_none();
@@ -179,8 +183,8 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
     // cost a lock timeout each, one after another, and hold up the whole
     // batch past its deadline. A command whose row is free does not wait at
     // all, whatever else its budget or counter has held.
-    // Wary or probing: briefly from the start (`begin_with`).
-    let mut waited = pass != Pass::Batch;
+    // Probing: briefly from the start (`begin_with`).
+    let mut waited = pass == Pass::Probe;
     for i in lock_order(batch) {
         let q = &mut batch[i];
         if let Some(e) = &broken {

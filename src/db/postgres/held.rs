@@ -9,7 +9,8 @@
 //! again, briefly, in a transaction of its own after the rest of the batch
 //! has committed (`txn::Pass::Probe`). The first command to get the row
 //! forgets it. While any row is remembered, batches wait for no row long
-//! (`txn::Pass::Wary`), so meeting one more costs no lock timeout. Without
+//! (`txn::Pass::Wary`: 250 ms), so meeting one more costs no lock timeout.
+//! Without
 //! this, a client retrying a write to a held row put a lock timeout into
 //! nearly every batch, and every other write of the process waited that
 //! long.
@@ -75,7 +76,7 @@ pub struct Split {
 
 impl HeldRows {
     /// Whether rows are known to be held: then no command waits for a row
-    /// long.
+    /// the whole lock timeout.
     pub fn wary(&self) -> bool {
         !self.rows.is_empty()
     }
