@@ -42,13 +42,15 @@ pub async fn increment_many(
     }
 }
 
-/// [`increment_many`] as a whole transaction ([`Store::upsert_counters_committed`]).
+/// [`increment_many`] as a whole transaction
+/// ([`Store::upsert_counters_committed`]), opened with `begin`.
 pub async fn increment_many_committed(
     conn: &mut impl Store,
     items: &[(&Name, i64)],
+    begin: &'static str,
 ) -> Result<Option<Vec<i64>>, Error> {
     let totals = totals(items);
-    match conn.upsert_counters_committed(&totals).await? {
+    match conn.upsert_counters_committed(&totals, begin).await? {
         Some(rows) => values_in_order(items, &totals, rows).map(Some),
         None => Ok(None),
     }

@@ -80,14 +80,17 @@ pub(super) trait Store {
         totals: &[(&str, i64)],
     ) -> Result<Option<Vec<(String, i64)>>, Error>;
 
-    /// The same as a whole transaction: BEGIN, upsert, COMMIT. On overflow
-    /// (`None`) nothing was committed and no transaction is left open; on
-    /// an error the caller rolls back, since one may be.
+    /// The same as a whole transaction: `begin` (how long it waits for a
+    /// row: [`Self::BEGIN_SET_BASED`], or [`Self::BEGIN_PROBE`]), upsert,
+    /// COMMIT. On overflow (`None`) nothing was committed and no
+    /// transaction is left open; on an error the caller rolls back, since
+    /// one may be.
     async fn upsert_counters_committed(
         &mut self,
         totals: &[(&str, i64)],
+        begin: &'static str,
     ) -> Result<Option<Vec<(String, i64)>>, Error> {
-        self.exec(Self::BEGIN_SET_BASED).await?;
+        self.exec(begin).await?;
         match self.upsert_counters(totals).await? {
             Some(rows) => {
                 self.exec("COMMIT").await.map_err(Error::at_commit)?;

@@ -434,7 +434,7 @@ async fn one_trip_increment_batches_answer_as_one_at_a_time() {
         for (n, by) in &items {
             want.push(reference_increment(&mut single, n, *by).await);
         }
-        let got = counters::increment_many_committed(&mut batched, &items)
+        let got = counters::increment_many_committed(&mut batched, &items, "BEGIN IMMEDIATE")
             .await
             .unwrap();
         assert_eq!(got, Some(want));
@@ -447,9 +447,13 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
     let mut conn = near_overflow().await;
     let n = names(&["big", "small"]);
     let (big, small) = (&n[0], &n[1]);
-    let r = counters::increment_many_committed(&mut conn, &[(small, 1), (big, 500), (big, 500)])
-        .await
-        .unwrap();
+    let r = counters::increment_many_committed(
+        &mut conn,
+        &[(small, 1), (big, 500), (big, 500)],
+        "BEGIN IMMEDIATE",
+    )
+    .await
+    .unwrap();
     assert_eq!(r, None);
     assert_eq!(
         dump(&mut conn).await,
@@ -461,7 +465,7 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
         )]
     );
     // No transaction was left open: the next one starts and commits.
-    let r = counters::increment_many_committed(&mut conn, &[(small, 1)])
+    let r = counters::increment_many_committed(&mut conn, &[(small, 1)], "BEGIN IMMEDIATE")
         .await
         .unwrap();
     assert_eq!(r, Some(vec![1]));

@@ -37,7 +37,7 @@ pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: 
     let keyed = batch.iter().any(|q| q.key.is_some());
     if pass != Pass::Probe
         && !keyed
-        && let Some(applied) = apply_set_based(conn, batch).await
+        && let Some(applied) = apply_set_based(conn, batch, pass).await
     {
         return applied;
     }
@@ -52,8 +52,18 @@ pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: 
 /// of command, a statement failed, or a counter would overflow. An error
 /// that breaks the transaction ([`Error::breaks_transaction`]) is the
 /// whole batch's answer.
-async fn apply_set_based<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Option<Applied> {
-    let (values, decisions, commit) = run_set_based(conn, batch).await?;
+async fn apply_set_based<S: Store>(
+    conn: &mut S,
+    batch: &mut [Queued],
+    pass: Pass,
+) -> Option<Applied> {
+    // Wary, the set-based try waits for a row only briefly: a row held
+    // past that is waited for command by command (`one_by_one`).
+    let begin = match pass {
+        Pass::Wary => S::BEGIN_PROBE,
+        Pass::Batch | Pass::Probe => S::BEGIN_SET_BASED,
+    };
+    let (values, decisions, commit) = run_set_based(conn, batch, begin).await?;
     if commit.is_ok() {
         in_queue_order(batch, values, decisions);
     }
@@ -65,6 +75,7 @@ async fn apply_set_based<S: Store>(conn: &mut S, batch: &mut [Queued]) -> Option
 async fn run_set_based<S: Store>(
     conn: &mut S,
     batch: &[Queued],
+    begin_with: &'static str,
 ) -> Option<(Vec<i64>, Vec<Result<Decision, Error>>, Applied)> {
     let mut increments = Vec::new();
     let mut checks = Vec::new();
@@ -83,7 +94,7 @@ async fn run_set_based<S: Store>(
         // The hottest batch, increments only: the whole transaction in
         // one round trip.
         let started = std::time::Instant::now();
-        let applied = counters::increment_many_committed(conn, &increments).await;
+        let applied = counters::increment_many_committed(conn, &increments, begin_with).await;
         let (values, commit) = match applied {
             Ok(Some(values)) => (values, Ok(())),
             Ok(None) => return None,
@@ -101,7 +112,7 @@ async fn run_set_based<S: Store>(
             .record(started.elapsed().as_secs_f64());
         return Some((values, Vec::new(), commit));
     }
-    if let Err(e) = begin(conn, S::BEGIN_SET_BASED).await {
+    if let Err(e) = begin(conn, begin_with).await {
         return e
             .breaks_transaction()
             .then(|| (Vec::new(), Vec::new(), Err(e)));
@@ -147,11 +158,12 @@ pub(super) enum Pass {
     /// [`apply_batch`]: set-based if it can be, else one by one; the lock
     /// timeout for the first such row, briefly for the rest.
     Batch,
-    /// The same, but the first such row is waited for as a set-based
-    /// batch waits ([`Store::BEGIN_SET_BASED`], 250 ms on PostgreSQL), not
-    /// the whole lock timeout: while rows are known to be held by another
-    /// transaction, one more found held costs its batch little, and
-    /// another tally process's batch, which holds its rows for
+    /// The same, but a set-based try waits for a row only briefly, and
+    /// command by command the first such row is waited for as a set-based
+    /// batch usually waits ([`Store::BEGIN_SET_BASED`], 250 ms on
+    /// PostgreSQL), not the whole lock timeout: while rows are known to be
+    /// held by another transaction, one more found held costs its batch
+    /// little, and another tally process's batch, which holds its rows for
     /// milliseconds, is still waited for.
     Wary,
     /// Rows another transaction was found holding a moment ago (one

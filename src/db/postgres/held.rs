@@ -35,8 +35,8 @@ pub const PROBES_PER_BATCH: usize = 2;
 /// forgotten.
 const MOST_ROWS: usize = 4096;
 
-/// A row no command has tried for this long is forgotten: nothing asks
-/// for it, so whether it is still held is unknown.
+/// A row no command has asked for this long is forgotten: whether it is
+/// still held is unknown.
 pub const FORGET_AFTER: Duration = Duration::from_secs(10);
 
 /// The rows found held, each with when it was last tried and the error
@@ -62,6 +62,8 @@ impl Default for HeldRows {
 
 struct Held {
     tried: Instant,
+    /// When a command last waited for it (tried or refused).
+    asked: Instant,
     error: Error,
 }
 
@@ -135,16 +137,18 @@ impl HeldRows {
         }
         let mut answered = 0;
         for (i, (q, row)) in batch.iter_mut().zip(&remembered).enumerate() {
-            let Some(row) = row else { continue };
-            match probing.iter().any(|(r, first)| r == row && *first == i) {
-                true => {
-                    if let Some(held) = self.rows.get_mut(row) {
-                        held.tried = now;
-                    }
-                }
+            let Some(held) = row.as_ref().and_then(|r| self.rows.get_mut(r)) else {
+                continue;
+            };
+            held.asked = now;
+            match probing
+                .iter()
+                .any(|(r, first)| Some(r) == row.as_ref() && *first == i)
+            {
+                true => held.tried = now,
                 false => {
                     answered += 1;
-                    q.command.fail(self.rows[row].error.clone());
+                    q.command.fail(held.error.clone());
                 }
             }
         }
@@ -188,7 +192,12 @@ impl HeldRows {
                         _ => q.command.held_row(),
                     };
                     let error = e.clone();
-                    self.rows.insert(row, Held { tried: now, error });
+                    let held = Held {
+                        tried: now,
+                        asked: now,
+                        error,
+                    };
+                    self.rows.insert(row, held);
                 }
                 Some(_) if !self.rows.is_empty() => {
                     for row in rows_of(&q.command) {
@@ -199,7 +208,7 @@ impl HeldRows {
             }
         }
         self.rows
-            .retain(|_, h| now.saturating_duration_since(h.tried) < FORGET_AFTER);
+            .retain(|_, h| now.saturating_duration_since(h.asked) < FORGET_AFTER);
         while self.rows.len() > MOST_ROWS
             && let Some(oldest) = self
                 .rows
@@ -557,6 +566,32 @@ mod tests {
                 probes: 1
             }
         );
+    }
+
+    /// A row asked for is kept, tried or not: with many rows held, each is
+    /// tried seldom, and forgetting it would cost its next batch a wait.
+    #[test]
+    fn a_row_asked_for_is_kept_though_seldom_tried() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        let names: Vec<String> = (0..100).map(|i| format!("h{i}")).collect();
+        learn_from(
+            &mut held,
+            names.iter().map(|n| increment(n)).collect(),
+            HeldRow::Own,
+            t0,
+        );
+        let mut t = t0;
+        while t < t0 + FORGET_AFTER * 2 {
+            t += PROBE_EVERY;
+            let mut batch: Vec<Queued> = names.iter().map(|n| increment(n)).collect();
+            let split = held.split(&mut batch, t);
+            assert_eq!(split.normal, 0, "a row was forgotten at {:?}", t - t0);
+            for q in &mut batch[..split.probes] {
+                q.command.fail(busy(HeldRow::Own));
+            }
+            held.learn(&batch[..split.probes], t);
+        }
     }
 
     /// Any answer but row-busy forgets the rows (an overflow, an unknown

@@ -137,10 +137,12 @@ impl Store for SqliteConnection {
 
     /// `BEGIN`, the upsert and `COMMIT` as one script: the hottest batch in
     /// one round trip. On overflow the script stops before `COMMIT`, and
-    /// the open transaction is rolled back here.
+    /// the open transaction is rolled back here. (Nothing else writes the
+    /// file: every `begin` is `BEGIN IMMEDIATE`.)
     async fn upsert_counters_committed(
         &mut self,
         totals: &[(&str, i64)],
+        _begin: &'static str,
     ) -> Result<Option<Vec<(String, i64)>>, Error> {
         let rows = sqlx::query_scalar(concat!("BEGIN IMMEDIATE;", upsert_counters!(), "COMMIT;"))
             .bind(totals_json(totals))
