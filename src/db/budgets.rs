@@ -127,7 +127,7 @@ async fn named_budgets(
     let mut names: Vec<&str> = items.iter().map(|i| i.budget.as_str()).collect();
     names.sort_unstable();
     names.dedup();
-    from_rows(conn.load_budgets(&names).await?)
+    from_rows(conn.load_budgets(&names).await.map_err(Error::at_budget)?)
 }
 
 /// The budget a check names and the day it counts on ([`Budget::day`]), or
@@ -297,7 +297,10 @@ pub async fn reset(
     visitor: Option<&VisitorId>,
     now: Timestamp,
 ) -> Result<(Day, u64), Error> {
-    let rows = conn.load_budgets(&[budget.as_str()]).await?;
+    let rows = conn
+        .load_budgets(&[budget.as_str()])
+        .await
+        .map_err(Error::at_budget)?;
     let day = one(rows, budget)?.day(day, now)?;
     let (b, d) = (budget.as_str(), day.to_string());
     conn.lock_days(&[(b, &d)]).await.map_err(Error::at_day)?;

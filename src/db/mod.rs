@@ -209,6 +209,9 @@ pub enum HeldRow {
     /// The day of a budget it counts on (the day's global usage row, which
     /// every writer of that day's usage locks first).
     Day,
+    /// The budget's own row, which every check and reset of it reads
+    /// (`FOR SHARE` on PostgreSQL).
+    Budget,
 }
 
 impl Error {
@@ -217,6 +220,15 @@ impl Error {
     pub(crate) fn at_day(self) -> Self {
         match self {
             Error::Busy(e, _) => Error::Busy(e, HeldRow::Day),
+            e => e,
+        }
+    }
+
+    /// The error of a statement that reads budgets' rows: a row found held
+    /// there is the budget's.
+    pub(crate) fn at_budget(self) -> Self {
+        match self {
+            Error::Busy(e, _) => Error::Busy(e, HeldRow::Budget),
             e => e,
         }
     }

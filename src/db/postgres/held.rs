@@ -189,6 +189,10 @@ impl HeldRows {
                             Command::Check { budget, .. } | Command::Reset { budget, .. },
                             HeldRow::Day,
                         ) => days_of(budget.as_str()),
+                        (
+                            Command::Check { budget, .. } | Command::Reset { budget, .. },
+                            HeldRow::Budget,
+                        ) => budget_of(budget.as_str()),
                         _ => q.command.held_row(),
                     };
                     let error = e.clone();
@@ -201,7 +205,10 @@ impl HeldRows {
                 }
                 Some(_) if !self.rows.is_empty() => {
                     for row in rows_of(&q.command) {
-                        self.rows.remove(&row);
+                        // A row had again: the others may be free too.
+                        if self.rows.remove(&row).is_some() {
+                            self.next_probes = None;
+                        }
                     }
                 }
                 _ => {}
@@ -227,20 +234,25 @@ impl HeldRows {
 
 /// The rows a command waits for, by the keys they are remembered by: its
 /// own ([`Command::held_row`]), and for a check or a reset its budget's
-/// days.
+/// days and its budget's row.
 fn rows_of(command: &Command) -> impl Iterator<Item = String> + '_ {
-    let days = match command {
-        Command::Check { budget, .. } | Command::Reset { budget, .. } => {
-            Some(days_of(budget.as_str()))
-        }
+    let budget = match command {
+        Command::Check { budget, .. } | Command::Reset { budget, .. } => Some(budget.as_str()),
         _ => None,
     };
-    std::iter::once(command.held_row()).chain(days)
+    let more = budget.map(|b| [days_of(b), budget_of(b)]);
+    std::iter::once(command.held_row()).chain(more.into_iter().flatten())
 }
 
 /// The key a budget's days are remembered by.
 fn days_of(budget: &str) -> String {
     format!("d:{budget}")
+}
+
+/// The key a budget's own row is remembered by ([`Command::held_row`] of
+/// its admin commands).
+fn budget_of(budget: &str) -> String {
+    format!("b:{budget}")
 }
 
 /// Whether `applied`, applied with the rest of its batch, could be put out
@@ -523,6 +535,25 @@ mod tests {
                 probes: 0
             }
         );
+    }
+
+    /// A check refused at its budget's row (read `FOR SHARE`) is every
+    /// check of that budget, and the budget's admin commands too.
+    #[test]
+    fn a_held_budget_row_is_every_check_of_it() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(&mut held, vec![check("b", "v1")], HeldRow::Budget, t0);
+        let mut next = vec![check("b", "v2"), delete_budget("b"), check("c", "v1")];
+        let split = held.split(&mut next, t0 + PROBE_EVERY / 2);
+        assert_eq!(
+            split,
+            Split {
+                normal: 1,
+                probes: 0
+            }
+        );
+        assert_eq!(rows(&next[..1]), ["v:1:cv1"]);
     }
 
     /// A keyed command is never answered without a try (a replay needs no
