@@ -146,11 +146,6 @@ async fn run_set_based<S: Store>(
     }
 }
 
-/// The general path: one transaction, each command in its own
-/// savepoint. If the transaction breaks (BEGIN fails, or a savepoint
-/// cannot be rolled back because SQLite already rolled everything back,
-/// as it does on some I/O errors), the commands after it do not run and
-/// every caller gets the error.
 /// Which rule commands are applied by, and so how long they wait for a
 /// row another transaction holds.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -172,6 +167,11 @@ pub(super) enum Pass {
     Probe,
 }
 
+/// The general path: one transaction, each command in its own
+/// savepoint. If the transaction breaks (BEGIN fails, or a savepoint
+/// cannot be rolled back because SQLite already rolled everything back,
+/// as it does on some I/O errors), the commands after it do not run and
+/// every caller gets the error.
 async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) -> Applied {
     let begin_with = match pass {
         Pass::Batch => S::BEGIN,
@@ -232,7 +232,7 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
 /// names cannot deadlock on them.
 fn lock_order(batch: &[Queued]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..batch.len()).collect();
-    order.sort_by_key(|&i| lock_key(&batch[i]));
+    order.sort_by_key(|&i| lock_key(&batch[i].command));
     order
 }
 
@@ -242,8 +242,8 @@ fn lock_order(batch: &[Queued]) -> Vec<usize> {
 /// order of the set-based statements too (`migrations/postgres`).
 type LockKey<'a> = (u8, &'a str);
 
-fn lock_key(q: &Queued) -> LockKey<'_> {
-    match &q.command {
+pub(super) fn lock_key(command: &Command) -> LockKey<'_> {
+    match command {
         Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => (0, name.as_str()),
         Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => (1, name.as_str()),
         Command::Check { budget, .. } | Command::Reset { budget, .. } => (1, budget.as_str()),

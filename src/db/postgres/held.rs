@@ -20,8 +20,8 @@ use std::{collections::HashMap, time::Duration};
 use tokio::time::Instant;
 
 use super::{Error, Queued};
-use crate::db::HeldRow;
 use crate::db::command::Command;
+use crate::db::{HeldRow, txn::lock_key};
 
 /// How often a row found held is tried again, and how often a batch tries
 /// any.
@@ -261,18 +261,7 @@ fn budget_of(budget: &str) -> String {
 /// commute but for who meets a global limit first, among calls made at
 /// once).
 fn reorders(tried: &Command, applied: &Command) -> bool {
-    let name = |c: &Command| match c {
-        Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => {
-            (0, name.as_str().to_owned())
-        }
-        Command::PutBudget { name, .. } | Command::DeleteBudget { name, .. } => {
-            (1, name.as_str().to_owned())
-        }
-        Command::Check { budget, .. } | Command::Reset { budget, .. } => {
-            (1, budget.as_str().to_owned())
-        }
-    };
-    if name(tried) != name(applied) {
+    if lock_key(tried) != lock_key(applied) {
         return false;
     }
     let both_checks =
