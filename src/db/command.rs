@@ -75,6 +75,9 @@ pub struct Reply<T> {
     tx: Option<oneshot::Sender<Answer<T>>>,
     result: Option<Result<T, Error>>,
     replayed: bool,
+    /// The result was decided without running the command ([`Reply::refuse`]):
+    /// it stands whatever becomes of the batch's transaction.
+    refused: bool,
 }
 
 /// What became of an answer the writer sent.
@@ -96,6 +99,7 @@ impl<T: fmt::Debug> Reply<T> {
             tx: Some(tx),
             result: None,
             replayed: false,
+            refused: false,
         };
         (reply, rx)
     }
@@ -105,6 +109,18 @@ impl<T: fmt::Debug> Reply<T> {
     pub fn set(&mut self, result: Result<T, Error>) {
         self.result = Some(result);
         self.replayed = false;
+        self.refused = false;
+    }
+
+    /// Answers the command with an error without running it: nothing of it
+    /// is in the batch's transaction, so whatever becomes of that, its
+    /// caller hears this error (one saying that nothing ran, so a retry is
+    /// safe), not the batch's. A later [`Reply::set`] replaces it, if the
+    /// command is run after all.
+    pub fn refuse(&mut self, e: Error) {
+        self.result = Some(Err(e));
+        self.replayed = false;
+        self.refused = true;
     }
 
     /// The result stored for the command's idempotency key.
@@ -129,9 +145,11 @@ impl<T: fmt::Debug> Reply<T> {
     }
 
     /// Sends the answer: the commit's error if the batch did not commit,
-    /// else the command's own result. Once only.
+    /// else the command's own result; a refusal ([`Reply::refuse`]) either
+    /// way. Once only.
     pub fn send(&mut self, commit: &Result<(), Error>) -> Sent {
         let result = match (commit, self.result.take()) {
+            (_, Some(Err(e))) if self.refused => Err(e),
             (Err(e), _) => Err(e.clone()),
             (Ok(()), Some(result)) => result,
             // Every command of a batch gets its result, by construction;
@@ -317,6 +335,19 @@ impl Command {
         }
     }
 
+    /// Answers the command with an error without running it
+    /// ([`Reply::refuse`]).
+    pub fn refuse(&mut self, e: Error) {
+        match self {
+            Command::Increment { reply, .. } => reply.refuse(e),
+            Command::PutBudget { reply, .. } => reply.refuse(e),
+            Command::Check { reply, .. } => reply.refuse(e),
+            Command::Reset { reply, .. } => reply.refuse(e),
+            Command::DeleteBudget { reply, .. } => reply.refuse(e),
+            Command::DeleteCounter { reply, .. } => reply.refuse(e),
+        }
+    }
+
     /// Sends the command's answer ([`Reply::send`]).
     pub fn send(&mut self, commit: &Result<(), Error>) -> Sent {
         match self {
@@ -387,6 +418,39 @@ impl fmt::Display for Command {
 mod tests {
     use super::*;
     use crate::meter::Refusal;
+
+    /// A refusal is what its caller hears whether the batch committed or
+    /// not; a result the batch set is heard only if it committed; a
+    /// refused command run after all hears its run's result.
+    #[test]
+    fn a_refusal_stands_whatever_the_batch_does() {
+        let full = || Error::StorageFull(Arc::new(sqlx::Error::PoolClosed));
+        let heard = |reply: &mut Reply<i64>,
+                     rx: &mut oneshot::Receiver<Answer<i64>>,
+                     commit: Result<(), Error>| {
+            reply.send(&commit);
+            rx.try_recv().expect("answered").result
+        };
+        for commit in [Ok(()), Err(Error::OutcomeUnknown)] {
+            let (mut reply, mut rx) = Reply::new();
+            reply.refuse(full());
+            let result = heard(&mut reply, &mut rx, commit.clone());
+            assert!(matches!(result, Err(Error::StorageFull(_))), "{result:?}");
+
+            let (mut reply, mut rx) = Reply::new();
+            reply.refuse(full());
+            reply.set(Ok(7));
+            let result = heard(&mut reply, &mut rx, commit.clone());
+            match commit {
+                Ok(()) => assert!(matches!(result, Ok(7)), "{result:?}"),
+                Err(_) => assert!(matches!(result, Err(Error::OutcomeUnknown)), "{result:?}"),
+            }
+        }
+        let (mut reply, mut rx) = Reply::new();
+        reply.set(Err(full()));
+        let result = heard(&mut reply, &mut rx, Err(Error::OutcomeUnknown));
+        assert!(matches!(result, Err(Error::OutcomeUnknown)), "{result:?}");
+    }
 
     /// The label list names real results only: a typo would export a
     /// series at 0 forever while the real one stays absent.

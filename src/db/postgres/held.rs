@@ -148,7 +148,7 @@ impl HeldRows {
                 true => held.tried = now,
                 false => {
                     answered += 1;
-                    q.command.fail(held.error.clone());
+                    q.command.refuse(held.error.clone());
                 }
             }
         }
@@ -165,6 +165,20 @@ impl HeldRows {
         Split {
             normal: batch.len() - answered - probing.len(),
             probes: probing.len(),
+        }
+    }
+
+    /// Answers tries that were not made (the rest of their batch failed
+    /// first) as their rows' refusals: they never ran.
+    pub fn refuse_untried(&self, tries: &mut [Queued]) {
+        for q in tries {
+            let error = self
+                .remembered(&q.command)
+                .and_then(|row| self.rows.get(&row))
+                .map(|held| held.error.clone());
+            if let Some(error) = error {
+                q.command.refuse(error);
+            }
         }
     }
 

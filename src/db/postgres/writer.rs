@@ -69,7 +69,12 @@ impl WriterConn {
         let (normal, rest) = batch.split_at_mut(split.normal);
         let probes = &mut rest[..split.probes];
         if !normal.is_empty() {
-            self.run(normal, pass).await?;
+            // The commands answered row-busy and the tries not made hear
+            // that whatever the batch's error: none of them ran.
+            if let Err(e) = self.run(normal, pass).await {
+                self.held.refuse_untried(probes);
+                return Err(e);
+            }
             log_busy(normal);
             self.held.learn(normal, Instant::now());
         }
@@ -209,4 +214,76 @@ fn backoff(attempt: u32) -> Duration {
         .finish();
     let ceiling = 1u64 << attempt.min(8);
     Duration::from_micros(random % (ceiling * 1000))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{
+        db::command::{Answer, Command, Reply},
+        meter::Name,
+    };
+
+    fn increment(name: &str) -> (Queued, tokio::sync::oneshot::Receiver<Answer<i64>>) {
+        let (reply, rx) = Reply::new();
+        let command = Command::Increment {
+            name: Name::parse(name).unwrap(),
+            by: 1,
+            reply,
+        };
+        let q = Queued {
+            command,
+            key: None,
+            request_id: None,
+        };
+        (q, rx)
+    }
+
+    fn heard(rx: &mut tokio::sync::oneshot::Receiver<Answer<i64>>) -> Error {
+        match rx.try_recv().expect("answered").result {
+            Err(e) => e,
+            Ok(v) => panic!("answered {v}"),
+        }
+    }
+
+    /// A batch whose own part fails (here: no server to reach) answers its
+    /// callers with that failure, but the commands it answered row-busy
+    /// without running, and the try of a held row it never made, hear
+    /// row-busy: none of them ran, whatever the batch's error says (an
+    /// outcome-unknown, say, would send their callers reading and
+    /// retrying for nothing).
+    #[tokio::test]
+    async fn commands_on_held_rows_hear_row_busy_whatever_the_batch_hears() {
+        // A port nothing listens on: every connection is refused.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let options = PgConnectOptions::new().host("127.0.0.1").port(port);
+        let mut writer = WriterConn::new(options);
+        // "held" was found held a second ago: due for a try.
+        let then = Instant::now() - Duration::from_secs(1);
+        let (mut found, _) = increment("held");
+        found.command.fail(Error::Busy(
+            Arc::new(sqlx::Error::PoolTimedOut),
+            crate::db::HeldRow::Own,
+        ));
+        writer.held.learn(std::slice::from_ref(&found), then);
+
+        let (free, mut free_rx) = increment("free");
+        let (tried, mut tried_rx) = increment("held");
+        let (refused, mut refused_rx) = increment("held");
+        let mut batch = vec![free, tried, refused];
+        let commit = writer.apply(&mut batch).await;
+        assert!(matches!(commit, Err(Error::Unavailable(_))), "{commit:?}");
+        for mut q in batch {
+            q.command.send(&commit);
+        }
+        assert!(matches!(heard(&mut free_rx), Error::Unavailable(_)));
+        assert!(matches!(heard(&mut tried_rx), Error::Busy(..)));
+        assert!(matches!(heard(&mut refused_rx), Error::Busy(..)));
+    }
 }

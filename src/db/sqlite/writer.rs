@@ -55,7 +55,7 @@ impl Engine for SqliteWriter {
         let runs = batch.iter().filter(|q| !refused(q)).count();
         let own = check_refusals(&mut self.conn, &batch[runs..]).await;
         for (q, own) in batch[runs..].iter_mut().zip(own) {
-            q.command.fail(own.unwrap_or_else(|| refusal.clone()));
+            q.command.refuse(own.unwrap_or_else(|| refusal.clone()));
         }
         match runs {
             0 => Ok(()),
