@@ -148,8 +148,9 @@ fn day_of<'b>(
 /// before it left. A check naming an unknown budget or a day its budget
 /// does not keep ([`Budget::day`]) is refused and counts nothing.
 ///
-/// The first call of a day that reaches the global counter prunes its
-/// budget's usage older than retention, counted back from the budget's
+/// The first call of a day that reaches the global counter (or, while
+/// none has, a visitor's first: see [`meter::Step::first_of_day`]) prunes
+/// its budget's usage older than retention, once a batch, counted back from the budget's
 /// real today, never from a day a client named. Every day a check counts
 /// on is one its budget keeps, so no prune can delete a row the batch
 /// writes, and pruning before the write-back is the same as pruning in
@@ -169,7 +170,7 @@ pub async fn check_many(
 
     let mut usage = DayUsage::read(conn, items, &days).await?;
     let mut decisions = Vec::with_capacity(items.len());
-    let mut prunes = Vec::new();
+    let mut prunes: Vec<(usize, Day)> = Vec::new();
     for (i, (item, day)) in items.iter().zip(days).enumerate() {
         let (budget, day, text) = match day {
             Ok(d) => d,
@@ -179,7 +180,9 @@ pub async fn check_many(
             }
         };
         let step = usage.step(item, text, budget);
-        if step.first_of_day {
+        // Once per budget and batch: in a budget whose visitor limit is 0
+        // every new visitor's call is a first of the day.
+        if step.first_of_day && !prunes.iter().any(|(j, _)| items[*j].budget == item.budget) {
             prunes.push((i, budget.spec.kept_days(now).oldest));
         }
         decisions.push(Ok(Decision::new(budget, day, step, now)));

@@ -232,6 +232,7 @@ async fn set_based_agrees_with_one_at_a_time(seed: u64, one_day: bool) {
         // No day a budget keeps lost a call, whatever days were named.
         for (name, spec) in &budgets {
             assert_kept_days_kept(name, spec, now, &before, &after);
+            assert_retention_held(name, spec, now, &after);
         }
     }
     // The comparison covered pruning and refusals, and not only them.
@@ -357,6 +358,25 @@ fn random_batch<'a>(
 }
 
 /// Every row of a day `budget` keeps at `now` still has at least its calls.
+/// Once a call of a budget's today is counted, none of the days it no
+/// longer keeps is left: retention holds for a budget whose visitor limit
+/// is 0 too, none of whose calls reaches the global counter.
+fn assert_retention_held(budget: &Name, spec: &BudgetSpec, now: Timestamp, after: &[Row]) {
+    let kept = spec.kept_days(now);
+    let (today, oldest) = (kept.today.to_string(), kept.oldest.to_string());
+    let usage = || {
+        after
+            .iter()
+            .filter(|r| r.0 == budget.as_str() && r.2 != "*counter*")
+    };
+    if !usage().any(|r| r.1 == today) {
+        return;
+    }
+    if let Some(r) = usage().find(|r| r.1 < oldest) {
+        panic!("{budget} keeps {r:?} at {now}, its oldest day kept being {oldest}");
+    }
+}
+
 fn assert_kept_days_kept(
     budget: &Name,
     spec: &BudgetSpec,

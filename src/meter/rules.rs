@@ -18,8 +18,10 @@ pub struct Step {
     pub reason: Reason,
     /// The day's counts after the call.
     pub after: Counts,
-    /// The call was the day's first to reach the global counter: it prunes
-    /// the budget's usage past retention.
+    /// The call was the day's first to reach the global counter, or, when
+    /// none has, a visitor's first (in a budget whose visitor limit is 0
+    /// no call ever reaches it): it prunes the budget's usage past
+    /// retention.
     pub first_of_day: bool,
 }
 
@@ -40,7 +42,7 @@ pub fn decide(visitor_limit: u32, global_limit: u32, before: Counts) -> Step {
                 visitor,
                 global: before.global,
             },
-            first_of_day: false,
+            first_of_day: before == Counts::default(),
         };
     }
     let global = before.global.saturating_add(1);
@@ -105,7 +107,7 @@ mod tests {
                 assert_eq!(step.after.global, global + i64::from(within_visitor));
                 assert_eq!(
                     step.first_of_day,
-                    within_visitor && step.after.global == 1,
+                    before.global == 0 && (within_visitor || before.visitor == 0),
                     "call {call}"
                 );
                 reached_global += u32::from(within_visitor);

@@ -103,3 +103,30 @@ async fn retention_is_per_budget() {
     assert_eq!(days_in_db(&app).await.0, kept.to_vec());
     app.stop().await.unwrap();
 }
+
+/// A budget whose visitor limit is 0 denies every call before the global
+/// counter: its calls still prune the days it no longer keeps (a visitor's
+/// first call of the day does), or its visitors' rows would pile up a day
+/// at a time for as long as it is checked.
+#[tokio::test]
+async fn a_budget_that_admits_no_one_prunes_too() {
+    let app = spawn_app().await;
+    let r = app
+        .admin_put_budget(
+            "p",
+            json!({"visitor_limit": 0, "global_limit": 9, "retention_days": 1}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let d = |plus: i64| today_in("UTC", plus);
+    usage_behind(&app, &[&d(-3), &d(-2), &d(-1)]).await;
+    let decision = app.check("p", "A", &d(0)).await;
+    assert_eq!(decision["allowed"], false);
+    assert_eq!(decision["reason"], "visitor_limit");
+    assert_eq!(
+        days_in_db(&app).await,
+        (vec![d(-1)], vec![d(-1), d(0)]),
+        "(global days, visitor days)"
+    );
+    app.stop().await.unwrap();
+}
