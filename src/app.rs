@@ -35,10 +35,28 @@ pub struct Application {
     settings: Settings,
 }
 
+/// The admin token as requests can present it: set but empty is unset
+/// (admin off), and one no `Authorization` field could carry is refused
+/// (the error does not show it: it is a secret).
+fn admin_token(settings: &Settings) -> anyhow::Result<Option<Arc<str>>> {
+    match settings.admin_token.as_ref().map(|t| t.expose_secret()) {
+        Some("") => {
+            tracing::warn!("TALLY_ADMIN_TOKEN is set but empty: admin endpoints are off (403)");
+            Ok(None)
+        }
+        Some(t) if !t.bytes().all(|b| b == b' ' || b.is_ascii_graphic()) => anyhow::bail!(
+            "TALLY_ADMIN_TOKEN must be visible ASCII (spaces allowed inside): no request \
+             could present another character, and every admin call would answer 401"
+        ),
+        token => Ok(token.map(Arc::from)),
+    }
+}
+
 impl Application {
     /// Opens the database (running migrations), starts the writer and binds
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let admin_token = admin_token(&settings)?;
         let exporter = prometheus::install();
         prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());
         let max_connections = fds::cap_connections(&settings);
@@ -78,10 +96,6 @@ impl Application {
             }
         }
 
-        let admin_token = settings
-            .admin_token
-            .as_ref()
-            .map(|t| Arc::from(t.expose_secret()));
         let state = AppState::new(db.clone(), admin_token);
         let metrics_state = MetricsState {
             handle: exporter.clone(),

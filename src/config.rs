@@ -114,7 +114,9 @@ pub struct Settings {
           value_parser = parse_lock_timeout)]
     pub postgres_lock_timeout: Duration,
 
-    /// Bearer token for the admin endpoints; admin is disabled (403) when unset.
+    /// Bearer token for the admin endpoints; admin is disabled (403) when
+    /// unset or empty. Surrounding white space (the newline of a secret
+    /// written from a file) is not part of it: no request could send it.
     #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true,
           value_parser = parse_secret)]
     pub admin_token: Option<SecretString>,
@@ -304,7 +306,9 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 }
 
 fn parse_secret(s: &str) -> Result<SecretString, String> {
-    Ok(SecretString::from(s))
+    // The rest of what a request can present is checked at start
+    // (`app::admin_token`): a parse error here would print the secret.
+    Ok(SecretString::from(s.trim_ascii()))
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {
@@ -623,6 +627,20 @@ mod tests {
             let e = parse(out).unwrap_err().to_string();
             assert!(e.contains("between 1s and 30d"), "{out}: {e}");
         }
+    }
+
+    #[test]
+    fn the_admin_token_is_what_a_request_can_present() {
+        use secrecy::ExposeSecret;
+        let parse = |s: &str| {
+            let flag = format!("--admin-token={s}");
+            Cli::try_parse_from(["tally", flag.as_str()])
+                .map(|c| c.settings.admin_token.unwrap().expose_secret().to_owned())
+        };
+        assert_eq!(parse("s3cret").unwrap(), "s3cret");
+        assert_eq!(parse("s3cret\n").unwrap(), "s3cret");
+        assert_eq!(parse(" \ts3cret \r\n").unwrap(), "s3cret");
+        assert_eq!(parse("").unwrap(), "");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::{
         Admin, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query, replayed_header,
     },
     instrument::request_id,
-    openapi::{AdminProblems, Problems, WriteProblems},
+    openapi::{AdminProblems, CheckWriteProblems, Problems, WriteProblems},
     pages::{ListQuery, NoBody, NoQuery},
 };
 use crate::{
@@ -207,7 +207,7 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
         headers(("RateLimit-Policy" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
                 ("RateLimit" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
                 ("Retry-After" = u64, description = "On denials: seconds until the day resets"))),
-        WriteProblems, Problems))]
+        CheckWriteProblems, Problems))]
 /// A budget check. It fails closed: every answer other than a 200 carries
 /// `"allowed": false`, and a database failure denies with `meter_error`.
 pub async fn check(
@@ -322,7 +322,10 @@ pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
             h.insert(HeaderName::from_static(name), v);
         }
     }
-    if !d.allowed() {
+    // A denial on a day that is over (a check that named an earlier day)
+    // stays one: no wait helps, and `Retry-After: 0` would ask for the
+    // retry at once.
+    if !d.allowed() && w.resets_in_secs > 0 {
         h.insert(header::RETRY_AFTER, HeaderValue::from(w.resets_in_secs));
     }
     h
@@ -499,5 +502,14 @@ mod tests {
             "\"visitor\";r=0;t=3600, \"global\";r=3999999983;t=3600"
         );
         assert_eq!(h["retry-after"], "3600");
+
+        // Denied on a day that is over: no Retry-After, t=0.
+        let later: Timestamp = "2026-03-02T10:00:00Z".parse().unwrap();
+        let h = rate_limit_headers(&decision(Reason::VisitorLimit, 5, 17), later);
+        assert_eq!(
+            h["ratelimit"],
+            "\"visitor\";r=0;t=0, \"global\";r=3999999983;t=0"
+        );
+        assert!(!h.contains_key("retry-after"));
     }
 }

@@ -97,6 +97,18 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
     req: Request,
     state: &S,
 ) -> Result<Option<T>, Problem> {
+    // Two fields are two types, the body one of them or neither.
+    if req
+        .headers()
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        return Err(Problem::invalid(crate::meter::InvalidInput(
+            "a request takes one Content-Type, not several".into(),
+        )));
+    }
     let is_json = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -107,17 +119,23 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
                 && (m.subtype() == mime::JSON || m.suffix() == Some(mime::JSON))
         });
     let has_content_type = req.headers().contains_key(header::CONTENT_TYPE);
+    // A body refused whatever it holds is refused before it is read: a
+    // client waiting on `Expect: 100-continue` is not asked to send it,
+    // and one that sends it anyway is not waited for.
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > super::BODY_LIMIT as u64) {
+        return Err(too_large());
+    }
+    if has_content_type && !is_json && declared.is_some_and(|n| n > 0) {
+        return Err(not_json());
+    }
     let body = Bytes::from_request(req, state).await.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                "Request body too large",
-            )
-            .detail(format!(
-                "request bodies are limited to {} bytes",
-                super::BODY_LIMIT
-            ))
+            too_large()
         } else if timed_out(&r) {
             Problem::new(
                 StatusCode::REQUEST_TIMEOUT,
@@ -142,12 +160,7 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         return Ok(None);
     }
     if !is_json {
-        return Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-media-type",
-            "Unsupported media type",
-        )
-        .detail("request bodies must be JSON, sent with `Content-Type: application/json`"));
+        return Err(not_json());
     }
     if !text.starts_with(b"{") {
         return Err(match axum::Json::<serde_json::Value>::from_bytes(&body) {
@@ -156,6 +169,27 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         });
     }
     Ok(Some(axum::Json::<T>::from_bytes(&body)?.0))
+}
+
+fn too_large() -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body-too-large",
+        "Request body too large",
+    )
+    .detail(format!(
+        "request bodies are limited to {} bytes",
+        super::BODY_LIMIT
+    ))
+}
+
+fn not_json() -> Problem {
+    Problem::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported-media-type",
+        "Unsupported media type",
+    )
+    .detail("request bodies must be JSON, sent with `Content-Type: application/json`")
 }
 
 /// Proof that the request carried the admin token.
@@ -168,9 +202,11 @@ impl FromRequestParts<AppState> for Admin {
         let Some(expected) = state.admin_token.as_deref() else {
             return Err(Problem::admin_disabled());
         };
-        let presented = parts
-            .headers
-            .get(header::AUTHORIZATION)
+        // Two fields are two credentials: which one would count?
+        let mut fields = parts.headers.get_all(header::AUTHORIZATION).iter();
+        let presented = fields
+            .next()
+            .filter(|_| fields.next().is_none())
             .and_then(|v| v.to_str().ok())
             .and_then(|v| {
                 let (scheme, token) = v.split_once(' ')?;
@@ -190,7 +226,7 @@ impl FromRequestParts<AppState> for Admin {
 #[into_params(names("Idempotency-Key"), parameter_in = Header)]
 pub struct IdempotencyKeyHeader(
     /// Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h
-    #[param(value_type = Option<String>, pattern = r"^[!#-\[\]-~]{1,255}$")]
+    #[param(value_type = Option<String>, pattern = r#"^("[!#-\[\]-~]{1,255}"|[!#-\[\]-~]{1,255})$"#)]
     pub Option<crate::meter::IdempotencyKey>,
 );
 

@@ -135,6 +135,13 @@ async fn not_found() -> Problem {
     Problem::not_found("no such route")
 }
 
-async fn method_not_allowed() -> Problem {
-    Problem::method_not_allowed()
+/// A check route's answers other than a `200` all say `"allowed": false`,
+/// a wrong method's too.
+async fn method_not_allowed(route: Option<axum::extract::MatchedPath>) -> Problem {
+    match route {
+        Some(r) if r.as_str() == budgets::CHECK_ROUTE => {
+            Problem::method_not_allowed().with("allowed", false)
+        }
+        _ => Problem::method_not_allowed(),
+    }
 }

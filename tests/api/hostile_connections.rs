@@ -938,3 +938,53 @@ async fn a_body_that_never_completes_is_cut_off_at_the_header_timeout() {
     assert_eq!(v["value"], 0, "nothing was counted");
     app.stop().await.unwrap();
 }
+
+/// A body refused whatever it holds (larger than the limit by its declared
+/// length, or of a type that is not JSON) is refused from the head: a
+/// client waiting on `Expect: 100-continue` is not asked to send it, and
+/// one that starts sending it is not waited for (the header timeout is
+/// 30 s here, so a wait would show).
+#[tokio::test]
+async fn a_body_refused_whatever_it_holds_is_refused_before_it_is_sent() {
+    let app = spawn_with(|s| s.header_timeout = Duration::from_secs(30)).await;
+    for (path, head, status) in [
+        (
+            "/counters/a",
+            "Content-Type: application/json\r\nContent-Length: 1000000000000",
+            "413",
+        ),
+        (
+            "/counters/a",
+            "Content-Type: text/plain\r\nContent-Length: 9",
+            "415",
+        ),
+        (
+            "/budgets/b/check",
+            "Content-Type: application/json\r\nContent-Length: 65537",
+            "413",
+        ),
+    ] {
+        for expect in ["Expect: 100-continue\r\n", ""] {
+            // With no Expect, the body's first byte is sent.
+            let body = if expect.is_empty() { "{" } else { "" };
+            let request = format!(
+                "POST {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{expect}{head}\r\n\r\n{body}"
+            );
+            let started = Instant::now();
+            let answer = raw(app.addr, request.as_bytes(), Duration::from_secs(10)).await;
+            assert!(started.elapsed() < Duration::from_secs(5), "{answer}");
+            assert!(!answer.contains("100 Continue"), "{answer}");
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status} ")),
+                "{answer}"
+            );
+            assert!(answer.contains("application/problem+json"), "{answer}");
+            if path.contains("check") {
+                assert!(answer.contains("\"allowed\":false"), "{answer}");
+            }
+        }
+    }
+    let v: Value = app.get("/counters/a").await.json().await.unwrap();
+    assert_eq!(v["value"], 0, "nothing was counted");
+    app.stop().await.unwrap();
+}

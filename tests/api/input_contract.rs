@@ -299,6 +299,67 @@ async fn admin_token_is_required() {
     app.stop().await.unwrap();
 }
 
+/// Two `Authorization` fields are two credentials and two `Content-Type`
+/// fields two types: neither is taken, in either order, and nothing runs.
+#[tokio::test]
+async fn a_field_that_must_be_one_is_refused_when_it_comes_twice() {
+    let app = spawn_app().await;
+    let body = json!({"visitor_limit": 1, "global_limit": 1});
+    for pair in [
+        [format!("Bearer {ADMIN}"), "Bearer wrong".into()],
+        ["Bearer wrong".into(), format!("Bearer {ADMIN}")],
+    ] {
+        let r = app
+            .client
+            .put(app.url("/budgets/twice"))
+            .header("authorization", &pair[0])
+            .header("authorization", &pair[1])
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        problem(r, StatusCode::UNAUTHORIZED).await;
+    }
+    problem(app.get("/budgets/twice").await, StatusCode::NOT_FOUND).await;
+    app.budget("b", 5, 5).await;
+    for types in [
+        ["application/json", "text/plain"],
+        ["text/plain", "application/json"],
+    ] {
+        for path in ["/counters/twice", "/budgets/b/check"] {
+            let r = app
+                .client
+                .post(app.url(path))
+                .header("content-type", types[0])
+                .header("content-type", types[1])
+                .body(r#"{"by": 1, "visitor": "v"}"#.replace(
+                    if path.contains("check") {
+                        r#""by": 1, "#
+                    } else {
+                        r#", "visitor": "v""#
+                    },
+                    "",
+                ))
+                .send()
+                .await
+                .unwrap();
+            let p = problem(r, StatusCode::BAD_REQUEST).await;
+            assert!(
+                p["detail"].as_str().unwrap().contains("one Content-Type"),
+                "{p}"
+            );
+            if path.contains("check") {
+                assert_eq!(p["allowed"], false, "{p}");
+            }
+        }
+    }
+    let v: Value = app.get("/counters/twice").await.json().await.unwrap();
+    assert_eq!(v["value"], 0, "nothing was counted");
+    let u = app.usage("b", "visitor=v").await;
+    assert_eq!(u["global_calls"], 0, "{u}");
+    app.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn admin_is_disabled_without_a_token() {
     let app = spawn_with(|s| s.admin_token = None).await;
@@ -312,6 +373,56 @@ async fn admin_is_disabled_without_a_token() {
         .unwrap();
     problem(r, StatusCode::FORBIDDEN).await;
     app.stop().await.unwrap();
+}
+
+/// The token as a secret written from a file gives it, newline and all, is
+/// the token: a request cannot send the newline. An empty one turns admin
+/// off (403, saying so), not on with a token no request can present.
+#[tokio::test]
+async fn the_admin_token_is_read_as_a_request_can_send_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = crate::helpers::database_in(dir.path()).await;
+    let put = async |bin: &crate::helpers::Binary, token: &str| {
+        reqwest::Client::new()
+            .put(bin.url("/budgets/b"))
+            .bearer_auth(token)
+            .json(&json!({"visitor_limit": 1, "global_limit": 1}))
+            .send()
+            .await
+            .unwrap()
+    };
+    let bin = crate::helpers::Binary::start(&[
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_ADMIN_TOKEN", "s3cret\n"),
+    ]);
+    assert_eq!(put(&bin, "s3cret").await.status(), StatusCode::OK);
+    problem(put(&bin, "wrong").await, StatusCode::UNAUTHORIZED).await;
+    bin.sigterm();
+    drop(bin);
+
+    let bin = crate::helpers::Binary::start(&[
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_ADMIN_TOKEN", ""),
+    ]);
+    let p = problem(put(&bin, "").await, StatusCode::FORBIDDEN).await;
+    assert_eq!(p["type"], "/problems/admin-disabled", "{p}");
+    bin.sigterm();
+    drop(bin);
+
+    // One no request could send is refused at start, and not shown.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_DATABASE", &db)
+        .env("TALLY_ADMIN_TOKEN", "s3cr\u{e9}t")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TALLY_ADMIN_TOKEN must be visible ASCII"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("s3cr"), "the token shown: {stderr}");
 }
 
 #[tokio::test]
@@ -330,7 +441,13 @@ async fn unknown_routes_and_methods() {
         (Method::POST, "/ready"),
     ] {
         let r = app.client.request(m, app.url(path)).send().await.unwrap();
-        problem(r, StatusCode::METHOD_NOT_ALLOWED).await;
+        assert!(r.headers().contains_key("allow"), "{path}");
+        let p = problem(r, StatusCode::METHOD_NOT_ALLOWED).await;
+        // Every answer of a check but a 200 is a denial.
+        match path.ends_with("/check") {
+            true => assert_eq!(p["allowed"], false, "{p}"),
+            false => assert!(p.get("allowed").is_none(), "{p}"),
+        }
     }
     app.stop().await.unwrap();
 }
