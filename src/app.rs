@@ -71,6 +71,7 @@ impl Application {
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,
             lock_timeout: settings.postgres_lock_timeout,
+            schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),
             storage_limit: settings.storage_limit,
             #[cfg(feature = "test-hooks")]

@@ -114,6 +114,14 @@ pub struct Settings {
           value_parser = parse_lock_timeout)]
     pub postgres_lock_timeout: Duration,
 
+    /// PostgreSQL only: the schema tally's tables are in. Unset: the one
+    /// that holds them (found at start), or, in a database without them,
+    /// the first schema of the role's `search_path` that exists. Every
+    /// connection is then held to that schema, whatever schema is created
+    /// or `search_path` set later.
+    #[arg(long, env = "TALLY_POSTGRES_SCHEMA", value_parser = parse_schema)]
+    pub postgres_schema: Option<String>,
+
     /// Bearer token for the admin endpoints; admin is disabled (403) when
     /// unset or empty. Surrounding white space (the newline of a secret
     /// written from a file) is not part of it: no request could send it.
@@ -319,6 +327,20 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
         return Err(format!("`{s}` must be between 0 and 86400 seconds"));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_schema(s: &str) -> Result<String, String> {
+    let plain = s.len() <= 63
+        && s.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'$');
+    match plain {
+        true => Ok(s.to_owned()),
+        false => Err(format!(
+            "`{s}` is not a plain schema name: 1 to 63 of a-z, 0-9, `_` and `$`, not starting \
+             with a digit or `$`"
+        )),
+    }
 }
 
 fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
@@ -641,6 +663,31 @@ mod tests {
         assert_eq!(parse("s3cret\n").unwrap(), "s3cret");
         assert_eq!(parse(" \ts3cret \r\n").unwrap(), "s3cret");
         assert_eq!(parse("").unwrap(), "");
+    }
+
+    #[test]
+    fn a_schema_is_a_plain_name() {
+        let parse = |s: &str| {
+            let flag = format!("--postgres-schema={s}");
+            Cli::try_parse_from(["tally", flag.as_str()]).map(|c| c.settings.postgres_schema)
+        };
+        assert_eq!(Settings::for_database("x.db").postgres_schema, None);
+        for ok in ["public", "tally", "_t$1", &"s".repeat(63)] {
+            assert_eq!(parse(ok).unwrap().as_deref(), Some(ok));
+        }
+        for bad in [
+            "",
+            "Tally",
+            "1t",
+            "$t",
+            "a b",
+            "a\"b",
+            "a;b",
+            &"s".repeat(64),
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("not a plain schema name"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -39,6 +39,7 @@ mod counters;
 
 mod keys;
 pub mod list;
+mod migrations;
 mod open;
 mod postgres;
 mod reads;
@@ -89,6 +90,8 @@ pub struct DbOptions {
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,
+    /// PostgreSQL: the schema of tally's tables; `None`: found at start.
+    pub schema: Option<String>,
     /// How long an idempotency key is remembered; `None`: a day.
     pub key_ttl: Option<Duration>,
     /// SQLite: the most the database's directory may use on disk, beyond

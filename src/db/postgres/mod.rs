@@ -59,7 +59,7 @@ use super::{
 };
 use crate::{
     config::PostgresUrl,
-    db::{DbOptions, OpenError, reads::Readers as ReadPool},
+    db::{DbOptions, OpenError, migrations, reads::Readers as ReadPool},
     meter::BudgetSpec,
 };
 
@@ -249,6 +249,92 @@ mod writer;
 pub use readers::Readers;
 pub use writer::WriterConn;
 
+/// A table only tally's migrations make, found with the migrations' own
+/// table to tell a schema that holds tally's data.
+const TALLY_TABLE: &str = "budget_global_usage";
+
+/// The schema tally's tables are in: the one asked for, which must exist;
+/// else the one schema that holds them; else, in a database without them,
+/// the first schema of the `search_path` that exists (where the migrations
+/// would create them). Tables in several schemas are an error to resolve
+/// by hand: which one holds the data that was acknowledged is not for tally
+/// to guess.
+async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<String, String> {
+    let mut conn = connect(options)
+        .await
+        .map_err(|e| format!("cannot connect: {e}"))?;
+    let found = async {
+        if let Some(asked) = asked {
+            let exists: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                    .bind(asked)
+                    .fetch_one(&mut conn)
+                    .await?;
+            return Ok(match exists {
+                true => Ok(asked.to_owned()),
+                false => Err(format!(
+                    "TALLY_POSTGRES_SCHEMA names schema `{asked}`, which does not exist: create \
+                     it (CREATE SCHEMA {asked}), or leave the setting out"
+                )),
+            });
+        }
+        let holding: Vec<String> = sqlx::query_scalar(
+            "SELECT n.nspname::text FROM pg_namespace n
+             WHERE EXISTS (SELECT 1 FROM pg_class c
+                           WHERE c.relnamespace = n.oid AND c.relname = $1)
+               AND EXISTS (SELECT 1 FROM pg_class c
+                           WHERE c.relnamespace = n.oid AND c.relname = '_sqlx_migrations')
+             ORDER BY 1",
+        )
+        .bind(TALLY_TABLE)
+        .fetch_all(&mut conn)
+        .await?;
+        Ok(match holding.as_slice() {
+            [one] => Ok(one.clone()),
+            [] => {
+                let first: Option<String> = sqlx::query_scalar("SELECT current_schema()::text")
+                    .fetch_one(&mut conn)
+                    .await?;
+                first.ok_or_else(|| {
+                    "no schema of the search_path exists to create tally's tables in: create \
+                     one, or name one with TALLY_POSTGRES_SCHEMA"
+                        .to_owned()
+                })
+            }
+            several => Err(format!(
+                "tally's tables are in several schemas ({}): set TALLY_POSTGRES_SCHEMA to the \
+                 one that holds its data (the others may be empty copies made when a schema \
+                 named like the role was created)",
+                several.join(", ")
+            )),
+        })
+    }
+    .await
+    .map_err(|e: sqlx::Error| format!("cannot find tally's schema: {e}"));
+    let _ = sqlx::Connection::close(conn).await;
+    found?
+}
+
+/// The migrations applied to the database (none without sqlx's table).
+async fn applied_migrations(
+    conn: &mut PgConnection,
+) -> Result<Vec<(i64, Vec<u8>, bool)>, sqlx::Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut *conn)
+        .await?;
+    if !exists {
+        return Ok(Vec::new());
+    }
+    sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// `name` as an SQL identifier, quoted.
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
 /// Runs PostgreSQL's migrations on a connection of their own. sqlx holds
 /// an advisory lock while it migrates, so replicas starting together
 /// migrate one after the other, and the later ones find nothing to do.
@@ -262,6 +348,14 @@ pub async fn open(
     };
     let options = connect_options(url.expose(), opts.lock_timeout)
         .map_err(|e| fail(format!("not a usable URL: {e}")))?;
+    let schema = schema(&options, opts.schema.as_deref())
+        .await
+        .map_err(fail)?;
+    // Every connection names the schema: a schema created later that the
+    // role's `search_path` would put first (`"$user"`, PostgreSQL's
+    // default), or a new `search_path`, would otherwise move tally, at its
+    // next start, onto empty tables of its own making.
+    let options = options.options([("search_path", quote_ident(&schema))]);
     // A migration may rewrite a large table and its indexes: no statement
     // timeout for it (a migration cut off is rolled back and tried again at
     // every start, locking the tables each time), and a lock it cannot have
@@ -275,12 +369,25 @@ pub async fn open(
     let mut conn = connect(&migrating)
         .await
         .map_err(|e| fail(format!("cannot connect: {e}")))?;
-    sqlx::migrate!("./migrations/postgres")
-        .run(&mut conn)
+    let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
+    let applied = applied_migrations(&mut conn)
         .await
-        .map_err(|e| fail(format!("cannot migrate: {e}")))?;
+        .map_err(|e| fail(format!("cannot read the applied migrations: {e}")))?;
+    let standing = migrations::standing(&migrator, &applied);
+    migrations::warn_of_newer(&standing.newer);
+    // Nothing to run: the migrator is not started, so a role that may read
+    // and write tally's tables but not create any in the schema runs tally
+    // once a role that may has migrated it.
+    if !standing.up_to_date {
+        migrator.run(&mut conn).await.map_err(|e| {
+            fail(format!(
+                "cannot migrate (migrations need a role that may create tables in schema \
+                 `{schema}`): {e}"
+            ))
+        })?;
+    }
     let _ = sqlx::Connection::close(conn).await;
-    tracing::info!(url = %url, readers = opts.readers, "PostgreSQL open");
+    tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
     Ok((readers, WriterConn::new(options)))
 }

@@ -11,7 +11,7 @@ use sqlx::{
 use super::{SqliteReaders, SqliteWriter, files, space::Space};
 use crate::{
     config::Synchronous,
-    db::{DbOptions, OpenError, reads::Readers},
+    db::{DbOptions, OpenError, migrations, reads::Readers},
 };
 
 /// The database at `path`, created if need be and migrated: its read pool
@@ -45,13 +45,20 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             );
         }
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
-        sqlx::migrate!("./migrations/sqlite")
+        let migrator = migrations::tolerant(sqlx::migrate!("./migrations/sqlite"));
+        migrator
             .run(&mut conn)
             .await
             .map_err(|source| OpenError::Migrate {
                 path: path.to_owned(),
                 source,
             })?;
+        let applied: Vec<(i64, Vec<u8>, bool)> =
+            sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+                .fetch_all(&mut conn)
+                .await
+                .map_err(open_err)?;
+        migrations::warn_of_newer(&migrations::standing(&migrator, &applied).newer);
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;

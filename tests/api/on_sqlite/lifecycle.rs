@@ -55,3 +55,52 @@ async fn a_port_in_use_is_a_clear_startup_failure() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
 }
+
+/// A database a newer tally migrated (a rollback after an upgrade that
+/// brought a migration) is served, with a warning naming what this tally
+/// does not know; before, every start failed on it, and a rollback
+/// crash-looped.
+#[tokio::test]
+async fn a_database_a_newer_tally_migrated_is_served() {
+    use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    let bin = crate::helpers::Binary::start(&env);
+    let r = reqwest::Client::new()
+        .post(bin.url("/counters/kept"))
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    bin.sigterm();
+    drop(bin);
+
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99, 'a newer release', 1, x'00', 1)",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    drop(conn);
+
+    let bin = crate::helpers::Binary::start(&env);
+    let v: serde_json::Value = reqwest::get(bin.url("/counters/kept"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["value"], 1);
+    let logs = bin.log_text();
+    assert!(
+        logs.contains("migrations this tally does not know") && logs.contains("99"),
+        "{logs}"
+    );
+    bin.sigterm();
+}
