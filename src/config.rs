@@ -58,6 +58,13 @@ pub enum Command {
         /// The litestream program.
         #[arg(long, default_value = "litestream")]
         litestream: PathBuf,
+        /// Longest each of Litestream's restore steps may take: seconds,
+        /// or a number with a unit s, m, h or d. An object store that
+        /// accepts connections and never answers would otherwise hold the
+        /// restore (and the pod's init container) forever.
+        #[arg(long, env = "TALLY_RESTORE_TIMEOUT", default_value = "30m",
+              value_parser = parse_key_ttl)]
+        timeout: Duration,
     },
 }
 

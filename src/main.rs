@@ -29,7 +29,17 @@ async fn main() -> ExitCode {
             timestamp,
             litestream_config,
             litestream,
-        } => restore_to(&cli.settings, timestamp, litestream, litestream_config).await,
+            timeout,
+        } => {
+            restore_to(
+                &cli.settings,
+                timestamp,
+                litestream,
+                litestream_config,
+                timeout,
+            )
+            .await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -98,13 +108,25 @@ async fn restore_to(
     timestamp: jiff::Timestamp,
     binary: std::path::PathBuf,
     config: std::path::PathBuf,
+    timeout: std::time::Duration,
 ) -> anyhow::Result<()> {
     let tally::Storage::Sqlite(db) = &settings.database else {
         bail!(
             "restore-to restores a SQLite database from Litestream's replica; TALLY_DATABASE is a PostgreSQL URL"
         );
     };
-    let ls = tally::restore::Litestream { binary, config };
-    tally::restore::restore_to(db, timestamp, &ls).await?;
-    Ok(())
+    let ls = tally::restore::Litestream {
+        binary,
+        config,
+        timeout,
+    };
+    // A stop (the pod deleted while it restores) ends the restore at once:
+    // the Litestream it runs is killed with it, and nothing half-restored
+    // is in place, so the next start restores again.
+    tokio::select! {
+        restored = tally::restore::restore_to(db, timestamp, &ls) => restored.map(drop),
+        () = tally::app::shutdown_signal() => {
+            bail!("stopped by a signal while restoring: nothing restored (the next start restores again)")
+        }
+    }
 }

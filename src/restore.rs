@@ -20,7 +20,7 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    time::Duration,
 };
 
 use anyhow::{Context, bail};
@@ -34,6 +34,8 @@ use crate::db::restores::{self, Restored};
 pub struct Litestream {
     pub binary: PathBuf,
     pub config: PathBuf,
+    /// Longest one `litestream restore` may take.
+    pub timeout: Duration,
 }
 
 /// What `restore-to` did.
@@ -100,11 +102,30 @@ pub fn marker(db: &Path) -> Option<Marker> {
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
     let target_ts = target;
     let target = target.to_string();
+    // Litestream restores the latest state for an instant it has not seen
+    // yet, and for its zero time (0001-01-01T00:00:00Z, which it reads as no
+    // instant at all): recorded and logged as a restore to that instant, a
+    // mistyped year or time zone would look like a mistake undone. No
+    // replica holds anything from before 1970. Checked first: a mistyped
+    // instant is an error whether or not there is a database to restore.
+    if target_ts > Timestamp::now() {
+        bail!(
+            "the instant {target} is in the future: a restore to a point in time undoes what \
+             was written after an instant before now (the latest state is a plain restore)"
+        );
+    }
+    if target_ts < Timestamp::UNIX_EPOCH {
+        bail!(
+            "the instant {target} is before 1970: no replica holds anything from then (is the \
+             year mistyped?)"
+        );
+    }
     if db.exists() {
-        tracing::info!(
+        tracing::warn!(
             database = %db.display(),
             target,
-            "the database exists: nothing restored (a restore only fills an empty data directory)"
+            "the database exists: nothing restored (a restore only fills an empty data \
+             directory: move the directory aside first, never from under a running tally)"
         );
         return Ok(Outcome::DatabaseExists);
     }
@@ -125,23 +146,6 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
             left.join(", ")
         );
     }
-    // Litestream restores the latest state for an instant it has not seen
-    // yet, and for its zero time (0001-01-01T00:00:00Z, which it reads as no
-    // instant at all): recorded and logged as a restore to that instant, a
-    // mistyped year or time zone would look like a mistake undone. No
-    // replica holds anything from before 1970.
-    if target_ts > Timestamp::now() {
-        bail!(
-            "the instant {target} is in the future: a restore to a point in time undoes what \
-             was written after an instant before now (the latest state is a plain restore)"
-        );
-    }
-    if target_ts < Timestamp::UNIX_EPOCH {
-        bail!(
-            "the instant {target} is before 1970: no replica holds anything from then (is the \
-             year mistyped?)"
-        );
-    }
     // A marker with no database describes one that is gone; the latest
     // state restored below writes none.
     remove_file(&marker_path(db))?;
@@ -152,8 +156,26 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     // 2. The latest state, to see whether it records this restore.
     let latest = beside(db, "-latest");
     remove_sqlite_files(&latest)?;
-    litestream(ls, &["-o", path_str(&latest)?], db)
-        .context("restoring the latest state (to check that this restore has not been made)")?;
+    match litestream(ls, &["-o", path_str(&latest)?], db).await {
+        Ok(_) => {}
+        // Before any instant is asked for: a replica with no backup at all
+        // is the wrong place (a mistyped bucket or path, a release renamed),
+        // not an instant outside its history.
+        Err(e) if format!("{e:#}").contains(NO_BACKUPS) => bail!(
+            "the replica holds no backup of this database (bucket {:?}, path {:?}, as \
+             litestream.yml reads LITESTREAM_BUCKET and LITESTREAM_PATH): check them (the \
+             chart's replica.bucket and replica.path; the path defaults to the release's \
+             name). Do not just unset the restore: tally would start an empty database and \
+             replicate it to that place. ({e:#})",
+            std::env::var("LITESTREAM_BUCKET").unwrap_or_default(),
+            std::env::var("LITESTREAM_PATH").unwrap_or_default(),
+        ),
+        Err(e) => {
+            return Err(e.context(
+                "restoring the latest state (to check that this restore has not been made)",
+            ));
+        }
+    }
     if let Some(done) = restores::find(&latest, &target)
         .await
         .context("reading the restores recorded in the latest state")?
@@ -175,7 +197,12 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     // 3. The restore to the instant: what it will bring back, then do it.
     let plan: Plan = serde_json::from_slice(
         &litestream(ls, &["-dry-run", "-json", "-timestamp", &target], db)
-            .context("planning the restore (is the instant within the replica's history?)")?,
+            .await
+            .context(
+                "planning the restore (is the instant within the replica's history? it holds \
+                 backups, so an instant it has nothing before is older than the history it \
+                 keeps)",
+            )?,
     )
     .context("reading Litestream's restore plan")?;
     let last_transaction_at = plan.files.last().map(|f| f.timestamp.clone());
@@ -190,6 +217,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
         &["-timestamp", &target, "-o", path_str(&restoring)?],
         db,
     )
+    .await
     .context("restoring to the instant")?;
     let restored = Restored {
         target: target.clone(),
@@ -231,22 +259,40 @@ struct PlanFile {
     timestamp: String,
 }
 
+/// What Litestream says when the replica holds nothing for the database.
+const NO_BACKUPS: &str = "no matching backup files available";
+
 /// `litestream restore -config C ARGS DB`; its standard output, or an
-/// error carrying what it said.
-fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result<Vec<u8>> {
+/// error carrying what it said. It is killed when this is dropped (a stop)
+/// or takes longer than the timeout. (A tally killed with SIGKILL leaves it
+/// running, as any process leaves its children; in a container, the
+/// container's end takes it too.)
+async fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result<Vec<u8>> {
     // Litestream says nothing while the object store does not answer, and
     // waits for it: without this line a stuck restore leaves an empty log.
     tracing::info!(
         args = %args.join(" "),
+        timeout = ?ls.timeout,
         "asking Litestream for the replica; this waits until the object store answers"
     );
-    let out = Command::new(&ls.binary)
+    let mut command = tokio::process::Command::new(&ls.binary);
+    command
         .arg("restore")
         .arg("-config")
         .arg(&ls.config)
         .args(args)
         .arg(db)
-        .output()
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(ls.timeout, command.output())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "litestream restore {} took longer than {:?} (TALLY_RESTORE_TIMEOUT): is the \
+                 object store answering? Nothing was restored in place",
+                args.join(" "),
+                ls.timeout
+            )
+        })?
         .with_context(|| format!("running {}", ls.binary.display()))?;
     if !out.status.success() {
         bail!(
@@ -346,7 +392,80 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         Litestream {
             binary: script,
             config: dir.join("litestream.yml"),
+            timeout: Duration::from_secs(30),
         }
+    }
+
+    /// A stand-in for Litestream that runs `body` (a shell script).
+    fn litestream_that(dir: &Path, body: &str) -> Litestream {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join("litestream");
+        std::fs::write(&script, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Litestream {
+            binary: script,
+            config: dir.join("litestream.yml"),
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// An object store that takes the connection and never answers holds
+    /// Litestream forever: the restore gives up at its timeout, says what
+    /// to look at, and leaves no database.
+    #[tokio::test]
+    async fn a_restore_that_never_ends_gives_up_at_its_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ls = litestream_that(dir.path(), "sleep 60");
+        ls.timeout = Duration::from_millis(300);
+        let db = dir.path().join("data").join("tally.db");
+        let started = std::time::Instant::now();
+        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls)
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(format!("{e:#}").contains("TALLY_RESTORE_TIMEOUT"), "{e:#}");
+        assert!(!db.exists());
+    }
+
+    /// A replica with no backup at all is the wrong place, not an instant
+    /// outside its history: said so, with where it looked, before any
+    /// instant is asked for.
+    #[tokio::test]
+    async fn an_empty_replica_is_named_as_the_wrong_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = litestream_that(
+            dir.path(),
+            "echo 'Error: no matching backup files available' >&2; exit 1",
+        );
+        let db = dir.path().join("data").join("tally.db");
+        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls)
+            .await
+            .unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains("holds no backup of this database"), "{e}");
+        assert!(
+            e.contains("LITESTREAM_PATH") && e.contains("Do not just unset"),
+            "{e}"
+        );
+        assert!(!db.exists());
+    }
+
+    /// A mistyped instant is an error even where there is nothing to
+    /// restore: by hand, "nothing restored" would read as done.
+    #[tokio::test]
+    async fn a_bad_instant_is_refused_beside_a_database_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = failing_litestream(dir.path());
+        let db = dir.path().join("tally.db");
+        std::fs::write(&db, b"a database").unwrap();
+        let future = Timestamp::now() + jiff::SignedDuration::from_hours(24);
+        let e = restore_to(&db, future, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
+        let past: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        assert_eq!(
+            restore_to(&db, past, &ls).await.unwrap(),
+            Outcome::DatabaseExists
+        );
     }
 
     /// A restore that cannot be recorded leaves no database: the next

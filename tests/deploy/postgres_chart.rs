@@ -230,6 +230,22 @@ fn the_database_url_may_come_from_an_existing_secret() {
     assert_eq!(keys, ["admin-token"]);
 }
 
+/// A restore to an instant is Litestream's, of the SQLite database: on
+/// PostgreSQL the value would roll the pods and restore nothing, an undo
+/// that silently did not happen.
+#[test]
+fn a_restore_to_an_instant_is_refused_on_postgres() {
+    let e = refused(&[
+        POSTGRES,
+        ("postgres.url", URL),
+        ("restore.timestamp", "2026-05-01T10:04:00Z"),
+    ]);
+    assert!(
+        e.contains("restore.timestamp") && e.contains("storage is postgres"),
+        "{e}"
+    );
+}
+
 #[test]
 fn without_a_database_url_the_chart_says_what_to_set() {
     for sets in [

@@ -241,3 +241,88 @@ async fn a_restore_to_an_instant_before_any_backup_fails_and_leaves_nothing() {
     assert!(err.contains("planning the restore"), "{err}");
     assert!(!d.db().exists(), "a failed restore must leave no database");
 }
+
+/// A restore stopped while Litestream waits on an object store that never
+/// answers (the pod deleted during its init container) ends at once, not
+/// at the end of the grace period, and the Litestream it ran goes with it:
+/// none is left to write into the data directory later.
+#[tokio::test]
+async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("litestream.pid");
+    let fake = dir.path().join("litestream");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho $$ > {}\nexec sleep 120\n",
+            pid_file.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let db = dir.path().join("data").join("tally.db");
+    let mut restore = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_DATABASE", &db)
+        .args([
+            "restore-to",
+            "--timestamp",
+            "2026-05-01T10:04:00Z",
+            "--litestream",
+        ])
+        .arg(&fake)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let litestream_pid = loop {
+        if let Ok(pid) = std::fs::read_to_string(&pid_file)
+            && let Ok(pid) = pid.trim().parse::<i32>()
+        {
+            break nix::unistd::Pid::from_raw(pid);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "litestream never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let tally = nix::unistd::Pid::from_raw(restore.id() as i32);
+    nix::sys::signal::kill(tally, Signal::SIGTERM).unwrap();
+    let stopped = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = restore.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(5),
+            "SIGTERM ignored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut restore.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("stopped by a signal while restoring"),
+        "{stderr}"
+    );
+    assert!(!db.exists());
+    // Gone: no such process, or a zombie (dead; its reaping is up to
+    // whichever process inherited it).
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{litestream_pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+    };
+    let gone = std::time::Instant::now();
+    while running() {
+        assert!(
+            gone.elapsed() < Duration::from_secs(5),
+            "litestream left running"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
