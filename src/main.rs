@@ -125,8 +125,24 @@ async fn restore_to(
     // is in place, so the next start restores again.
     tokio::select! {
         restored = tally::restore::restore_to(db, timestamp, &ls) => restored.map(drop),
-        () = tally::app::shutdown_signal() => {
-            bail!("stopped by a signal while restoring: nothing restored (the next start restores again)")
+        signal = restore_stopped() => {
+            bail!("stopped by {signal} while restoring: nothing restored (the next start restores again)")
         }
+    }
+}
+
+/// SIGTERM or SIGINT, whichever comes first. Not SIGHUP: a restore run by
+/// hand under `nohup` goes on when its terminal closes.
+async fn restore_stopped() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        },
+        _ => std::future::pending().await,
     }
 }

@@ -415,7 +415,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
     #[tokio::test]
     async fn a_restore_that_never_ends_gives_up_at_its_timeout() {
         let dir = tempfile::tempdir().unwrap();
-        let mut ls = litestream_that(dir.path(), "sleep 60");
+        let mut ls = litestream_that(dir.path(), "exec sleep 60");
         ls.timeout = Duration::from_millis(300);
         let db = dir.path().join("data").join("tally.db");
         let started = std::time::Instant::now();

@@ -127,11 +127,17 @@ impl<T: fmt::Debug> Reply<T> {
     pub fn set_replayed(&mut self, result: Result<T, Error>) {
         self.result = Some(result);
         self.replayed = true;
+        self.refused = false;
     }
 
     /// Whether the result set is the one stored for an idempotency key.
     pub fn is_replayed(&self) -> bool {
         self.replayed
+    }
+
+    /// Whether the command was answered without running ([`Reply::refuse`]).
+    pub fn is_refused(&self) -> bool {
+        self.refused
     }
 
     /// The result set so far: `Some(Ok(()))` or its error.
@@ -332,6 +338,18 @@ impl Command {
             Command::Reset { reply, .. } => reply.set(Err(e)),
             Command::DeleteBudget { reply, .. } => reply.set(Err(e)),
             Command::DeleteCounter { reply, .. } => reply.set(Err(e)),
+        }
+    }
+
+    /// Whether it was answered without running ([`Reply::refuse`]).
+    pub fn is_refused(&self) -> bool {
+        match self {
+            Command::Increment { reply, .. } => reply.is_refused(),
+            Command::PutBudget { reply, .. } => reply.is_refused(),
+            Command::Check { reply, .. } => reply.is_refused(),
+            Command::Reset { reply, .. } => reply.is_refused(),
+            Command::DeleteBudget { reply, .. } => reply.is_refused(),
+            Command::DeleteCounter { reply, .. } => reply.is_refused(),
         }
     }
 

@@ -12,6 +12,34 @@ pub struct Standing {
     pub up_to_date: bool,
     /// Applied migrations this tally does not know: a newer tally's.
     pub newer: Vec<i64>,
+    /// Of those, the ones that failed part way.
+    pub newer_failed: Vec<i64>,
+    /// Migrations are recorded, and none of them is one this tally knows:
+    /// another application's table.
+    pub foreign: bool,
+}
+
+impl Standing {
+    /// Whether this tally may run on the database: not on another
+    /// application's migrations, nor on a newer tally's that failed part
+    /// way (its database is in a state no release was written for).
+    pub fn admit(&self) -> Result<(), String> {
+        if self.foreign {
+            return Err(format!(
+                "the database (or schema) holds another application's migrations \
+                 (versions {:?}), none of tally's: give tally a database or schema of its own",
+                self.newer
+            ));
+        }
+        if !self.newer_failed.is_empty() {
+            return Err(format!(
+                "migrations {:?} of a newer tally failed part way: finish them with that \
+                 release (or repair them by hand) before running this one",
+                self.newer_failed
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Compares the applied migrations (`version`, `checksum`, `success`; none
@@ -27,18 +55,31 @@ pub fn standing(migrator: &Migrator, applied: &[(i64, Vec<u8>, bool)]) -> Standi
             .iter()
             .any(|(v, sum, ok)| *v == m.version && *sum == *m.checksum && *ok)
     });
-    let newer = applied
-        .iter()
+    let unknown = || {
+        applied
+            .iter()
+            .filter(|(v, _, _)| !known().any(|m| m.version == *v))
+    };
+    let newer: Vec<i64> = unknown().map(|(v, _, _)| *v).collect();
+    let newer_failed = unknown()
+        .filter(|(_, _, ok)| !ok)
         .map(|(v, _, _)| *v)
-        .filter(|v| !known().any(|m| m.version == *v))
         .collect();
-    Standing { up_to_date, newer }
+    let foreign = !applied.is_empty() && newer.len() == applied.len();
+    Standing {
+        up_to_date,
+        newer,
+        newer_failed,
+        foreign,
+    }
 }
 
 /// Says, once at start, that a newer tally migrated the database. Every
 /// migration is written so that the release before it runs on its result
-/// (columns and tables added, never taken away or narrowed, in the same
-/// release): a rollback after an upgrade that migrated works.
+/// (tables added, and columns that are nullable or have a default; no
+/// column dropped, renamed or narrowed, no new constraint or trigger that
+/// the release before could break): a rollback after an upgrade that
+/// migrated works.
 pub fn warn_of_newer(newer: &[i64]) {
     if !newer.is_empty() {
         tracing::warn!(
@@ -71,9 +112,13 @@ mod tests {
             standing(&migrator, &all),
             Standing {
                 up_to_date: true,
-                newer: vec![]
+                newer: vec![],
+                newer_failed: vec![],
+                foreign: false,
             }
         );
+        assert!(standing(&migrator, &all).admit().is_ok());
+        assert!(standing(&migrator, &[]).admit().is_ok());
         assert!(!standing(&migrator, &[]).up_to_date);
         assert!(!standing(&migrator, std::slice::from_ref(&first)).up_to_date);
         // Failed, or changed since: the migrator must see it (and refuse).
@@ -88,8 +133,22 @@ mod tests {
             standing(&migrator, &newer),
             Standing {
                 up_to_date: true,
-                newer: vec![99]
+                newer: vec![99],
+                newer_failed: vec![],
+                foreign: false,
             }
         );
+        assert!(standing(&migrator, &newer).admit().is_ok());
+        // One that failed part way is a state no release was written for.
+        newer.push((100, vec![1], false));
+        let e = standing(&migrator, &newer).admit().unwrap_err();
+        assert!(e.contains("[100]") && e.contains("failed part way"), "{e}");
+        // Another application's table: none of its versions is tally's.
+        let theirs = [
+            (20240101000000, vec![1], true),
+            (20240102000000, vec![2], true),
+        ];
+        let e = standing(&migrator, &theirs).admit().unwrap_err();
+        assert!(e.contains("another application's migrations"), "{e}");
     }
 }

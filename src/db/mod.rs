@@ -125,6 +125,9 @@ pub enum OpenError {
         path: PathBuf,
         source: sqlx::migrate::MigrateError,
     },
+    /// Its migrations say tally must not run on it.
+    #[error("cannot use database {path}: {reason}")]
+    Refused { path: PathBuf, reason: String },
     /// The URL is shown with its password replaced.
     #[error("cannot use PostgreSQL at {url}: {reason}")]
     Postgres { url: String, reason: String },

@@ -336,7 +336,7 @@ impl<E: Engine> WriterLoop<E> {
                 "the database answers again: writes commit again",
             ),
             Err(e @ Error::OutcomeUnknown) => {
-                tracing::error!(error = %e, batch = size, "the batch's COMMIT may or may not have happened; every caller in it hears outcome-unknown");
+                tracing::error!(error = %e, batch = size, "the batch's COMMIT may or may not have happened; every caller in it that ran hears outcome-unknown");
                 return;
             }
             Err(e) => {
@@ -412,6 +412,8 @@ impl<E: Engine> WriterLoop<E> {
 fn answer(mut q: Queued, commit: &Result<(), Error>) {
     let kind = q.command.kind();
     let result = match (commit, q.command.outcome()) {
+        // Answered without running: its own refusal, whatever the batch's.
+        (_, Some(Err(e))) if q.command.is_refused() => e.kind(),
         // Why the batch failed, when the reason is the storage's.
         (
             Err(

@@ -282,9 +282,10 @@ fn meter_failed(err: &db::Error) -> Problem {
 
 /// The quota fields of draft-ietf-httpapi-ratelimit-headers-10: one policy
 /// per limit, `visitor` and `global`, each a quota `q` per window of `w`
-/// seconds (the budget's day in its time zone: 23 or 25 hours when clocks
-/// change), and what is left of each, `r`, with the seconds until the day
-/// resets, `t`. A denied check also says `Retry-After: t`.
+/// seconds (the budget's day in its time zone, as long as it really is:
+/// 23 or 25 hours when clocks change by an hour), and what is left of
+/// each, `r`, with the seconds until the day resets, `t`. A denied check
+/// also says `Retry-After: t`, unless its day is over (`t` 0).
 pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
     let mut h = HeaderMap::with_capacity(4);
     let Some(w) = d.day.window(&d.timezone, now) else {

@@ -225,7 +225,7 @@ pub enum AdminProblems {
     Unauthorized(ProblemDoc),
     #[response(
         status = 403,
-        description = "Admin disabled: no token configured",
+        description = "Admin disabled: no usable token configured",
         content_type = "application/problem+json"
     )]
     Forbidden(ProblemDoc),

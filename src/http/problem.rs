@@ -116,7 +116,7 @@ impl Problem {
             "admin-disabled",
             "Admin API disabled",
         )
-        .detail("no admin token is configured (TALLY_ADMIN_TOKEN), so admin endpoints are off")
+        .detail("no usable admin token is configured (TALLY_ADMIN_TOKEN unset, empty, or holding characters no request can send), so admin endpoints are off")
     }
 
     pub fn timeout() -> Self {

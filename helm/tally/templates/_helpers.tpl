@@ -295,7 +295,7 @@ lower-case m is milli (512m is 0.512 bytes): both are refused.
 
 {{- define "tally.validatePostgres" -}}
 {{- if .Values.restore.timestamp }}
-{{- fail "restore.timestamp undoes a mistake from Litestream's replica of the SQLite database, and storage is postgres, which has none: nothing would be restored. Undo it with PostgreSQL's own point-in-time recovery (docs/runbooks.md), and leave restore.timestamp empty" }}
+{{- fail "restore.timestamp undoes a mistake from Litestream's replica of the SQLite database, and storage is postgres, which has none: nothing would be restored. Undo it with the PostgreSQL server's own point-in-time recovery, and leave restore.timestamp empty" }}
 {{- end }}
 {{- with .Values.postgres }}
 {{- if and .url .existingSecret }}

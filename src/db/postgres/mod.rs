@@ -253,58 +253,70 @@ pub use writer::WriterConn;
 /// table to tell a schema that holds tally's data.
 const TALLY_TABLE: &str = "budget_global_usage";
 
-/// The schema tally's tables are in: the one asked for, which must exist;
-/// else the one schema that holds them; else, in a database without them,
-/// the first schema of the `search_path` that exists (where the migrations
-/// would create them). Tables in several schemas are an error to resolve
-/// by hand: which one holds the data that was acknowledged is not for tally
-/// to guess.
+/// The schema tally's tables are in. Only the schemas of the role's
+/// `search_path` that exist and that it may use count (other schemas are
+/// other applications', or other tally deployments' in the same database):
+/// the one asked for, if no schema of the path holds tally's tables or it
+/// does; else the one of them that holds the tables; else, in a database
+/// without them, the first of them (where the migrations would create
+/// them). Tables in several of them are an error to resolve by hand: which
+/// one holds the data that was acknowledged is not for tally to guess.
 async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<String, String> {
     let mut conn = connect(options)
         .await
         .map_err(|e| format!("cannot connect: {e}"))?;
+    let holds = "EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = $1)
+                 AND EXISTS (SELECT 1 FROM pg_class c
+                             WHERE c.relnamespace = n.oid AND c.relname = '_sqlx_migrations')";
     let found = async {
-        if let Some(asked) = asked {
-            let exists: bool =
-                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-                    .bind(asked)
-                    .fetch_one(&mut conn)
-                    .await?;
-            return Ok(match exists {
-                true => Ok(asked.to_owned()),
-                false => Err(format!(
-                    "TALLY_POSTGRES_SCHEMA names schema `{asked}`, which does not exist: create \
-                     it (CREATE SCHEMA {asked}), or leave the setting out"
-                )),
-            });
-        }
-        let holding: Vec<String> = sqlx::query_scalar(
-            "SELECT n.nspname::text FROM pg_namespace n
-             WHERE EXISTS (SELECT 1 FROM pg_class c
-                           WHERE c.relnamespace = n.oid AND c.relname = $1)
-               AND EXISTS (SELECT 1 FROM pg_class c
-                           WHERE c.relnamespace = n.oid AND c.relname = '_sqlx_migrations')
-             ORDER BY 1",
-        )
+        let path: Vec<(String, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT s.name::text, {holds}
+             FROM unnest(current_schemas(false)) WITH ORDINALITY AS s (name, i)
+             JOIN pg_namespace n ON n.nspname = s.name
+             WHERE has_schema_privilege(n.oid, 'USAGE')
+             ORDER BY s.i"
+        )))
         .bind(TALLY_TABLE)
         .fetch_all(&mut conn)
         .await?;
+        let holding: Vec<&str> = path
+            .iter()
+            .filter(|(_, holds)| *holds)
+            .map(|(name, _)| name.as_str())
+            .collect();
+        if let Some(asked) = asked {
+            let named: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT {holds} FROM pg_namespace n WHERE n.nspname = $2"
+            )))
+            .bind(TALLY_TABLE)
+            .bind(asked)
+            .fetch_optional(&mut conn)
+            .await?;
+            return Ok(match (named, holding.first()) {
+                (None, _) => Err(format!(
+                    "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which does not exist: create \
+                     it (CREATE SCHEMA), or leave the setting out"
+                )),
+                (Some(false), Some(other)) if *other != asked => Err(format!(
+                    "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which holds none of tally's \
+                     tables, while schema {other:?} of the role's search_path does: tally would \
+                     serve empty tables. Name {other:?}, or, for a new deployment in {asked:?}, \
+                     take {other:?} out of the role's search_path"
+                )),
+                (Some(_), _) => Ok(asked.to_owned()),
+            });
+        }
         Ok(match holding.as_slice() {
-            [one] => Ok(one.clone()),
-            [] => {
-                let first: Option<String> = sqlx::query_scalar("SELECT current_schema()::text")
-                    .fetch_one(&mut conn)
-                    .await?;
-                first.ok_or_else(|| {
-                    "no schema of the search_path exists to create tally's tables in: create \
-                     one, or name one with TALLY_POSTGRES_SCHEMA"
-                        .to_owned()
-                })
-            }
+            [one] => Ok((*one).to_owned()),
+            [] => path.first().map(|(name, _)| name.clone()).ok_or_else(|| {
+                "no schema of the role's search_path exists (or may be used) to create \
+                 tally's tables in: create one, or name one with TALLY_POSTGRES_SCHEMA"
+                    .to_owned()
+            }),
             several => Err(format!(
-                "tally's tables are in several schemas ({}): set TALLY_POSTGRES_SCHEMA to the \
-                 one that holds its data (the others may be empty copies made when a schema \
-                 named like the role was created)",
+                "tally's tables are in several schemas of the role's search_path ({}): set \
+                 TALLY_POSTGRES_SCHEMA to the one that holds its data (the others may be empty \
+                 copies made when a schema named like the role was created)",
                 several.join(", ")
             )),
         })
@@ -330,9 +342,18 @@ async fn applied_migrations(
         .await
 }
 
-/// `name` as an SQL identifier, quoted.
+/// `name` as an SQL identifier: as it is when PostgreSQL would read it
+/// unquoted as itself (CockroachDB before 23.1 kept quotes in a
+/// `search_path` given at connection as part of the name), else quoted.
 fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
+    let plain = name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'$');
+    match plain {
+        true => name.to_owned(),
+        false => format!("\"{}\"", name.replace('"', "\"\"")),
+    }
 }
 
 /// Runs PostgreSQL's migrations on a connection of their own. sqlx holds
@@ -374,6 +395,7 @@ pub async fn open(
         .await
         .map_err(|e| fail(format!("cannot read the applied migrations: {e}")))?;
     let standing = migrations::standing(&migrator, &applied);
+    standing.admit().map_err(&fail)?;
     migrations::warn_of_newer(&standing.newer);
     // Nothing to run: the migrator is not started, so a role that may read
     // and write tally's tables but not create any in the schema runs tally

@@ -46,6 +46,22 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         }
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
         let migrator = migrations::tolerant(sqlx::migrate!("./migrations/sqlite"));
+        let applied: Vec<(i64, Vec<u8>, bool)> = match has_migrations(&mut conn).await {
+            Ok(false) => Vec::new(),
+            Ok(true) => sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
+                .fetch_all(&mut conn)
+                .await
+                .map_err(open_err)?,
+            Err(e) => return Err(open_err(e)),
+        };
+        let standing = migrations::standing(&migrator, &applied);
+        if let Err(reason) = standing.admit() {
+            return Err(OpenError::Refused {
+                path: path.to_owned(),
+                reason,
+            });
+        }
+        migrations::warn_of_newer(&standing.newer);
         migrator
             .run(&mut conn)
             .await
@@ -53,12 +69,6 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 path: path.to_owned(),
                 source,
             })?;
-        let applied: Vec<(i64, Vec<u8>, bool)> =
-            sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
-                .fetch_all(&mut conn)
-                .await
-                .map_err(open_err)?;
-        migrations::warn_of_newer(&migrations::standing(&migrator, &applied).newer);
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;
@@ -124,6 +134,15 @@ async fn open_writer(path: &Path, opts: &DbOptions) -> Result<SqliteConnection, 
 }
 
 /// Whether the file already holds tally's tables.
+async fn has_migrations(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok(n > 0)
+}
+
 async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
     let (n,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'counters'",

@@ -885,57 +885,83 @@ async fn a_schema_named_like_the_role_moves_nothing() {
     stop_all(later).await;
 }
 
-/// tally's tables in two schemas (as the bug above left them): which holds
-/// the acknowledged data is not for tally to guess, so it does not start,
-/// and says what to set; named with `TALLY_POSTGRES_SCHEMA`, it serves
-/// that schema's data. A schema named that way is where a fresh database
-/// gets its tables.
+/// Runs the binary to its exit (a start that must fail); its stderr.
+fn failed_start(env: &[(&str, &str)]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_LISTEN", "127.0.0.1:0")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{stderr}");
+    stderr
+}
+
+/// Only the schemas of the role's `search_path` count: another
+/// deployment's tables in a schema of its own (its role's path) are not
+/// tally's, and do not stop it. Tally's tables in two schemas of the path
+/// (as the bug above left them) are for the operator to choose between:
+/// tally does not start, and says what to set; named with
+/// `TALLY_POSTGRES_SCHEMA`, it serves that schema's data. A name that
+/// would serve empty tables while the path holds tally's (a typo) is
+/// refused, and so is one that does not exist.
 #[tokio::test]
-async fn tables_in_two_schemas_are_for_the_operator_to_choose_between() {
+async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     let url = postgres::fresh_database().await;
     let client = Client::new();
-    let bins = processes(1, &url, &[("TALLY_POSTGRES_SCHEMA", "public")]);
+    let bins = processes(1, &url, &[]);
     client
         .post(bins[0].url("/counters/kept"))
         .send()
         .await
         .unwrap();
     stop_all(bins).await;
-    run_sql(&url, "CREATE SCHEMA other".into()).await;
-    let bins = processes(1, &url, &[("TALLY_POSTGRES_SCHEMA", "other")]);
-    assert_eq!(counter(&client, &bins[0], "kept").await, 0);
-    stop_all(bins).await;
+    let path_of = |schema: &str| format!("{url}?options=-c%20search_path%3D{schema}");
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .env("TALLY_DATABASE", &url)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    // Another deployment, on a path of its own.
+    run_sql(&url, "CREATE SCHEMA other".into()).await;
+    let other = processes(1, &path_of("other"), &[]);
+    assert_eq!(counter(&client, &other[0], "kept").await, 0);
+    let bins = processes(1, &url, &[]);
+    assert_eq!(counter(&client, &bins[0], "kept").await, 1);
+    stop_all(bins).await;
+    stop_all(other).await;
+
+    run_sql(&url, "CREATE SCHEMA empty_one".into()).await;
+    let e = failed_start(&[
+        ("TALLY_DATABASE", &url),
+        ("TALLY_POSTGRES_SCHEMA", "empty_one"),
+    ]);
     assert!(
-        stderr.contains("tally's tables are in several schemas (other, public)")
-            && stderr.contains("TALLY_POSTGRES_SCHEMA"),
-        "{stderr}"
+        e.contains("holds none of tally's tables, while schema \"public\""),
+        "{e}"
+    );
+    let e = failed_start(&[
+        ("TALLY_DATABASE", &url),
+        ("TALLY_POSTGRES_SCHEMA", "missing"),
+    ]);
+    assert!(
+        e.contains("schema \"missing\", which does not exist"),
+        "{e}"
+    );
+
+    // The copy the bug made: tables in a schema named like the role,
+    // which the default path puts before public.
+    run_sql(&url, "CREATE SCHEMA AUTHORIZATION CURRENT_USER".into()).await;
+    let copy = processes(1, &path_of("tally"), &[]);
+    assert_eq!(counter(&client, &copy[0], "kept").await, 0);
+    stop_all(copy).await;
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(
+        e.contains(
+            "tally's tables are in several schemas of the role's search_path (tally, public)"
+        ) && e.contains("TALLY_POSTGRES_SCHEMA"),
+        "{e}"
     );
     let bins = processes(1, &url, &[("TALLY_POSTGRES_SCHEMA", "public")]);
     assert_eq!(counter(&client, &bins[0], "kept").await, 1);
     stop_all(bins).await;
-
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .env("TALLY_DATABASE", &url)
-        .env("TALLY_POSTGRES_SCHEMA", "missing")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("schema `missing`, which does not exist"),
-        "{stderr}"
-    );
 }
 
 /// The common split of roles: one that owns the schema migrates, one that

@@ -102,5 +102,31 @@ async fn a_database_a_newer_tally_migrated_is_served() {
         logs.contains("migrations this tally does not know") && logs.contains("99"),
         "{logs}"
     );
+    let mut bin = bin;
     bin.sigterm();
+    bin.wait(std::time::Duration::from_secs(20)).await;
+
+    // One that failed part way left a state no release was written for.
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query("UPDATE _sqlx_migrations SET success = 0 WHERE version = 99")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    drop(conn);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_LISTEN", "127.0.0.1:0")
+        .env("TALLY_DATABASE", &db)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("migrations [99] of a newer tally failed part way"),
+        "{stderr}"
+    );
 }

@@ -305,7 +305,7 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
     std::io::Read::read_to_string(&mut restore.stderr.take().unwrap(), &mut stderr).unwrap();
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("stopped by a signal while restoring"),
+        stderr.contains("stopped by SIGTERM while restoring"),
         "{stderr}"
     );
     assert!(!db.exists());
