@@ -206,7 +206,7 @@ pub const CHECK_ROUTE: &str = "/budgets/{name}/check";
     responses((status = 200, description = "Decided and committed", body = DecisionView,
         headers(("RateLimit-Policy" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
                 ("RateLimit" = String, description = "draft-ietf-httpapi-ratelimit-headers-10"),
-                ("Retry-After" = u64, description = "On denials: seconds until the day resets"))),
+                ("Retry-After" = u64, description = "On denials whose day is not over: seconds until it resets"))),
         CheckWriteProblems, Problems))]
 /// A budget check. It fails closed: every answer other than a 200 carries
 /// `"allowed": false`, and a database failure denies with `meter_error`.
