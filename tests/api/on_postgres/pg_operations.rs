@@ -1026,4 +1026,6 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
         "{logs}"
     );
     stop_all(app).await;
+    // Roles outlive databases on the shared server.
+    run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
 }
