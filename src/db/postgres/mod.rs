@@ -138,6 +138,10 @@ pub const STATEMENT_TIMEOUT: &str = "10s";
 /// never waits between the statements of a batch.
 pub const IDLE_IN_TRANSACTION_TIMEOUT: &str = "30s";
 
+/// Seconds a connection is idle before the server probes it (see
+/// [`connect_options`]).
+pub const TCP_KEEPALIVES_IDLE: &str = "60";
+
 /// Longest a batch may take, all its statements and its COMMIT together:
 /// this, plus [`BATCH_TIMEOUT_PER_COMMAND`] for each of its commands. A
 /// server that stops answering without closing the connection (a network
@@ -180,6 +184,15 @@ pub fn connect_options(url: &str, lock_timeout: Duration) -> Result<PgConnectOpt
             "idle_in_transaction_session_timeout",
             IDLE_IN_TRANSACTION_TIMEOUT,
         ),
+        // The server probes an idle connection after a minute, every 10 s,
+        // and ends the session after 3 probes unanswered: a connection cut
+        // off by the network (a partition, a NAT that dropped its entry
+        // without a reset) would otherwise keep its session, and its slot
+        // of max_connections, for the system's default of over 2 hours,
+        // and the probes keep a NAT's entry for an idle connection alive.
+        ("tcp_keepalives_idle", TCP_KEEPALIVES_IDLE),
+        ("tcp_keepalives_interval", "10"),
+        ("tcp_keepalives_count", "3"),
     ]))
 }
 
@@ -412,4 +425,29 @@ pub async fn open(
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
     Ok((readers, WriterConn::new(options)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every connection asks the server to probe it when idle and to end
+    /// its session when the probes go unanswered (a partition, a NAT that
+    /// dropped its entry), besides its timeouts. Loopback cannot lose a
+    /// probe, so this is checked as the settings sent at connection.
+    #[test]
+    fn every_connection_asks_for_keepalives_and_timeouts() {
+        let options = connect_options("postgres://u@db/t", Duration::from_secs(2)).unwrap();
+        let sent = options.get_options().unwrap();
+        for setting in [
+            "statement_timeout=10s",
+            "lock_timeout=2000ms",
+            "idle_in_transaction_session_timeout=30s",
+            "tcp_keepalives_idle=60",
+            "tcp_keepalives_interval=10",
+            "tcp_keepalives_count=3",
+        ] {
+            assert!(sent.contains(setting), "{setting} not in {sent}");
+        }
+    }
 }

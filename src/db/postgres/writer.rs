@@ -201,7 +201,9 @@ fn log_busy(batch: &[Queued]) {
             commands = busy.len(),
             first = %first,
             "rows held by another transaction past the lock timeout (a session outside \
-             tally?): those commands were answered row-busy, the rest of the batch committed"
+             tally, or a tally session the network cut off, which PostgreSQL ends after \
+             idle_in_transaction_session_timeout, 30 s): those commands were answered \
+             row-busy, the rest of the batch committed"
         );
     }
 }
