@@ -187,6 +187,44 @@ impl<T: fmt::Debug> Reply<T> {
     }
 }
 
+/// What the writer does with a command's reply whatever the type of its
+/// value ([`Command::reply`]): one dispatch over the commands, not one per
+/// method.
+trait AnyReply {
+    fn is_replayed(&self) -> bool;
+    fn is_refused(&self) -> bool;
+    fn outcome(&self) -> Option<Result<(), &Error>>;
+    fn fail(&mut self, e: Error);
+    fn refuse(&mut self, e: Error);
+    fn send(&mut self, commit: &Result<(), Error>) -> Sent;
+}
+
+impl<T: fmt::Debug> AnyReply for Reply<T> {
+    fn is_replayed(&self) -> bool {
+        Reply::is_replayed(self)
+    }
+
+    fn is_refused(&self) -> bool {
+        Reply::is_refused(self)
+    }
+
+    fn outcome(&self) -> Option<Result<(), &Error>> {
+        Reply::outcome(self)
+    }
+
+    fn fail(&mut self, e: Error) {
+        self.set(Err(e))
+    }
+
+    fn refuse(&mut self, e: Error) {
+        Reply::refuse(self, e)
+    }
+
+    fn send(&mut self, commit: &Result<(), Error>) -> Sent {
+        Reply::send(self, commit)
+    }
+}
+
 /// A command in the queue, with everything the writer needs to answer it.
 pub struct Queued {
     pub command: Command,
@@ -304,78 +342,59 @@ impl Command {
         }
     }
 
+    /// Its reply, whatever the type of its value.
+    fn reply(&self) -> &dyn AnyReply {
+        match self {
+            Command::Increment { reply, .. } => reply,
+            Command::PutBudget { reply, .. } => reply,
+            Command::Check { reply, .. } => reply,
+            Command::Reset { reply, .. } => reply,
+            Command::DeleteBudget { reply, .. } => reply,
+            Command::DeleteCounter { reply, .. } => reply,
+        }
+    }
+
+    fn reply_mut(&mut self) -> &mut dyn AnyReply {
+        match self {
+            Command::Increment { reply, .. } => reply,
+            Command::PutBudget { reply, .. } => reply,
+            Command::Check { reply, .. } => reply,
+            Command::Reset { reply, .. } => reply,
+            Command::DeleteBudget { reply, .. } => reply,
+            Command::DeleteCounter { reply, .. } => reply,
+        }
+    }
+
     /// Whether its result is the one stored for its idempotency key.
     pub fn is_replayed(&self) -> bool {
-        match self {
-            Command::Increment { reply, .. } => reply.is_replayed(),
-            Command::PutBudget { reply, .. } => reply.is_replayed(),
-            Command::Check { reply, .. } => reply.is_replayed(),
-            Command::Reset { reply, .. } => reply.is_replayed(),
-            Command::DeleteBudget { reply, .. } => reply.is_replayed(),
-            Command::DeleteCounter { reply, .. } => reply.is_replayed(),
-        }
+        self.reply().is_replayed()
     }
 
     /// The command's result so far in its batch: `Some(Ok(()))` or its
     /// error, `None` before it ran.
     pub fn outcome(&self) -> Option<Result<(), &Error>> {
-        match self {
-            Command::Increment { reply, .. } => reply.outcome(),
-            Command::PutBudget { reply, .. } => reply.outcome(),
-            Command::Check { reply, .. } => reply.outcome(),
-            Command::Reset { reply, .. } => reply.outcome(),
-            Command::DeleteBudget { reply, .. } => reply.outcome(),
-            Command::DeleteCounter { reply, .. } => reply.outcome(),
-        }
+        self.reply().outcome()
     }
 
     /// Sets an error as the command's result.
     pub fn fail(&mut self, e: Error) {
-        match self {
-            Command::Increment { reply, .. } => reply.set(Err(e)),
-            Command::PutBudget { reply, .. } => reply.set(Err(e)),
-            Command::Check { reply, .. } => reply.set(Err(e)),
-            Command::Reset { reply, .. } => reply.set(Err(e)),
-            Command::DeleteBudget { reply, .. } => reply.set(Err(e)),
-            Command::DeleteCounter { reply, .. } => reply.set(Err(e)),
-        }
+        self.reply_mut().fail(e)
     }
 
     /// Whether it was answered without running ([`Reply::refuse`]).
     pub fn is_refused(&self) -> bool {
-        match self {
-            Command::Increment { reply, .. } => reply.is_refused(),
-            Command::PutBudget { reply, .. } => reply.is_refused(),
-            Command::Check { reply, .. } => reply.is_refused(),
-            Command::Reset { reply, .. } => reply.is_refused(),
-            Command::DeleteBudget { reply, .. } => reply.is_refused(),
-            Command::DeleteCounter { reply, .. } => reply.is_refused(),
-        }
+        self.reply().is_refused()
     }
 
     /// Answers the command with an error without running it
     /// ([`Reply::refuse`]).
     pub fn refuse(&mut self, e: Error) {
-        match self {
-            Command::Increment { reply, .. } => reply.refuse(e),
-            Command::PutBudget { reply, .. } => reply.refuse(e),
-            Command::Check { reply, .. } => reply.refuse(e),
-            Command::Reset { reply, .. } => reply.refuse(e),
-            Command::DeleteBudget { reply, .. } => reply.refuse(e),
-            Command::DeleteCounter { reply, .. } => reply.refuse(e),
-        }
+        self.reply_mut().refuse(e)
     }
 
     /// Sends the command's answer ([`Reply::send`]).
     pub fn send(&mut self, commit: &Result<(), Error>) -> Sent {
-        match self {
-            Command::Increment { reply, .. } => reply.send(commit),
-            Command::PutBudget { reply, .. } => reply.send(commit),
-            Command::Check { reply, .. } => reply.send(commit),
-            Command::Reset { reply, .. } => reply.send(commit),
-            Command::DeleteBudget { reply, .. } => reply.send(commit),
-            Command::DeleteCounter { reply, .. } => reply.send(commit),
-        }
+        self.reply_mut().send(commit)
     }
 
     /// What the command does, to tell a retry from another request that
