@@ -274,10 +274,7 @@ const TALLY_TABLE: &str = "budget_global_usage";
 /// without them, the first of them (where the migrations would create
 /// them). Tables in several of them are an error to resolve by hand: which
 /// one holds the data that was acknowledged is not for tally to guess.
-async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<String, String> {
-    let mut conn = connect(options)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
+async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, String> {
     let holds = "EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = $1)
                  AND EXISTS (SELECT 1 FROM pg_class c
                              WHERE c.relnamespace = n.oid AND c.relname = '_sqlx_migrations')";
@@ -290,7 +287,7 @@ async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<Strin
              ORDER BY s.i"
         )))
         .bind(TALLY_TABLE)
-        .fetch_all(&mut conn)
+        .fetch_all(&mut *conn)
         .await?;
         let holding: Vec<&str> = path
             .iter()
@@ -303,7 +300,7 @@ async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<Strin
             )))
             .bind(TALLY_TABLE)
             .bind(asked)
-            .fetch_optional(&mut conn)
+            .fetch_optional(&mut *conn)
             .await?;
             return Ok(match (named, holding.first()) {
                 (None, _) => Err(format!(
@@ -336,7 +333,6 @@ async fn schema(options: &PgConnectOptions, asked: Option<&str>) -> Result<Strin
     }
     .await
     .map_err(|e: sqlx::Error| format!("cannot find tally's schema: {e}"));
-    let _ = sqlx::Connection::close(conn).await;
     found?
 }
 
@@ -382,14 +378,6 @@ pub async fn open(
     };
     let options = connect_options(url.expose(), opts.lock_timeout)
         .map_err(|e| fail(format!("not a usable URL: {e}")))?;
-    let schema = schema(&options, opts.schema.as_deref())
-        .await
-        .map_err(fail)?;
-    // Every connection names the schema: a schema created later that the
-    // role's `search_path` would put first (`"$user"`, PostgreSQL's
-    // default), or a new `search_path`, would otherwise move tally, at its
-    // next start, onto empty tables of its own making.
-    let options = options.options([("search_path", quote_ident(&schema))]);
     // A migration may rewrite a large table and its indexes: no statement
     // timeout for it (a migration cut off is rolled back and tried again at
     // every start, locking the tables each time), and a lock it cannot have
@@ -403,6 +391,21 @@ pub async fn open(
     let mut conn = connect(&migrating)
         .await
         .map_err(|e| fail(format!("cannot connect: {e}")))?;
+    let schema = schema(&mut conn, opts.schema.as_deref())
+        .await
+        .map_err(&fail)?;
+    // Every connection names the schema: a schema created later that the
+    // role's `search_path` would put first (`"$user"`, PostgreSQL's
+    // default), or a new `search_path`, would otherwise move tally, at its
+    // next start, onto empty tables of its own making. This one, which
+    // found it, is held to it from here.
+    let search_path = quote_ident(&schema);
+    sqlx::query("SELECT set_config('search_path', $1, false)")
+        .bind(&search_path)
+        .execute(&mut conn)
+        .await
+        .map_err(|e| fail(format!("cannot set the search_path: {e}")))?;
+    let options = options.options([("search_path", search_path)]);
     let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
     let applied = applied_migrations(&mut conn)
         .await

@@ -1029,3 +1029,43 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
     // Roles outlive databases on the shared server.
     run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
 }
+
+/// A schema named with `TALLY_POSTGRES_SCHEMA`, outside the role's
+/// `search_path`, is where a fresh database gets tally's tables, the
+/// migrations' included, and where its writes go.
+#[tokio::test]
+async fn a_named_schema_gets_the_tables_of_a_fresh_database() {
+    let url = postgres::fresh_database().await;
+    run_sql(&url, "CREATE SCHEMA mine".into()).await;
+    let client = Client::new();
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_SCHEMA", "mine")]);
+    let r = client
+        .post(bins[0].url("/counters/here"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    stop_all(bins).await;
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let tables: Vec<(String, String)> = sqlx::query_as(
+        "SELECT n.nspname::text, c.relname::text FROM pg_class c
+         JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE c.relname IN ('counters', '_sqlx_migrations') ORDER BY 1, 2",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let here: i64 = sqlx::query_scalar("SELECT value FROM mine.counters WHERE name = 'here'")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
+    assert_eq!(
+        tables,
+        [
+            ("mine".to_owned(), "_sqlx_migrations".to_owned()),
+            ("mine".to_owned(), "counters".to_owned())
+        ]
+    );
+    assert_eq!(here, 1);
+}
