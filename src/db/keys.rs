@@ -30,7 +30,41 @@ pub async fn claim(
     key: &IdempotencyKey,
     fingerprint: &str,
 ) -> Result<Option<StoredKey>, Error> {
-    conn.claim_key(key.as_str(), fingerprint).await
+    let mut stored = conn.claim_keys(&[(key.as_str(), fingerprint)]).await?;
+    Ok(stored.pop().flatten())
+}
+
+/// [`claim`] for many `(key, fingerprint)` (keys distinct) in one
+/// statement: what is stored for each, in order, or `None` for a key the
+/// transaction now holds.
+pub async fn claim_all(
+    conn: &mut impl Store,
+    keys: &[(&str, &str)],
+) -> Result<Vec<Option<StoredKey>>, Error> {
+    let stored = conn.claim_keys(keys).await?;
+    match stored.len() == keys.len() {
+        true => Ok(stored),
+        false => Err(Error::Internal(
+            format!("{} keys claimed, {} answered", keys.len(), stored.len()).into(),
+        )),
+    }
+}
+
+/// [`remember`] for many `(key, encoded answer)` in one statement.
+pub async fn remember_all(conn: &mut impl Store, answers: &[(&str, String)]) -> Result<(), Error> {
+    match answers.is_empty() {
+        true => Ok(()),
+        false => conn.remember_keys(answers).await,
+    }
+}
+
+/// Gives back keys this transaction claimed for commands that were
+/// refused: like a savepoint rolled back, the key is free for a retry.
+pub async fn give_back(conn: &mut impl Store, keys: &[&str]) -> Result<(), Error> {
+    match keys.is_empty() {
+        true => Ok(()),
+        false => conn.unclaim_keys(keys).await,
+    }
 }
 
 /// An answer an idempotency key keeps: how it is stored with the key and
@@ -85,7 +119,7 @@ pub async fn remember(
     key: &IdempotencyKey,
     answer: &impl Kept,
 ) -> Result<(), Error> {
-    conn.remember_key(key.as_str(), &answer.encode()).await
+    conn.remember_keys(&[(key.as_str(), answer.encode())]).await
 }
 
 /// The answer stored for a key.

@@ -154,16 +154,21 @@ pub(super) trait Store {
     /// Deletes a counter; whether it existed.
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error>;
 
-    /// What is stored for `key`, or `None`: then the key is this
-    /// transaction's until it ends, and [`Self::remember_key`] stores the
-    /// answer. A concurrent transaction claiming the same key waits for
-    /// this one and then sees its answer.
-    /// A key is stamped with the time of [`Self::now`]'s clock.
-    async fn claim_key(&mut self, key: &str, fingerprint: &str)
-    -> Result<Option<StoredKey>, Error>;
+    /// What is stored for each `(key, fingerprint)` (keys distinct), in
+    /// order, or `None`: then the key is this transaction's until it
+    /// ends, and [`Self::remember_keys`] stores the answer. A concurrent
+    /// transaction claiming the same key waits for this one and then sees
+    /// its answer. Keys are claimed in byte order, the order every
+    /// process takes them in. A key is stamped with the time of
+    /// [`Self::now`]'s clock.
+    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error>;
 
-    /// Stores the answer for a key this transaction claimed.
-    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error>;
+    /// Stores the answers `(key, answer)` for keys this transaction
+    /// claimed.
+    async fn remember_keys(&mut self, answers: &[(&str, String)]) -> Result<(), Error>;
+
+    /// Deletes keys this transaction claimed and will store no answer for.
+    async fn unclaim_keys(&mut self, keys: &[&str]) -> Result<(), Error>;
 
     /// Forgets keys stored longer ago than `age` by [`Self::now`]'s clock
     /// (some of them, if there are very many); returns how many.

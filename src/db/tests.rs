@@ -655,3 +655,153 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
     ));
     assert_eq!(dump(&mut conn).await, before);
 }
+
+/// A batch with idempotency keys, applied set-based (keys claimed in one
+/// statement and stored in another), answers every command as the same
+/// batch applied command by command, each in a savepoint with its key,
+/// and leaves the same rows and the same stored keys: a key stored before
+/// is replayed (or refused, reused by another command) and its command
+/// does not run; a refused command's key is given back, so its retry
+/// runs; a key sent twice in one batch is answered from the first.
+#[tokio::test]
+async fn keyed_batches_answer_as_command_by_command() {
+    use super::{
+        command::{Command, Queued, Reply},
+        txn::{Pass, apply_by, apply_set_based},
+    };
+    use crate::meter::IdempotencyKey;
+
+    type Answer<T> = tokio::sync::oneshot::Receiver<super::command::Answer<T>>;
+    enum Rx {
+        Value(Answer<i64>),
+        Decision(Answer<Decision>),
+    }
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Value(Result<i64, String>, bool),
+        Decision(Result<(String, String, i64, i64), String>, bool),
+    }
+    let mut batched = fresh_db().await;
+    let mut single = fresh_db().await;
+    let spec = BudgetSpec::new(3, 20, Some(2), Some("UTC")).unwrap();
+    let budget = Name::parse("b").unwrap();
+    for conn in [&mut batched, &mut single] {
+        budgets::put(conn, &budget, &spec, Timestamp::now())
+            .await
+            .unwrap();
+    }
+    let counters = names(&["n0", "n1", "n2"]);
+    let unknown = Name::parse("none").unwrap();
+    let visitors: Vec<VisitorId> = ["A", "B", "C"]
+        .iter()
+        .map(|v| VisitorId::parse(v).unwrap())
+        .collect();
+    let long_ago = Day::parse("2000-01-01").unwrap();
+    let mut rng = fastrand::Rng::with_seed(20);
+    let (mut set_based, mut distinct) = (0, 0);
+    for round in 0..300 {
+        // (command, key); the same random draws make both batches.
+        let specs: Vec<(usize, i64, Option<String>)> = (0..rng.usize(1..12))
+            .map(|_| {
+                let key = rng.bool().then(|| format!("k{}", rng.usize(..40)));
+                (rng.usize(..6), rng.i64(1..4), key)
+            })
+            .collect();
+        let mut seen = Vec::new();
+        for (conn, pass) in [(&mut batched, Pass::Batch), (&mut single, Pass::Probe)] {
+            let mut answers = Vec::new();
+            let mut batch: Vec<Queued> = specs
+                .iter()
+                .map(|(what, by, key)| {
+                    let command = match what {
+                        0..=2 => {
+                            let (reply, rx) = Reply::new();
+                            answers.push(Rx::Value(rx));
+                            Command::Increment {
+                                name: counters[*what].clone(),
+                                by: *by,
+                                reply,
+                            }
+                        }
+                        _ => {
+                            let (reply, rx) = Reply::new();
+                            answers.push(Rx::Decision(rx));
+                            Command::Check {
+                                // An unknown budget, and a day the budget
+                                // does not keep: refused, nothing counted.
+                                budget: match what {
+                                    5 if *by == 1 => unknown.clone(),
+                                    _ => budget.clone(),
+                                },
+                                visitor: visitors[usize::try_from(*by).unwrap() - 1].clone(),
+                                day: (*what == 4 && *by == 3).then_some(long_ago),
+                                reply,
+                            }
+                        }
+                    };
+                    Queued {
+                        command,
+                        key: key.as_deref().map(|k| IdempotencyKey::parse(k).unwrap()),
+                        request_id: None,
+                    }
+                })
+                .collect();
+            let mut keys: Vec<&str> = specs.iter().filter_map(|s| s.2.as_deref()).collect();
+            keys.sort_unstable();
+            if pass == Pass::Batch && keys.windows(2).all(|w| w[0] != w[1]) {
+                // Set-based it must be, not one by one after a failed try.
+                let applied = apply_set_based(conn, &mut batch, pass).await;
+                applied.expect("applied set-based").unwrap();
+            } else {
+                apply_by(conn, &mut batch, pass).await.unwrap();
+            }
+            for q in &mut batch {
+                q.command.send(&Ok(()));
+            }
+            let mut got = Vec::new();
+            for rx in answers {
+                got.push(match rx {
+                    Rx::Value(rx) => {
+                        let a = rx.await.unwrap();
+                        Seen::Value(a.result.map_err(|e| e.to_string()), a.replayed)
+                    }
+                    Rx::Decision(rx) => {
+                        let a = rx.await.unwrap();
+                        let d = a.result.map(|d| {
+                            (
+                                format!("{:?}", d.reason),
+                                d.day.to_string(),
+                                d.visitor_calls,
+                                d.global_calls,
+                            )
+                        });
+                        Seen::Decision(d.map_err(|e| e.to_string()), a.replayed)
+                    }
+                });
+            }
+            seen.push(got);
+        }
+        assert_eq!(seen[0], seen[1], "round {round}: {specs:?}");
+        let mut keys: Vec<&str> = specs.iter().filter_map(|s| s.2.as_deref()).collect();
+        keys.sort_unstable();
+        if keys.windows(2).all(|w| w[0] != w[1]) {
+            distinct += 1;
+            set_based += usize::from(!keys.is_empty());
+        }
+    }
+    // Most batches took the set-based path with keys in them.
+    assert!(
+        set_based > 150 && distinct > set_based,
+        "{set_based} {distinct}"
+    );
+    assert_eq!(dump(&mut batched).await, dump(&mut single).await);
+    let stored = async |conn: &mut SqliteConnection| -> Vec<(String, String, String)> {
+        sqlx::query_as("SELECT key, fingerprint, result FROM idempotency_keys ORDER BY key")
+            .fetch_all(conn)
+            .await
+            .unwrap()
+    };
+    let kept = stored(&mut batched).await;
+    assert_eq!(kept, stored(&mut single).await);
+    assert!(kept.len() > 30, "{}", kept.len());
+}

@@ -2,13 +2,16 @@
 //! [`Store`]: how a batch is applied in one transaction and what each
 //! caller's reply is.
 //!
-//! A batch of increments and checks without idempotency keys is applied
-//! set-based, a few statements for the whole batch; any other batch (and
-//! one whose set-based result could differ, an overflowing counter, or a
-//! row held elsewhere) runs command by command, each in a savepoint of its
-//! own, in one lock order, so that one refused command does not take the
-//! rest of its batch down and two processes cannot deadlock on the same
-//! rows. A keyed command claims its key in the same savepoint.
+//! A batch of increments and checks is applied set-based, a few
+//! statements for the whole batch, its idempotency keys claimed in one and
+//! their answers stored in another (on a distant PostgreSQL the round
+//! trips, not the commands, are what a batch costs); any other batch (and
+//! one whose set-based result could differ: an overflowing counter, a row
+//! held elsewhere, a key sent twice) runs command by command, each in a
+//! savepoint of its own, in one lock order, so that one refused command
+//! does not take the rest of its batch down and two processes cannot
+//! deadlock on the same rows. There a keyed command claims its key in its
+//! own savepoint.
 
 use jiff::Timestamp;
 
@@ -17,9 +20,9 @@ use super::{
     command::{Cleared, Command, Queued, Reply},
     counters,
     keys::{self, Kept},
-    store::Store,
+    store::{Store, StoredKey},
 };
-use crate::meter::{Decision, IdempotencyKey, Refusal};
+use crate::meter::{Decision, IdempotencyKey, Name, Refusal};
 
 /// A batch applied: each command's result is set in its own [`Reply`];
 /// this is whether the transaction holding them committed. A batch that
@@ -27,16 +30,15 @@ use crate::meter::{Decision, IdempotencyKey, Refusal};
 pub(super) type Applied = Result<(), Error>;
 
 /// Applies a batch in one transaction: set-based when it can be, else one
-/// command at a time. Keyed commands claim and store their key one by one.
+/// command at a time.
 pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> Applied {
     apply_by(conn, batch, Pass::Batch).await
 }
 
 /// Applies commands in one transaction by the rule `pass` names.
 pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: Pass) -> Applied {
-    let keyed = batch.iter().any(|q| q.key.is_some());
     if pass != Pass::Probe
-        && !keyed
+        && keys_distinct(batch)
         && let Some(applied) = apply_set_based(conn, batch, pass).await
     {
         return applied;
@@ -44,15 +46,29 @@ pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: 
     one_by_one(conn, batch, pass).await
 }
 
+/// Whether no idempotency key comes twice in the batch. A key sent twice
+/// in one batch (a client's retry queued before its first try was
+/// answered) must be answered from the first's result, which only
+/// command by command has before the second runs.
+fn keys_distinct(batch: &[Queued]) -> bool {
+    let mut keys: Vec<&str> = batch
+        .iter()
+        .filter_map(|q| q.key.as_ref().map(IdempotencyKey::as_str))
+        .collect();
+    keys.sort_unstable();
+    keys.windows(2).all(|w| w[0] != w[1])
+}
+
 /// All increments of the batch in one statement, all checks in a
-/// handful. Increments and checks touch disjoint tables, so running each
+/// handful, and all idempotency keys claimed in one and stored in
+/// another. Increments and checks touch disjoint tables, so running each
 /// kind as a group keeps every caller's answer what it would be in queue
 /// order. `None` (with nothing run, or the transaction rolled back) when
 /// the batch must be applied one by one instead: it holds another kind
 /// of command, a statement failed, or a counter would overflow. An error
 /// that breaks the transaction ([`Error::breaks_transaction`]) is the
 /// whole batch's answer.
-async fn apply_set_based<S: Store>(
+pub(super) async fn apply_set_based<S: Store>(
     conn: &mut S,
     batch: &mut [Queued],
     pass: Pass,
@@ -63,86 +79,192 @@ async fn apply_set_based<S: Store>(
         Pass::Wary => S::BEGIN_PROBE,
         Pass::Batch | Pass::Probe => S::BEGIN_SET_BASED,
     };
-    let (values, decisions, commit) = run_set_based(conn, batch, begin).await?;
+    let (outcomes, now, commit) = run_set_based(conn, batch, begin).await?;
     if commit.is_ok() {
-        in_queue_order(batch, values, decisions);
+        answer_in_queue_order(batch, outcomes, now);
     }
     Some(commit)
 }
 
-/// Each increment's value and each check's decision, in queue order, and
-/// the commit; see [`apply_set_based`].
+/// What a set-based batch answers one command.
+enum Outcome {
+    /// An increment's new value.
+    Value(Result<i64, Error>),
+    /// A check's decision.
+    Decision(Result<Decision, Error>),
+    /// The answer stored for the command's idempotency key: it did not run.
+    Stored(StoredKey),
+    /// Refused without running (its key reused by another command).
+    Refused(Error),
+}
+
+/// Each command's [`Outcome`], in queue order, the batch's time and the
+/// commit; see [`apply_set_based`].
 async fn run_set_based<S: Store>(
     conn: &mut S,
     batch: &[Queued],
     begin_with: &'static str,
-) -> Option<(Vec<i64>, Vec<Result<Decision, Error>>, Applied)> {
-    let mut increments = Vec::new();
-    let mut checks = Vec::new();
-    for q in batch {
-        match &q.command {
-            Command::Increment { name, by, .. } => increments.push((name, *by)),
-            c @ Command::Check { .. } => checks.extend(c.check_item()),
-            // Any other command, a delete among them: a check queued after
-            // the delete of its budget must find it gone, and one queued
-            // before it must be counted first; only one by one, in queue
-            // order per name, gives both.
-            _ => return None,
-        }
+) -> Option<(Vec<Outcome>, Timestamp, Applied)> {
+    // Any other command, a delete among them: a check queued after the
+    // delete of its budget must find it gone, and one queued before it
+    // must be counted first; only one by one, in queue order per name,
+    // gives both.
+    if !batch
+        .iter()
+        .all(|q| matches!(q.command, Command::Increment { .. } | Command::Check { .. }))
+    {
+        return None;
     }
-    if checks.is_empty() {
-        // The hottest batch, increments only: the whole transaction in
-        // one round trip.
-        let started = std::time::Instant::now();
-        let applied = counters::increment_many_committed(conn, &increments, begin_with).await;
-        let (values, commit) = match applied {
-            Ok(Some(values)) => (values, Ok(())),
-            Ok(None) => return None,
-            // One row held elsewhere: one by one, only its commands wait.
-            Err(Error::Busy(..)) => {
-                let _ = conn.exec("ROLLBACK").await;
-                return None;
-            }
-            Err(e) => {
-                let _ = conn.exec("ROLLBACK").await;
-                (Vec::new(), Err(e))
-            }
-        };
-        crate::kept!(histogram "tally_commit_duration_seconds")
-            .record(started.elapsed().as_secs_f64());
-        return Some((values, Vec::new(), commit));
+    if batch
+        .iter()
+        .all(|q| q.key.is_none() && matches!(q.command, Command::Increment { .. }))
+    {
+        return increments_committed(conn, batch, begin_with).await;
     }
     if let Err(e) = begin(conn, begin_with).await {
         return e
             .breaks_transaction()
-            .then(|| (Vec::new(), Vec::new(), Err(e)));
+            .then(|| (Vec::new(), Timestamp::UNIX_EPOCH, Err(e)));
     }
-    let applied = async {
-        let now = conn.now().await?;
-        let values = match increments.is_empty() {
-            true => Some(Vec::new()),
-            false => counters::increment_many(conn, &increments).await?,
-        };
-        let Some(values) = values else {
-            return Ok(None);
-        };
-        let decisions = budgets::check_many(conn, &checks, now).await?;
-        Ok::<_, Error>(Some((values, decisions)))
-    }
-    .await;
-    match applied {
-        Ok(Some((values, decisions))) => Some((values, decisions, commit(conn).await)),
+    match keyed_and_checked(conn, batch).await {
+        Ok(Some((outcomes, now))) => Some((outcomes, now, commit(conn).await)),
         // Lost connection or lost race: the batch's, whichever way it runs.
         Err(e) if e.breaks_transaction() => {
             let _ = conn.exec("ROLLBACK").await;
-            Some((Vec::new(), Vec::new(), Err(e)))
+            Some((Vec::new(), Timestamp::UNIX_EPOCH, Err(e)))
         }
-        // An overflow, or a statement that failed: one by one tells which
-        // command it was.
+        // An overflow, a row held elsewhere, or a statement that failed:
+        // one by one tells which command it was.
         _ => {
             let _ = conn.exec("ROLLBACK").await;
             None
         }
+    }
+}
+
+/// The hottest batch, increments without keys only: the whole transaction
+/// in one round trip.
+async fn increments_committed<S: Store>(
+    conn: &mut S,
+    batch: &[Queued],
+    begin_with: &'static str,
+) -> Option<(Vec<Outcome>, Timestamp, Applied)> {
+    let increments: Vec<(&Name, i64)> = batch.iter().filter_map(increment).collect();
+    let started = std::time::Instant::now();
+    let applied = counters::increment_many_committed(conn, &increments, begin_with).await;
+    let (values, commit) = match applied {
+        Ok(Some(values)) => (values, Ok(())),
+        Ok(None) => return None,
+        // One row held elsewhere: one by one, only its commands wait.
+        Err(Error::Busy(..)) => {
+            let _ = conn.exec("ROLLBACK").await;
+            return None;
+        }
+        Err(e) => {
+            let _ = conn.exec("ROLLBACK").await;
+            (Vec::new(), Err(e))
+        }
+    };
+    crate::kept!(histogram "tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
+    let outcomes = values.into_iter().map(|v| Outcome::Value(Ok(v))).collect();
+    Some((outcomes, Timestamp::UNIX_EPOCH, commit))
+}
+
+/// Inside the batch's transaction: claims every idempotency key (one
+/// statement; a key already stored answers its command, which does not
+/// run), applies the other commands set-based, and stores the answers of
+/// the keys claimed (one statement), giving back the claims of commands
+/// refused (a check of an unknown budget, say), as a savepoint rolled
+/// back would. `None` on an overflow.
+async fn keyed_and_checked<S: Store>(
+    conn: &mut S,
+    batch: &[Queued],
+) -> Result<Option<(Vec<Outcome>, Timestamp)>, Error> {
+    let now = conn.now().await?;
+    let mut outcomes: Vec<Option<Outcome>> = batch.iter().map(|_| None).collect();
+    let claims: Vec<(usize, &IdempotencyKey, String)> = batch
+        .iter()
+        .enumerate()
+        .filter_map(|(i, q)| q.key.as_ref().map(|k| (i, k, q.command.fingerprint())))
+        .collect();
+    let mut claimed: Vec<(usize, &IdempotencyKey)> = Vec::new();
+    if !claims.is_empty() {
+        let asked: Vec<(&str, &str)> = claims
+            .iter()
+            .map(|(_, k, f)| (k.as_str(), f.as_str()))
+            .collect();
+        let stored = keys::claim_all(conn, &asked).await?;
+        for ((i, key, fingerprint), stored) in claims.iter().zip(stored) {
+            outcomes[*i] = match stored {
+                None => {
+                    claimed.push((*i, *key));
+                    continue;
+                }
+                Some(s) if s.fingerprint != *fingerprint => {
+                    Some(Outcome::Refused(Refusal::KeyReused.into()))
+                }
+                Some(s) => Some(Outcome::Stored(s)),
+            };
+        }
+    }
+    let to_run = || {
+        batch
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| o.is_none())
+            .map(|(q, _)| q)
+    };
+    let increments: Vec<(&Name, i64)> = to_run().filter_map(increment).collect();
+    let checks: Vec<budgets::CheckItem<'_>> =
+        to_run().filter_map(|q| q.command.check_item()).collect();
+    let values = match increments.is_empty() {
+        true => Vec::new(),
+        false => match counters::increment_many(conn, &increments).await? {
+            Some(values) => values,
+            None => return Ok(None),
+        },
+    };
+    let decisions = match checks.is_empty() {
+        true => Vec::new(),
+        false => budgets::check_many(conn, &checks, now).await?,
+    };
+    // Results are produced per command, in order; if one were ever missing,
+    // its caller gets an error rather than a wrong answer.
+    let missing =
+        || Error::Internal("the set-based batch produced no result for this command".into());
+    let (mut values, mut decisions) = (values.into_iter(), decisions.into_iter());
+    for (q, o) in batch.iter().zip(outcomes.iter_mut()) {
+        if o.is_none() {
+            *o = Some(match q.command {
+                Command::Check { .. } => {
+                    Outcome::Decision(decisions.next().unwrap_or_else(|| Err(missing())))
+                }
+                _ => Outcome::Value(values.next().ok_or_else(missing)),
+            });
+        }
+    }
+    let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
+    if !claimed.is_empty() {
+        let mut answers: Vec<(&str, String)> = Vec::new();
+        let mut refused: Vec<&str> = Vec::new();
+        for (i, key) in claimed {
+            match &outcomes[i] {
+                Outcome::Value(Ok(v)) => answers.push((key.as_str(), v.encode())),
+                Outcome::Decision(Ok(d)) => answers.push((key.as_str(), d.encode())),
+                _ => refused.push(key.as_str()),
+            }
+        }
+        keys::remember_all(conn, &answers).await?;
+        keys::give_back(conn, &refused).await?;
+    }
+    Ok(Some((outcomes, now)))
+}
+
+/// An increment's name and step; `None` for any other command.
+fn increment(q: &Queued) -> Option<(&Name, i64)> {
+    match &q.command {
+        Command::Increment { name, by, .. } => Some((name, *by)),
+        _ => None,
     }
 }
 
@@ -338,23 +460,7 @@ async fn apply_once(
         Ok(stored) => stored,
     };
     if let Some(stored) = &stored {
-        return match command {
-            Command::Increment { reply, .. } => reply.set_replayed(keys::replay(stored)),
-            // Replayed now: its rate-limit headers count from this batch's
-            // time, not the first answer's.
-            Command::Check { reply, .. } => {
-                reply.set_replayed(keys::replay::<Decision>(stored).map(|d| Decision {
-                    decided_at: Some(now),
-                    ..d
-                }))
-            }
-            Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
-                reply.set_replayed(keys::replay(stored))
-            }
-            other => other.fail(Error::Internal(
-                format!("{} takes no key, yet one is stored", other.kind()).into(),
-            )),
-        };
+        return replay(command, stored, now);
     }
     apply(conn, command, now).await;
     let remembered = match &*command {
@@ -367,6 +473,28 @@ async fn apply_once(
     };
     if let Err(e) = remembered {
         command.fail(e);
+    }
+}
+
+/// Answers a command with what its idempotency key stored; `now` is the
+/// batch's time.
+fn replay(command: &mut Command, stored: &StoredKey, now: Timestamp) {
+    match command {
+        Command::Increment { reply, .. } => reply.set_replayed(keys::replay(stored)),
+        // Replayed now: its rate-limit headers count from this batch's
+        // time, not the first answer's.
+        Command::Check { reply, .. } => {
+            reply.set_replayed(keys::replay::<Decision>(stored).map(|d| Decision {
+                decided_at: Some(now),
+                ..d
+            }))
+        }
+        Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
+            reply.set_replayed(keys::replay(stored))
+        }
+        other => other.fail(Error::Internal(
+            format!("{} takes no key, yet one is stored", other.kind()).into(),
+        )),
     }
 }
 
@@ -413,23 +541,19 @@ async fn commit(conn: &mut impl Store) -> Result<(), Error> {
     r.map_err(Error::at_commit)
 }
 
-/// Sets each command of a set-based batch, in queue order, to its result:
-/// the next value for an increment, the next decision for a check.
-fn in_queue_order(batch: &mut [Queued], values: Vec<i64>, decisions: Vec<Result<Decision, Error>>) {
-    let mut values = values.into_iter();
-    let mut decisions = decisions.into_iter();
-    // Results are produced per command, in order; if one were ever missing,
-    // its caller gets an error rather than a wrong answer.
-    let missing =
-        || Error::Internal("the set-based batch produced no result for this command".into());
+/// Sets each command of a set-based batch to its [`Outcome`]; `now` is
+/// the batch's time, from which a replayed check's rate-limit headers
+/// count.
+fn answer_in_queue_order(batch: &mut [Queued], outcomes: Vec<Outcome>, now: Timestamp) {
+    let mut outcomes = outcomes.into_iter();
     for q in batch {
-        match &mut q.command {
-            Command::Increment { reply, .. } => reply.set(values.next().ok_or_else(missing)),
-            Command::Check { reply, .. } => {
-                reply.set(decisions.next().unwrap_or_else(|| Err(missing())))
-            }
-            other => other.fail(Error::Internal(
-                "a set-based batch holds only increments and checks".into(),
+        match (outcomes.next(), &mut q.command) {
+            (Some(Outcome::Value(v)), Command::Increment { reply, .. }) => reply.set(v),
+            (Some(Outcome::Decision(d)), Command::Check { reply, .. }) => reply.set(d),
+            (Some(Outcome::Stored(stored)), command) => replay(command, &stored, now),
+            (Some(Outcome::Refused(e)), command) => command.fail(e),
+            (_, command) => command.fail(Error::Internal(
+                "the set-based batch produced no result for this command".into(),
             )),
         }
     }

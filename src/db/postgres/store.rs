@@ -1,6 +1,8 @@
 //! The PostgreSQL engine's statements inside the writer's transaction
 //! ([`Store`]): arrays through `unnest`, rows locked in byte order.
 
+use std::collections::{HashMap, HashSet};
+
 use super::*;
 
 /// SQLSTATE 22003, numeric_value_out_of_range: a counter left `bigint`.
@@ -304,43 +306,77 @@ impl Store for PgConnection {
     /// the same key uncommitted, the insert waits for it; if the key is
     /// there (committed, or claimed earlier in this transaction), nothing is
     /// inserted and its row is read instead.
-    async fn claim_key(
-        &mut self,
-        key: &str,
-        fingerprint: &str,
-    ) -> Result<Option<StoredKey>, Error> {
-        let claimed = sqlx::query(
+    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error> {
+        let claimed: Vec<String> = sqlx::query_scalar(
             "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-             VALUES ($1, $2, '', extract(epoch FROM now())::int8)
-             ON CONFLICT (key) DO NOTHING",
+             SELECT key, fingerprint, '', extract(epoch FROM now())::int8
+             FROM unnest($1::text[], $2::text[]) AS t (key, fingerprint)
+             ORDER BY key COLLATE \"C\"
+             ON CONFLICT (key) DO NOTHING
+             RETURNING key",
         )
-        .bind(key)
-        .bind(fingerprint)
-        .execute(&mut *self)
+        .bind(column(keys, |k| k.0))
+        .bind(column(keys, |k| k.1))
+        .fetch_all(&mut *self)
         .await
-        .map_err(error)?
-        .rows_affected();
-        if claimed == 1 {
-            return Ok(None);
+        .map_err(error)?;
+        let claimed: HashSet<&str> = claimed.iter().map(String::as_str).collect();
+        let others: Vec<&str> = keys
+            .iter()
+            .map(|k| k.0)
+            .filter(|k| !claimed.contains(k))
+            .collect();
+        let mut stored: HashMap<String, StoredKey> = HashMap::new();
+        if !others.is_empty() {
+            // A statement of its own: its snapshot sees the keys whose
+            // claims the insert waited for, committed meanwhile.
+            let rows: Vec<(String, String, String)> = sqlx::query_as(
+                "SELECT key, fingerprint, result FROM idempotency_keys WHERE key = ANY($1)",
+            )
+            .bind(&others)
+            .fetch_all(&mut *self)
+            .await
+            .map_err(error)?;
+            stored.extend(rows.into_iter().map(|(key, fingerprint, result)| {
+                (
+                    key,
+                    StoredKey {
+                        fingerprint,
+                        result,
+                    },
+                )
+            }));
         }
-        let stored: Option<StoredKey> =
-            sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = $1")
-                .bind(key)
-                .fetch_optional(self)
-                .await
-                .map_err(error)?;
-        // Gone between the two statements (forgotten as expired by another
-        // process, which only forgets keys a day old): the caller hears an
-        // error and may retry.
-        stored
-            .map(Some)
-            .ok_or_else(|| Error::Internal("an idempotency key vanished while claimed".into()))
+        keys.iter()
+            .map(|(key, _)| match claimed.contains(key) {
+                true => Ok(None),
+                // Gone between the two statements (forgotten as expired by
+                // another process, which only forgets keys a day old): the
+                // caller hears an error and may retry.
+                false => stored.remove(*key).map(Some).ok_or_else(|| {
+                    Error::Internal("an idempotency key vanished while claimed".into())
+                }),
+            })
+            .collect()
     }
 
-    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error> {
-        sqlx::query("UPDATE idempotency_keys SET result = $2 WHERE key = $1")
-            .bind(key)
-            .bind(result)
+    async fn remember_keys(&mut self, answers: &[(&str, String)]) -> Result<(), Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys AS k SET result = t.result
+             FROM unnest($1::text[], $2::text[]) AS t (key, result)
+             WHERE k.key = t.key",
+        )
+        .bind(column(answers, |a| a.0))
+        .bind(answers.iter().map(|a| a.1.as_str()).collect::<Vec<_>>())
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
+    async fn unclaim_keys(&mut self, keys: &[&str]) -> Result<(), Error> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE key = ANY($1)")
+            .bind(keys)
             .execute(self)
             .await
             .map_err(error)?;

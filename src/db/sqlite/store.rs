@@ -300,34 +300,56 @@ impl Store for SqliteConnection {
     /// Inserts the key with an empty answer, or reads what is stored for
     /// it: as on PostgreSQL, though here the one writer serialises every
     /// write, so no other transaction can hold the key meanwhile.
-    async fn claim_key(
-        &mut self,
-        key: &str,
-        fingerprint: &str,
-    ) -> Result<Option<StoredKey>, Error> {
-        let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-             VALUES (?1, ?2, '', ?3)
-             ON CONFLICT (key) DO NOTHING",
+    /// What is stored, read before the claims are inserted, as one row of
+    /// JSON (see [`upsert_counters`] for why one row). One writer: nothing
+    /// comes between the two statements.
+    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error> {
+        let rows = sqlx::query_scalar(
+            "SELECT json_group_array(json_array(key, fingerprint, result))
+             FROM idempotency_keys WHERE key IN (SELECT value ->> 0 FROM json_each(?1));
+             INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+             SELECT value ->> 0, value ->> 1, '', ?2 FROM json_each(?1) WHERE true
+             ON CONFLICT (key) DO NOTHING;",
         )
-        .bind(key)
-        .bind(fingerprint)
+        .bind(to_json(keys))
         .bind(keys::unix_now())
-        .execute(&mut *self)
+        .fetch_all(&mut *self)
         .await
-        .map_err(error)?
-        .rows_affected();
-        if claimed == 1 {
-            return Ok(None);
-        }
-        let q = sqlx::query_as("SELECT fingerprint, result FROM idempotency_keys WHERE key = ?1");
-        q.bind(key).fetch_optional(self).await.map_err(error)
+        .map_err(error)?;
+        let [row]: [String; 1] = rows.try_into().map_err(|rows: Vec<String>| {
+            Error::Internal(format!("the key claim returned {} rows, not 1", rows.len()).into())
+        })?;
+        let found: Vec<(String, String, String)> = from_one_row(&row, "key claim")?;
+        let mut stored: std::collections::HashMap<String, StoredKey> = found
+            .into_iter()
+            .map(|(key, fingerprint, result)| {
+                (
+                    key,
+                    StoredKey {
+                        fingerprint,
+                        result,
+                    },
+                )
+            })
+            .collect();
+        Ok(keys.iter().map(|(key, _)| stored.remove(*key)).collect())
     }
 
-    async fn remember_key(&mut self, key: &str, result: &str) -> Result<(), Error> {
-        sqlx::query("UPDATE idempotency_keys SET result = ?2 WHERE key = ?1")
-            .bind(key)
-            .bind(result)
+    async fn remember_keys(&mut self, answers: &[(&str, String)]) -> Result<(), Error> {
+        sqlx::query(
+            "UPDATE idempotency_keys AS k SET result = j.value ->> 1
+             FROM json_each(?1) AS j WHERE k.key = j.value ->> 0",
+        )
+        .bind(to_json(answers))
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
+    async fn unclaim_keys(&mut self, keys: &[&str]) -> Result<(), Error> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE key IN (SELECT value FROM json_each(?1))")
+            .bind(to_json(keys))
             .execute(self)
             .await
             .map_err(error)?;

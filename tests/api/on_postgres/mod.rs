@@ -9,6 +9,7 @@
 //! goes here; `scale_out` holds the helpers for starting and driving
 //! several processes.
 
+mod distance;
 mod failover;
 mod pg_operations;
 mod scale_out;

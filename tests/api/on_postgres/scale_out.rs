@@ -514,16 +514,9 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
     // A slow writer, so that the two increments below share a batch.
     let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "300")]);
     let client = Client::new();
-    // Keyed: a batch of keyed writes runs command by command, where a row
-    // is waited for up to the lock timeout (2 s), past PostgreSQL's
-    // deadlock_timeout (1 s). A set-based batch would give up on `b` after
-    // 250 ms and run command by command before a deadlock could be found.
-    let keys = std::sync::atomic::AtomicU32::new(0);
     let post = |name: &str| {
-        let key = keys.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         client
             .post(bins[0].url(&format!("/counters/{name}")))
-            .header("idempotency-key", format!("{name}-{key}"))
             .send()
     };
     for name in ["a", "b"] {
@@ -535,13 +528,21 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
         .execute(&mut other)
         .await
         .unwrap();
-    // While the writer sleeps over a batch of `c`, `a` and `b` queue up
-    // and become the next batch, which locks `a`, then waits for `b`.
+    // While the writer sleeps over a batch of `c`, `a`, `b` and a delete
+    // of `z` queue up and become the next batch, which locks `a`, then
+    // waits for `b`. The delete has the batch run command by command,
+    // where a row is waited for up to the lock timeout (2 s), past
+    // PostgreSQL's deadlock_timeout (1 s): a set-based batch would give
+    // up on `b` after 250 ms, before a deadlock could be found.
     let c = post("c");
     let c = tokio::spawn(c);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (a, b) = (post("a"), post("b"));
-    let batch = tokio::spawn(async move { futures_util::future::join(a, b).await });
+    let z = client
+        .delete(bins[0].url("/counters/z"))
+        .bearer_auth(ADMIN)
+        .send();
+    let batch = tokio::spawn(async move { futures_util::future::join3(a, b, z).await });
     // Until tally's writer waits for the lock on `b`.
     let mut watch = sqlx::PgConnection::connect(&url).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -570,8 +571,9 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
         .execute(&mut other)
         .await
         .unwrap();
-    let (a, b) = batch.await.unwrap();
+    let (a, b, z) = batch.await.unwrap();
     assert_eq!(c.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(z.unwrap().status(), StatusCode::NOT_FOUND);
     for r in [a.unwrap(), b.unwrap()] {
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(json(r).await["value"], 102);

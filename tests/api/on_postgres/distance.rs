@@ -1,0 +1,200 @@
+//! PostgreSQL a network away: every byte between tally and the server
+//! takes a fixed time each way (a loopback forwarder that holds it back),
+//! so that the round trips a batch makes, not the work in it, decide how
+//! fast writes go.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use futures_util::future::join_all;
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{
+        TcpListener, TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+    sync::mpsc,
+    task::{JoinHandle, JoinSet},
+};
+
+use crate::{
+    on_postgres::scale_out::{json, processes, put_budget, stop_all},
+    postgres,
+};
+
+/// A loopback forwarder to `target` that delivers every chunk `delay`
+/// after it was read, in order, each way: a round trip takes twice
+/// `delay` more than on loopback.
+struct Distant {
+    addr: SocketAddr,
+    /// Owns the accept loop, which owns every connection's task.
+    task: JoinHandle<()>,
+}
+
+impl Distant {
+    async fn start(target: SocketAddr, delay: Duration) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let mut connections = JoinSet::new();
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                connections.spawn(async move {
+                    let Ok(outbound) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let _ = inbound.set_nodelay(true);
+                    let _ = outbound.set_nodelay(true);
+                    let (in_read, in_write) = inbound.into_split();
+                    let (out_read, out_write) = outbound.into_split();
+                    tokio::join!(
+                        held_back(in_read, out_write, delay),
+                        held_back(out_read, in_write, delay)
+                    );
+                });
+                while connections.try_join_next().is_some() {}
+            }
+        });
+        Distant { addr, task }
+    }
+}
+
+impl Drop for Distant {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`, each chunk `delay` after it was read.
+async fn held_back(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duration) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            if tx
+                .send((Instant::now() + delay, buf[..n].to_vec()))
+                .is_err()
+            {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at.into()).await;
+            if to.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
+
+/// The database URL `url` names, reached through a forwarder.
+fn through(url: &str, forwarder: SocketAddr) -> String {
+    let mut u = url::Url::parse(url).unwrap();
+    u.set_port(Some(forwarder.port())).unwrap();
+    u.set_host(Some("127.0.0.1")).unwrap();
+    u.to_string()
+}
+
+fn target_of(url: &str) -> SocketAddr {
+    let u = url::Url::parse(url).unwrap();
+    let host = u.host_str().unwrap();
+    let host = if host == "localhost" {
+        "127.0.0.1"
+    } else {
+        host
+    };
+    format!("{host}:{}", u.port().unwrap_or(5432))
+        .parse()
+        .unwrap()
+}
+
+/// 200 keyed writes at once, increments and checks, on a database 50 ms
+/// away: a batch of keyed writes claims its keys in one statement and
+/// stores their answers in another, so each batch costs the same handful
+/// of round trips however many keyed writes it holds. Command by command
+/// (five round trips each, a quarter of a second here) the batches would
+/// run past their deadline and answer `outcome-unknown`. Every write is
+/// `200`; each retry, sent again all at once, is its first answer
+/// replayed, and nothing is counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keyed_writes_to_a_distant_database_go_a_batch_at_a_time() {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
+    let bins = processes(1, &through(&url, distant.addr), &[]);
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bins[0],
+        "far",
+        json!({"visitor_limit": 1000, "global_limit": 1000}),
+    )
+    .await;
+    let bin = &bins[0];
+    let send = |i: usize| {
+        let request = match i % 2 {
+            0 => client.post(bin.url(&format!("/counters/far-{}", i % 10))),
+            _ => client
+                .post(bin.url("/budgets/far/check"))
+                .json(&json!({"visitor": format!("v{}", i % 7)})),
+        };
+        async move {
+            let r = request
+                .header("idempotency-key", format!("far-{i}"))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let replayed = r.headers().contains_key("idempotent-replayed");
+            let text = r.text().await.unwrap();
+            (status, replayed, text)
+        }
+    };
+    let started = Instant::now();
+    let first = join_all((0..200).map(send)).await;
+    let took = started.elapsed();
+    for (i, (status, replayed, text)) in first.iter().enumerate() {
+        assert_eq!(*status, StatusCode::OK, "write {i}: {text}");
+        assert!(!replayed, "write {i}");
+    }
+    // A batch at a time: a few seconds at most (command by command, past
+    // 50 s).
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    let again = join_all((0..200).map(send)).await;
+    for (i, ((status, replayed, text), (_, _, first))) in again.iter().zip(&first).enumerate() {
+        assert_eq!(*status, StatusCode::OK, "retry {i}: {text}");
+        assert!(replayed, "retry {i}");
+        let (a, b): (serde_json::Value, serde_json::Value) = (
+            serde_json::from_str(text).unwrap(),
+            serde_json::from_str(first).unwrap(),
+        );
+        assert_eq!(a, b, "retry {i}");
+    }
+    let mut total = 0;
+    for n in 0..10 {
+        let r = client
+            .get(bin.url(&format!("/counters/far-{n}")))
+            .send()
+            .await
+            .unwrap();
+        total += json(r).await["value"].as_i64().unwrap();
+    }
+    assert_eq!(total, 100);
+    let r = client
+        .get(bin.url("/budgets/far/usage"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json(r).await["global_calls"], 100);
+    stop_all(bins).await;
+    drop(distant);
+}
