@@ -150,9 +150,17 @@ pub const TCP_KEEPALIVES_IDLE: &str = "60";
 const BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// What each command adds to [`BATCH_TIMEOUT`]: a batch run command by
-/// command (keyed writes) costs several round trips per command, and a
-/// large one on a distant server must not be cut off while it progresses.
+/// command (one holding a delete, say) costs several round trips per
+/// command, and a large one on a distant server must not be cut off while
+/// it progresses.
 const BATCH_TIMEOUT_PER_COMMAND: Duration = Duration::from_millis(40);
+
+tokio::task_local! {
+    /// Set when the writer's batch hands its `COMMIT` to the connection:
+    /// a batch cut off before that committed nothing, since no other
+    /// statement of tally's commits (see [`writer::WriterConn`]).
+    static COMMIT_SENT: Arc<AtomicBool>;
+}
 
 /// Longest a read may take; see [`BATCH_TIMEOUT`].
 pub const READ_TIMEOUT: Duration = Duration::from_secs(12);

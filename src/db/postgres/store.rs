@@ -44,6 +44,10 @@ impl Store for PgConnection {
     }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
+        if sql == "COMMIT" {
+            // Outside a batch (no flag to set) nothing asks.
+            let _ = COMMIT_SENT.try_with(|sent| sent.store(true, Ordering::Relaxed));
+        }
         sqlx::raw_sql(sql).execute(self).await.map_err(error)?;
         Ok(())
     }

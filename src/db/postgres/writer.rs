@@ -110,17 +110,30 @@ impl WriterConn {
             let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
             let limit =
                 BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
-            let Ok(applied) = tokio::time::timeout(limit, txn::apply_by(conn, batch, pass)).await
-            else {
-                // Cut off somewhere between BEGIN and COMMIT's answer: the
-                // batch may have committed.
+            let sent = Arc::new(AtomicBool::new(false));
+            let applied = COMMIT_SENT.scope(Arc::clone(&sent), txn::apply_by(conn, batch, pass));
+            let Ok(applied) = tokio::time::timeout(limit, applied).await else {
+                self.conn = None;
+                if !sent.load(Ordering::Relaxed) {
+                    // Cut off before its COMMIT went out: the server ends
+                    // the transaction with the session, and nothing of it
+                    // committed, so every caller may retry.
+                    tracing::error!(
+                        timeout = ?limit,
+                        batch = batch.len(),
+                        "PostgreSQL did not answer the batch in time, before its COMMIT; \
+                         dropping the connection, nothing of the batch committed"
+                    );
+                    return Err(timed_out(limit));
+                }
+                // Cut off between sending COMMIT and its answer: the batch
+                // may have committed.
                 tracing::error!(
                     timeout = ?limit,
                     batch = batch.len(),
                     "PostgreSQL did not answer the batch in time; dropping the connection, \
                      its writes' outcome is unknown"
                 );
-                self.conn = None;
                 return Err(Error::OutcomeUnknown);
             };
             match &applied {

@@ -5,6 +5,10 @@
 
 use std::{
     net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -22,29 +26,41 @@ use tokio::{
 };
 
 use crate::{
+    helpers::problem,
     on_postgres::scale_out::{json, processes, put_budget, stop_all},
     postgres,
 };
 
 /// A loopback forwarder to `target` that delivers every chunk `delay`
 /// after it was read, in order, each way: a round trip takes twice
-/// `delay` more than on loopback.
+/// `delay` more than on loopback. Armed with a trap ([`Distant::trap`]),
+/// it turns the connection on which tally next sends those bytes into a
+/// black hole: nothing more is delivered either way, and neither side is
+/// told, as when a network partition falls between two packets.
 struct Distant {
     addr: SocketAddr,
+    trap: Trap,
     /// Owns the accept loop, which owns every connection's task.
     task: JoinHandle<()>,
 }
+
+/// The bytes that, sent by tally, cut their connection off; taken when
+/// they do.
+type Trap = Arc<Mutex<Option<&'static [u8]>>>;
 
 impl Distant {
     async fn start(target: SocketAddr, delay: Duration) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let trap = Trap::default();
+        let armed = Arc::clone(&trap);
         let task = tokio::spawn(async move {
             let mut connections = JoinSet::new();
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
+                let trap = Arc::clone(&armed);
                 connections.spawn(async move {
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         return;
@@ -53,15 +69,22 @@ impl Distant {
                     let _ = outbound.set_nodelay(true);
                     let (in_read, in_write) = inbound.into_split();
                     let (out_read, out_write) = outbound.into_split();
+                    let cut = Arc::new(AtomicBool::new(false));
                     tokio::join!(
-                        held_back(in_read, out_write, delay),
-                        held_back(out_read, in_write, delay)
+                        held_back(in_read, out_write, delay, Some(trap), Arc::clone(&cut)),
+                        held_back(out_read, in_write, delay, None, cut)
                     );
                 });
                 while connections.try_join_next().is_some() {}
             }
         });
-        Distant { addr, task }
+        Distant { addr, trap, task }
+    }
+
+    /// Cuts off the next connection on which tally sends `bytes`, before
+    /// they reach the server.
+    fn trap(&self, bytes: &'static [u8]) {
+        *self.trap.lock().unwrap() = Some(bytes);
     }
 }
 
@@ -71,28 +94,57 @@ impl Drop for Distant {
     }
 }
 
-/// Copies `from` to `to`, each chunk `delay` after it was read.
-async fn held_back(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duration) {
+/// Copies `from` to `to`, each chunk `delay` after it was read, until the
+/// connection is `cut`: from then on it reads and drops, and never closes
+/// `to`. A chunk holding the `trap`'s bytes cuts it.
+async fn held_back(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    delay: Duration,
+    trap: Option<Trap>,
+    cut: Arc<AtomicBool>,
+) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let dropping = Arc::clone(&cut);
     let read = async move {
         let mut buf = vec![0u8; 64 * 1024];
         while let Ok(n @ 1..) = from.read(&mut buf).await {
-            if tx
-                .send((Instant::now() + delay, buf[..n].to_vec()))
-                .is_err()
-            {
+            let chunk = &buf[..n];
+            if let Some(trap) = &trap {
+                let mut armed = trap.lock().unwrap();
+                if armed.is_some_and(|bytes| chunk.windows(bytes.len()).any(|w| w == bytes)) {
+                    *armed = None;
+                    dropping.store(true, Ordering::SeqCst);
+                }
+            }
+            if dropping.load(Ordering::SeqCst) {
+                continue;
+            }
+            if tx.send((Instant::now() + delay, chunk.to_vec())).is_err() {
                 break;
             }
+        }
+        // Cut off, the peer hears nothing, not even an end.
+        if dropping.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
     };
     let write = async move {
         while let Some((at, bytes)) = rx.recv().await {
             tokio::time::sleep_until(at.into()).await;
+            if cut.load(Ordering::SeqCst) {
+                continue;
+            }
             if to.write_all(&bytes).await.is_err() {
                 break;
             }
         }
-        let _ = to.shutdown().await;
+        match cut.load(Ordering::SeqCst) {
+            true => std::future::pending::<()>().await,
+            false => {
+                let _ = to.shutdown().await;
+            }
+        }
     };
     tokio::join!(read, write);
 }
@@ -197,4 +249,71 @@ async fn keyed_writes_to_a_distant_database_go_a_batch_at_a_time() {
     assert_eq!(json(r).await["global_calls"], 100);
     stop_all(bins).await;
     drop(distant);
+}
+
+/// A batch cut off by the network: before its `COMMIT` went out, it
+/// committed nothing, and its caller hears `503 database-unavailable`,
+/// which a retry without a key may follow; once `COMMIT` went out, tally
+/// cannot know whether the server got it, and its caller hears
+/// `500 outcome-unknown`. Here the `COMMIT` never arrives either way, so
+/// the next write finds the counter at 2. Both answers come at the
+/// batch's time limit (15 s and a little), not TCP's minutes, and the
+/// counter is written again once the server has ended the session cut
+/// off, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_cut_off_says_whether_its_commit_went_out() {
+    let url = postgres::fresh_database().await;
+    let cases: [(&'static [u8], StatusCode, &str); 2] = [
+        (
+            b"BEGIN",
+            StatusCode::SERVICE_UNAVAILABLE,
+            "/problems/database-unavailable",
+        ),
+        (
+            b"COMMIT",
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "/problems/outcome-unknown",
+        ),
+    ];
+    let runs = cases.map(|(trap, status, kind)| {
+        let url = url.clone();
+        async move {
+            let distant = Distant::start(target_of(&url), Duration::ZERO).await;
+            let bins = processes(1, &through(&url, distant.addr), &[]);
+            let client = Client::new();
+            let counter = bins[0].url(&format!("/counters/cut-{}", status.as_u16()));
+            let r = client.post(&counter).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+            distant.trap(trap);
+            let started = Instant::now();
+            let r = client.post(&counter).send().await.unwrap();
+            let took = started.elapsed();
+            let p = problem(r, status).await;
+            assert_eq!(p["type"], kind, "{p}");
+            assert!(took < Duration::from_secs(25), "{took:?}");
+            // The writer connects anew. Cut off after its upsert, the
+            // batch's session holds the counter's row until the server
+            // ends it (`idle_in_transaction_session_timeout`, 30 s): until
+            // then writes to it are answered row-busy. The cut-off write
+            // never committed.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let value = loop {
+                let r = client.post(&counter).send().await.unwrap();
+                if r.status() == StatusCode::OK {
+                    break json(r).await["value"].clone();
+                }
+                let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+                assert!(
+                    ["/problems/row-busy", "/problems/database-unavailable"]
+                        .contains(&p["type"].as_str().unwrap()),
+                    "{p}"
+                );
+                assert!(Instant::now() < deadline, "never writable again: {p}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            };
+            assert_eq!(value, 2);
+            stop_all(bins).await;
+        }
+    });
+    join_all(runs).await;
 }
