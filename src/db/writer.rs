@@ -411,26 +411,7 @@ impl<E: Engine> WriterLoop<E> {
 /// after its write committed is logged, so the write can be accounted for.
 fn answer(mut q: Queued, commit: &Result<(), Error>) {
     let kind = q.command.kind();
-    let result = match (commit, q.command.outcome()) {
-        // Answered without running: its own refusal, whatever the batch's.
-        (_, Some(Err(e))) if q.command.is_refused() => e.kind(),
-        // Why the batch failed, when the reason is the storage's.
-        (
-            Err(
-                e @ (Error::StorageFull(_)
-                | Error::StorageLost(_)
-                | Error::Unavailable(_)
-                | Error::OutcomeUnknown),
-            ),
-            _,
-        ) => e.kind(),
-        (Err(_), _) => NOT_COMMITTED,
-        (Ok(()), Some(Ok(()))) => "ok",
-        (Ok(()), Some(Err(e))) => e.kind(),
-        // No result: answered as tally's own error (see `Reply::send`).
-        (Ok(()), None) => "database_error",
-    };
-    crate::prometheus::write_commands(kind, result).increment(1);
+    crate::prometheus::write_commands(kind, result_label(&q.command, commit)).increment(1);
     if let (Ok(()), Command::Check { reply, .. }) = (commit, &q.command)
         && let Some(d) = reply.value()
         && d.pruned_rows > 0
@@ -460,5 +441,73 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
             error = %what,
             "write failed and its caller had gone; it did not land"
         );
+    }
+}
+
+/// The `result` label of `tally_write_commands_total` for a command its
+/// batch answered: its own refusal if it was answered without running
+/// ([`Command::is_refused`]), whatever the batch's; else why the batch
+/// failed, or its own result.
+fn result_label(command: &Command, commit: &Result<(), Error>) -> &'static str {
+    match (commit, command.outcome()) {
+        // Answered without running: its own refusal, whatever the batch's.
+        (_, Some(Err(e))) if command.is_refused() => e.kind(),
+        // Why the batch failed, when the reason is the storage's.
+        (
+            Err(
+                e @ (Error::StorageFull(_)
+                | Error::StorageLost(_)
+                | Error::Unavailable(_)
+                | Error::OutcomeUnknown),
+            ),
+            _,
+        ) => e.kind(),
+        (Err(_), _) => NOT_COMMITTED,
+        (Ok(()), Some(Ok(()))) => "ok",
+        (Ok(()), Some(Err(e))) => e.kind(),
+        // No result: answered as tally's own error (see `Reply::send`).
+        (Ok(()), None) => "database_error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{db::command::Reply, meter::Name};
+
+    /// The metric counts a command answered without running by its own
+    /// refusal, as its caller hears it, whatever its batch did; a command
+    /// that ran, by the batch's failure or its own result.
+    #[test]
+    fn a_refused_command_is_counted_by_its_own_refusal() {
+        let busy = || Error::Busy(Arc::new(sqlx::Error::PoolTimedOut), crate::db::HeldRow::Own);
+        let down = || Error::Unavailable(Arc::new(sqlx::Error::PoolClosed));
+        let increment = |set: &dyn Fn(&mut Reply<i64>)| {
+            let (mut reply, _rx) = Reply::new();
+            set(&mut reply);
+            Command::Increment {
+                name: Name::parse("n").unwrap(),
+                by: 1,
+                reply,
+            }
+        };
+        let refused = increment(&|r| r.refuse(busy()));
+        let ran = increment(&|r| r.set(Ok(1)));
+        let failed = increment(&|r| r.set(Err(busy())));
+        for (command, commit, label) in [
+            (&refused, Err(down()), "busy"),
+            (&refused, Err(Error::OutcomeUnknown), "busy"),
+            (&refused, Ok(()), "busy"),
+            (&ran, Err(down()), "unavailable"),
+            (&ran, Err(Error::OutcomeUnknown), "outcome_unknown"),
+            (&ran, Err(Error::Internal("x".into())), NOT_COMMITTED),
+            (&ran, Ok(()), "ok"),
+            (&failed, Err(down()), "unavailable"),
+            (&failed, Ok(()), "busy"),
+        ] {
+            assert_eq!(result_label(command, &commit), label, "{commit:?}");
+        }
     }
 }
