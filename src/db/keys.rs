@@ -30,7 +30,10 @@ pub async fn claim(
     key: &IdempotencyKey,
     fingerprint: &str,
 ) -> Result<Option<StoredKey>, Error> {
-    let mut stored = conn.claim_keys(&[(key.as_str(), fingerprint)]).await?;
+    let mut stored = conn
+        .claim_keys(&[(key.as_str(), fingerprint)])
+        .await
+        .map_err(Error::at_key)?;
     Ok(stored.pop().flatten())
 }
 
@@ -41,7 +44,7 @@ pub async fn claim_all(
     conn: &mut impl Store,
     keys: &[(&str, &str)],
 ) -> Result<Vec<Option<StoredKey>>, Error> {
-    let stored = conn.claim_keys(keys).await?;
+    let stored = conn.claim_keys(keys).await.map_err(Error::at_key)?;
     match stored.len() == keys.len() {
         true => Ok(stored),
         false => Err(Error::Internal(

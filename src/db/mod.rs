@@ -218,6 +218,10 @@ pub enum HeldRow {
     /// The budget's own row, which every check and reset of it reads
     /// (`FOR SHARE` on PostgreSQL).
     Budget,
+    /// Its idempotency key, claimed by another transaction (a retry of the
+    /// same request on another process, or a session outside tally): no
+    /// row of counts, which other commands may still have.
+    Key,
 }
 
 impl Error {
@@ -226,6 +230,15 @@ impl Error {
     pub(crate) fn at_day(self) -> Self {
         match self {
             Error::Busy(e, _) => Error::Busy(e, HeldRow::Day),
+            e => e,
+        }
+    }
+
+    /// The error of a statement that claims idempotency keys: a row found
+    /// held there is a key's.
+    pub(crate) fn at_key(self) -> Self {
+        match self {
+            Error::Busy(e, _) => Error::Busy(e, HeldRow::Key),
             e => e,
         }
     }

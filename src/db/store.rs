@@ -36,7 +36,7 @@ pub struct UsageRow {
 
 /// What was stored for an idempotency key: the command's fingerprint and
 /// its answer as the key keeps it (`keys::Kept`).
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct StoredKey {
     pub fingerprint: String,
     pub result: String,

@@ -5,13 +5,15 @@
 //! A batch of increments and checks is applied set-based, a few
 //! statements for the whole batch, its idempotency keys claimed in one and
 //! their answers stored in another (on a distant PostgreSQL the round
-//! trips, not the commands, are what a batch costs); any other batch (and
-//! one whose set-based result could differ: an overflowing counter, a row
-//! held elsewhere, a key sent twice) runs command by command, each in a
-//! savepoint of its own, in one lock order, so that one refused command
-//! does not take the rest of its batch down and two processes cannot
-//! deadlock on the same rows. There a keyed command claims its key in its
-//! own savepoint.
+//! trips, not the commands, are what a batch costs; a key sent twice
+//! takes one round more, see [`rounds`]); any other batch (and one whose
+//! set-based result could differ: an overflowing counter, a row held
+//! elsewhere) runs command by command, each in a savepoint of its own, in
+//! one lock order, so that one refused command does not take the rest of
+//! its batch down and two processes cannot deadlock on the same rows.
+//! There a keyed command claims its key in its own savepoint.
+
+use std::collections::HashMap;
 
 use jiff::Timestamp;
 
@@ -38,25 +40,11 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> 
 /// Applies commands in one transaction by the rule `pass` names.
 pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: Pass) -> Applied {
     if pass != Pass::Probe
-        && keys_distinct(batch)
         && let Some(applied) = apply_set_based(conn, batch, pass).await
     {
         return applied;
     }
     one_by_one(conn, batch, pass).await
-}
-
-/// Whether no idempotency key comes twice in the batch. A key sent twice
-/// in one batch (a client's retry queued before its first try was
-/// answered) must be answered from the first's result, which only
-/// command by command has before the second runs.
-fn keys_distinct(batch: &[Queued]) -> bool {
-    let mut keys: Vec<&str> = batch
-        .iter()
-        .filter_map(|q| q.key.as_ref().map(IdempotencyKey::as_str))
-        .collect();
-    keys.sort_unstable();
-    keys.windows(2).all(|w| w[0] != w[1])
 }
 
 /// All increments of the batch in one statement, all checks in a
@@ -176,18 +164,132 @@ async fn increments_committed<S: Store>(
 /// the keys claimed (one statement), giving back the claims of commands
 /// refused (a check of an unknown budget, say), as a savepoint rolled
 /// back would. `None` on an overflow.
+///
+/// A key sent more than once in the batch (a client's retry queued behind
+/// its first try) is taken in rounds ([`rounds`]): its first occurrence
+/// with the rest of the batch, each later one after that. A later one is
+/// answered from what the key holds by then, in memory: the stored answer
+/// replayed, `key-reused` for another command, or the same refusal as an
+/// identical command refused before it. Only one that differs from a
+/// refused occurrence before it runs, in a round of its own after the
+/// commands of the rounds before: as command by command in that order.
 async fn keyed_and_checked<S: Store>(
     conn: &mut S,
     batch: &[Queued],
 ) -> Result<Option<(Vec<Outcome>, Timestamp)>, Error> {
-    let now = conn.now().await?;
+    // The database's clock is a round trip on PostgreSQL: only for checks,
+    // which are decided, or replayed, by it.
+    let now = match batch.iter().any(|q| q.command.goes_by_the_time()) {
+        true => conn.now().await?,
+        false => Timestamp::UNIX_EPOCH,
+    };
     let mut outcomes: Vec<Option<Outcome>> = batch.iter().map(|_| None).collect();
-    let claims: Vec<(usize, &IdempotencyKey, String)> = batch
-        .iter()
-        .enumerate()
-        .filter_map(|(i, q)| q.key.as_ref().map(|k| (i, k, q.command.fingerprint())))
+    let mut keys = KeyStates::new();
+    for (round, indices) in rounds(batch).into_iter().enumerate() {
+        let mut run = Vec::new();
+        for i in indices {
+            let q = &batch[i];
+            match (round, &q.key) {
+                (1.., Some(key)) => match keys.answer_again(key, &q.command.fingerprint()) {
+                    Some(outcome) => outcomes[i] = Some(outcome),
+                    None => run.push(i),
+                },
+                _ => run.push(i),
+            }
+        }
+        if !run.is_empty() && !run_round(conn, batch, &run, now, &mut outcomes, &mut keys).await? {
+            return Ok(None);
+        }
+    }
+    let outcomes = outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or_else(|| Outcome::Refused(missing())))
         .collect();
-    let mut claimed: Vec<(usize, &IdempotencyKey)> = Vec::new();
+    Ok(Some((outcomes, now)))
+}
+
+/// The error of a command a set-based batch produced no result for: if
+/// one were ever missing, its caller gets an error rather than a wrong
+/// answer.
+fn missing() -> Error {
+    Error::Internal("the set-based batch produced no result for this command".into())
+}
+
+/// The batch's commands by round: round 0 holds every command without a
+/// key and each key's first occurrence, round `n` each key's `n`-th
+/// repeat; each in queue order. No key comes twice in a round. Which
+/// occurrence of a key is the first goes by [`lock_order`], the order in
+/// which the batch, applied command by command, would claim it.
+pub(super) fn rounds(batch: &[Queued]) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = vec![Vec::new()];
+    for i in lock_order(batch) {
+        let round = match &batch[i].key {
+            None => 0,
+            Some(key) => {
+                let n = seen.entry(key.as_str()).or_default();
+                *n += 1;
+                *n - 1
+            }
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(i);
+    }
+    for round in &mut rounds {
+        round.sort_unstable();
+    }
+    rounds
+}
+
+/// What each key of the batch holds after the rounds so far.
+struct KeyStates(HashMap<String, KeyState>);
+
+enum KeyState {
+    /// An answer, stored before the batch or in it.
+    Stored(StoredKey),
+    /// Nothing: the command that claimed it was refused (with this
+    /// fingerprint and error), and its claim given back.
+    Free(String, Error),
+}
+
+impl KeyStates {
+    fn new() -> Self {
+        KeyStates(HashMap::new())
+    }
+
+    /// How a later occurrence of `key` is answered without running, or
+    /// `None` if it must run: it differs from a command refused before it.
+    fn answer_again(&self, key: &IdempotencyKey, fingerprint: &str) -> Option<Outcome> {
+        match self.0.get(key.as_str())? {
+            KeyState::Stored(s) if s.fingerprint == fingerprint => Some(Outcome::Stored(s.clone())),
+            KeyState::Stored(_) => Some(Outcome::Refused(Refusal::KeyReused.into())),
+            KeyState::Free(f, e) if f == fingerprint => Some(Outcome::Refused(e.clone())),
+            KeyState::Free(..) => None,
+        }
+    }
+}
+
+/// One round of [`keyed_and_checked`]: the commands at `run` (their keys
+/// distinct) applied set-based, each keyed one's outcome kept in `keys`.
+/// `false` on an overflow.
+async fn run_round<S: Store>(
+    conn: &mut S,
+    batch: &[Queued],
+    run: &[usize],
+    now: Timestamp,
+    outcomes: &mut [Option<Outcome>],
+    keys: &mut KeyStates,
+) -> Result<bool, Error> {
+    let claims: Vec<(usize, &IdempotencyKey, String)> = run
+        .iter()
+        .filter_map(|&i| {
+            let q = &batch[i];
+            q.key.as_ref().map(|k| (i, k, q.command.fingerprint()))
+        })
+        .collect();
+    let mut claimed: Vec<(usize, &IdempotencyKey, &str)> = Vec::new();
     if !claims.is_empty() {
         let asked: Vec<(&str, &str)> = claims
             .iter()
@@ -195,47 +297,42 @@ async fn keyed_and_checked<S: Store>(
             .collect();
         let stored = keys::claim_all(conn, &asked).await?;
         for ((i, key, fingerprint), stored) in claims.iter().zip(stored) {
-            outcomes[*i] = match stored {
-                None => {
-                    claimed.push((*i, *key));
-                    continue;
-                }
-                Some(s) if s.fingerprint != *fingerprint => {
-                    Some(Outcome::Refused(Refusal::KeyReused.into()))
-                }
-                Some(s) => Some(Outcome::Stored(s)),
+            let Some(s) = stored else {
+                claimed.push((*i, *key, fingerprint));
+                continue;
             };
+            outcomes[*i] = Some(match s.fingerprint == *fingerprint {
+                true => Outcome::Stored(s.clone()),
+                false => Outcome::Refused(Refusal::KeyReused.into()),
+            });
+            keys.0.insert(key.as_str().to_owned(), KeyState::Stored(s));
         }
     }
-    let to_run = || {
-        batch
-            .iter()
-            .zip(&outcomes)
-            .filter(|(_, o)| o.is_none())
-            .map(|(q, _)| q)
-    };
-    let increments: Vec<(&Name, i64)> = to_run().filter_map(increment).collect();
-    let checks: Vec<budgets::CheckItem<'_>> =
-        to_run().filter_map(|q| q.command.check_item()).collect();
+    let to_run: Vec<&Queued> = run
+        .iter()
+        .filter(|&&i| outcomes[i].is_none())
+        .map(|&i| &batch[i])
+        .collect();
+    let increments: Vec<(&Name, i64)> = to_run.iter().copied().filter_map(increment).collect();
+    let checks: Vec<budgets::CheckItem<'_>> = to_run
+        .iter()
+        .filter_map(|q| q.command.check_item())
+        .collect();
     let values = match increments.is_empty() {
         true => Vec::new(),
         false => match counters::increment_many(conn, &increments).await? {
             Some(values) => values,
-            None => return Ok(None),
+            None => return Ok(false),
         },
     };
     let decisions = match checks.is_empty() {
         true => Vec::new(),
         false => budgets::check_many(conn, &checks, now).await?,
     };
-    // Results are produced per command, in order; if one were ever missing,
-    // its caller gets an error rather than a wrong answer.
-    let missing =
-        || Error::Internal("the set-based batch produced no result for this command".into());
     let (mut values, mut decisions) = (values.into_iter(), decisions.into_iter());
-    for (q, o) in batch.iter().zip(outcomes.iter_mut()) {
-        if o.is_none() {
-            *o = Some(match q.command {
+    for &i in run {
+        if outcomes[i].is_none() {
+            outcomes[i] = Some(match batch[i].command {
                 Command::Check { .. } => {
                     Outcome::Decision(decisions.next().unwrap_or_else(|| Err(missing())))
                 }
@@ -243,21 +340,38 @@ async fn keyed_and_checked<S: Store>(
             });
         }
     }
-    let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
-    if !claimed.is_empty() {
-        let mut answers: Vec<(&str, String)> = Vec::new();
-        let mut refused: Vec<&str> = Vec::new();
-        for (i, key) in claimed {
-            match &outcomes[i] {
-                Outcome::Value(Ok(v)) => answers.push((key.as_str(), v.encode())),
-                Outcome::Decision(Ok(d)) => answers.push((key.as_str(), d.encode())),
-                _ => refused.push(key.as_str()),
-            }
-        }
-        keys::remember_all(conn, &answers).await?;
-        keys::give_back(conn, &refused).await?;
+    if claimed.is_empty() {
+        return Ok(true);
     }
-    Ok(Some((outcomes, now)))
+    let mut answers: Vec<(&str, String)> = Vec::new();
+    let mut refused: Vec<&str> = Vec::new();
+    for (i, key, fingerprint) in claimed {
+        let answer = match &outcomes[i] {
+            Some(Outcome::Value(Ok(v))) => Ok(v.encode()),
+            Some(Outcome::Decision(Ok(d))) => Ok(d.encode()),
+            Some(Outcome::Value(Err(e)) | Outcome::Decision(Err(e)) | Outcome::Refused(e)) => {
+                Err(e.clone())
+            }
+            _ => Err(missing()),
+        };
+        let state = match answer {
+            Ok(result) => {
+                answers.push((key.as_str(), result.clone()));
+                KeyState::Stored(StoredKey {
+                    fingerprint: fingerprint.to_owned(),
+                    result,
+                })
+            }
+            Err(e) => {
+                refused.push(key.as_str());
+                KeyState::Free(fingerprint.to_owned(), e)
+            }
+        };
+        keys.0.insert(key.as_str().to_owned(), state);
+    }
+    keys::remember_all(conn, &answers).await?;
+    keys::give_back(conn, &refused).await?;
+    Ok(true)
 }
 
 /// An increment's name and step; `None` for any other command.
@@ -552,9 +666,7 @@ fn answer_in_queue_order(batch: &mut [Queued], outcomes: Vec<Outcome>, now: Time
             (Some(Outcome::Decision(d)), Command::Check { reply, .. }) => reply.set(d),
             (Some(Outcome::Stored(stored)), command) => replay(command, &stored, now),
             (Some(Outcome::Refused(e)), command) => command.fail(e),
-            (_, command) => command.fail(Error::Internal(
-                "the set-based batch produced no result for this command".into(),
-            )),
+            (_, command) => command.fail(missing()),
         }
     }
 }

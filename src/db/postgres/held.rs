@@ -197,6 +197,10 @@ impl HeldRows {
                 continue;
             }
             match q.command.outcome() {
+                // A key another transaction holds, not a row of counts: the
+                // command's row may be free, and a keyed command is tried
+                // every time anyway.
+                Some(Err(Error::Busy(_, HeldRow::Key))) => {}
                 Some(Err(e @ Error::Busy(_, held))) => {
                     let row = match (&q.command, held) {
                         (
@@ -433,6 +437,27 @@ mod tests {
             }
         );
         assert_eq!(next[0].command.held_row(), "c:freed");
+    }
+
+    /// A key found claimed by another transaction is not the command's row:
+    /// the next writes to that counter are applied as usual, not answered
+    /// row-busy without a try.
+    #[test]
+    fn a_held_key_is_not_a_held_row() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(&mut held, vec![increment("c")], HeldRow::Key, t0);
+        assert!(!held.wary());
+        let mut next = vec![increment("c")];
+        let split = held.split(&mut next, t0 + Duration::from_millis(1));
+        assert_eq!(
+            split,
+            Split {
+                normal: 1,
+                probes: 0
+            }
+        );
+        assert!(next[0].command.outcome().is_none());
     }
 
     /// A batch tries at most `PROBES_PER_BATCH` rows, those tried longest

@@ -358,6 +358,55 @@ async fn a_process_whose_clock_runs_ahead_goes_by_the_servers_clock() {
     assert_eq!(v["value"], 1);
 }
 
+/// An idempotency key another transaction has claimed and not committed
+/// (a retry of the same request on a process whose batch hangs, or an
+/// outside session) holds up only the write with that key: answered
+/// row-busy after the lock timeout, while writes to the same counter
+/// without it are applied as usual, and once the claim is gone the keyed
+/// write runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_elsewhere_holds_up_only_its_own_write() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "1")]);
+    let client = Client::new();
+    let post = |key: Option<&str>| {
+        let r = client.post(bins[0].url("/counters/c"));
+        match key {
+            Some(k) => r.header("idempotency-key", k),
+            None => r,
+        }
+        .send()
+    };
+    assert_eq!(post(None).await.unwrap().status(), StatusCode::OK);
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "BEGIN; INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+         VALUES ('held', 'increment c 1', '', 0)",
+    )
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    let p = problem(
+        post(Some("held")).await.unwrap(),
+        StatusCode::SERVICE_UNAVAILABLE,
+    )
+    .await;
+    assert_eq!(p["type"], "/problems/row-busy", "{p}");
+    for _ in 0..3 {
+        let r = post(None).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let r = post(Some("held")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(!r.headers().contains_key("idempotent-replayed"));
+    assert_eq!(json(r).await["value"], 5);
+    stop_all(bins).await;
+}
+
 /// A row an outside session keeps locked (an operator's `SELECT ... FOR
 /// UPDATE` left open) holds up only the writes to that row, each for the
 /// lock timeout, answered 503 row-busy with Retry-After; writes to other
