@@ -744,6 +744,137 @@ async fn keyed_batches_answer_as_command_by_command_on_postgres() {
     }
 }
 
+/// One of [`keyed_batches_agree`]'s commands: what (0-2 an increment of
+/// that counter, 3-5 a check), the step or the visitor, and the key.
+type Spec = (usize, i64, Option<String>);
+
+/// `specs` without the repeats of a key that differ from its first
+/// occurrence (first as the batch claims keys: counters before budgets,
+/// each by name) when that first is a check refused whatever the counts
+/// (an unknown budget, a day not kept). Command by command such a repeat
+/// runs, its key given back; set-based it is refused as reusing the key
+/// (`a_different_request_beside_a_refused_first_try_reuses_its_key`).
+fn without_other_requests_beside_a_refusal(specs: Vec<Spec>) -> Vec<Spec> {
+    let refused = |(what, by, _): &Spec| (*what == 5 && *by == 1) || (*what == 4 && *by == 3);
+    let lock_key = |(what, by, _): &Spec| match what {
+        0..=2 => (0, format!("n{what}")),
+        5 if *by == 1 => (1, "none".to_owned()),
+        _ => (1, "b".to_owned()),
+    };
+    let mut by_lock: Vec<usize> = (0..specs.len()).collect();
+    by_lock.sort_by_key(|&i| lock_key(&specs[i]));
+    let mut first = std::collections::HashMap::new();
+    for i in by_lock {
+        if let Some(k) = &specs[i].2 {
+            first.entry(k.clone()).or_insert(i);
+        }
+    }
+    specs
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| {
+            let Some(key) = &s.2 else { return true };
+            let f = &specs[first[key]];
+            first[key] == *i || !refused(f) || (f.0, f.1) == (s.0, s.1)
+        })
+        .map(|(_, s)| s.clone())
+        .collect()
+}
+
+/// A different request with the key of a refused check, in the same
+/// batch, is refused as reusing the key and counts nothing; the same
+/// request again hears the same refusal; sent later, alone, the other
+/// request runs.
+#[tokio::test]
+async fn a_different_request_beside_a_refused_first_try_reuses_its_key() {
+    use super::{
+        command::{Command, Queued, Reply},
+        txn::apply_batch,
+    };
+    use crate::meter::IdempotencyKey;
+
+    let mut conn = fresh_db().await;
+    let key = || Some(IdempotencyKey::parse("k").unwrap());
+    let unknown = Name::parse("none").unwrap();
+    let counter = Name::parse("c").unwrap();
+    let visitor = VisitorId::parse("v").unwrap();
+    let check = || {
+        let (reply, rx) = Reply::new();
+        let command = Command::Check {
+            budget: unknown.clone(),
+            visitor: visitor.clone(),
+            day: None,
+            reply,
+        };
+        (command, rx)
+    };
+    let increment = || {
+        let (reply, rx) = Reply::new();
+        let command = Command::Increment {
+            name: counter.clone(),
+            by: 1,
+            reply,
+        };
+        (command, rx)
+    };
+    let queued = |command| Queued {
+        command,
+        key: key(),
+        request_id: None,
+    };
+    // Keys are claimed in lock order (budgets by name): the check of
+    // `none`, which does not exist, is the key's first try; `zz` exists,
+    // and command by command its check would run and count.
+    let spec = BudgetSpec::new(10, 10, None, None).unwrap();
+    let zz = Name::parse("zz").unwrap();
+    budgets::put(&mut conn, &zz, &spec, Timestamp::now())
+        .await
+        .unwrap();
+    let (first, first_rx) = check();
+    let (same, same_rx) = check();
+    let (other, other_rx) = {
+        let (reply, rx) = Reply::new();
+        let command = Command::Check {
+            budget: zz.clone(),
+            visitor: visitor.clone(),
+            day: None,
+            reply,
+        };
+        (command, rx)
+    };
+    let mut batch = vec![queued(first), queued(other), queued(same)];
+    apply_batch(&mut conn, &mut batch).await.unwrap();
+    for q in &mut batch {
+        q.command.send(&Ok(()));
+    }
+    let unknown_budget =
+        |r: Result<Decision, Error>| matches!(r, Err(Error::Refused(Refusal::UnknownBudget(_))));
+    let a = first_rx.await.unwrap();
+    assert!(unknown_budget(a.result) && !a.replayed);
+    let a = other_rx.await.unwrap();
+    assert!(
+        matches!(a.result, Err(Error::Refused(Refusal::KeyReused))),
+        "{:?}",
+        a.result
+    );
+    let a = same_rx.await.unwrap();
+    assert!(unknown_budget(a.result) && !a.replayed);
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0);
+    assert_eq!(dump(&mut conn).await, vec![]);
+    // Alone, later: the key is free.
+    let (inc, inc_rx) = increment();
+    let mut batch = vec![queued(inc)];
+    apply_batch(&mut conn, &mut batch).await.unwrap();
+    batch[0].command.send(&Ok(()));
+    let a = inc_rx.await.unwrap();
+    assert_eq!(a.result.unwrap(), 1);
+    assert!(!a.replayed);
+}
+
 /// 300 random batches of increments and checks, keyed or not (keys drawn
 /// from 40, so that many are stored already and some come twice in a
 /// batch), applied set-based to `batched` and command by command to
@@ -783,7 +914,7 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
     let mut repeated = 0;
     for round in 0..300 {
         // (command, step or visitor, key); the same draws make both batches.
-        let specs: Vec<(usize, i64, Option<String>)> = (0..rng.usize(1..12))
+        let specs: Vec<Spec> = (0..rng.usize(1..12))
             .map(|_| {
                 // Half of them new to the batch and one of three: repeats
                 // of a key no batch has stored, whose first occurrence
@@ -795,6 +926,7 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
                 (rng.usize(..6), rng.i64(1..4), key)
             })
             .collect();
+        let specs = without_other_requests_beside_a_refusal(specs);
         let repeats = specs
             .iter()
             .filter_map(|s| s.2.as_ref())

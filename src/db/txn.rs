@@ -5,8 +5,8 @@
 //! A batch of increments and checks is applied set-based, a few
 //! statements for the whole batch, its idempotency keys claimed in one and
 //! their answers stored in another (on a distant PostgreSQL the round
-//! trips, not the commands, are what a batch costs; a key sent twice
-//! takes one round more, see [`rounds`]); any other batch (and one whose
+//! trips, not the commands, are what a batch costs; a key sent twice is
+//! answered in memory, see [`keyed_and_checked`]); any other batch (and one whose
 //! set-based result could differ: an overflowing counter, a row held
 //! elsewhere) runs command by command, each in a savepoint of its own, in
 //! one lock order, so that one refused command does not take the rest of
@@ -165,14 +165,18 @@ async fn increments_committed<S: Store>(
 /// refused (a check of an unknown budget, say), as a savepoint rolled
 /// back would. `None` on an overflow.
 ///
-/// A key sent more than once in the batch (a client's retry queued behind
-/// its first try) is taken in rounds ([`rounds`]): its first occurrence
-/// with the rest of the batch, each later one after that. A later one is
-/// answered from what the key holds by then, in memory: the stored answer
-/// replayed, `key-reused` for another command, or the same refusal as an
-/// identical command refused before it. Only one that differs from a
-/// refused occurrence before it runs, in a round of its own after the
-/// commands of the rounds before: as command by command in that order.
+/// A key sent more than once in the batch (a client's retry queued beside
+/// its first try) runs once: its first occurrence ([`rounds`]) with the
+/// rest of the batch, and every later one is answered from what that left,
+/// in memory, without a statement of its own: the stored answer replayed,
+/// the same refusal if the first was refused and this is the same
+/// command, `key-reused` for any other command. A different command after
+/// a refused first try would run command by command, the key being free
+/// again; here it is refused as reusing the key, since the two came at
+/// once: so one client cannot make a batch take a round of statements per
+/// request (on a distant server, past its time limit, for every caller in
+/// it), and every day and row the batch locks is locked in one go, in
+/// order. Sent again later, alone, it runs.
 async fn keyed_and_checked<S: Store>(
     conn: &mut S,
     batch: &[Queued],
@@ -185,20 +189,15 @@ async fn keyed_and_checked<S: Store>(
     };
     let mut outcomes: Vec<Option<Outcome>> = batch.iter().map(|_| None).collect();
     let mut keys = KeyStates::new();
-    for (round, indices) in rounds(batch).into_iter().enumerate() {
-        let mut run = Vec::new();
-        for i in indices {
-            let q = &batch[i];
-            match (round, &q.key) {
-                (1.., Some(key)) => match keys.answer_again(key, &q.command.fingerprint()) {
-                    Some(outcome) => outcomes[i] = Some(outcome),
-                    None => run.push(i),
-                },
-                _ => run.push(i),
-            }
-        }
-        if !run.is_empty() && !run_round(conn, batch, &run, now, &mut outcomes, &mut keys).await? {
-            return Ok(None);
+    let mut rounds = rounds(batch).into_iter();
+    let first = rounds.next().unwrap_or_default();
+    if !first.is_empty() && !run_round(conn, batch, &first, now, &mut outcomes, &mut keys).await? {
+        return Ok(None);
+    }
+    for i in rounds.flatten() {
+        let q = &batch[i];
+        if let Some(key) = &q.key {
+            outcomes[i] = Some(keys.answer_again(key, &q.command.fingerprint()));
         }
     }
     let outcomes = outcomes
@@ -259,21 +258,21 @@ impl KeyStates {
         KeyStates(HashMap::new())
     }
 
-    /// How a later occurrence of `key` is answered without running, or
-    /// `None` if it must run: it differs from a command refused before it.
-    fn answer_again(&self, key: &IdempotencyKey, fingerprint: &str) -> Option<Outcome> {
-        match self.0.get(key.as_str())? {
-            KeyState::Stored(s) if s.fingerprint == fingerprint => Some(Outcome::Stored(s.clone())),
-            KeyState::Stored(_) => Some(Outcome::Refused(Refusal::KeyReused.into())),
-            KeyState::Free(f, e) if f == fingerprint => Some(Outcome::Refused(e.clone())),
-            KeyState::Free(..) => None,
+    /// How a later occurrence of `key` is answered, without running (see
+    /// [`keyed_and_checked`]).
+    fn answer_again(&self, key: &IdempotencyKey, fingerprint: &str) -> Outcome {
+        match self.0.get(key.as_str()) {
+            Some(KeyState::Stored(s)) if s.fingerprint == fingerprint => Outcome::Stored(s.clone()),
+            Some(KeyState::Free(f, e)) if f == fingerprint => Outcome::Refused(e.clone()),
+            Some(_) => Outcome::Refused(Refusal::KeyReused.into()),
+            None => Outcome::Refused(missing()),
         }
     }
 }
 
-/// One round of [`keyed_and_checked`]: the commands at `run` (their keys
-/// distinct) applied set-based, each keyed one's outcome kept in `keys`.
-/// `false` on an overflow.
+/// The statements of [`keyed_and_checked`]: the commands at `run` (their
+/// keys distinct) applied set-based, each keyed one's outcome kept in
+/// `keys`. `false` on an overflow.
 async fn run_round<S: Store>(
     conn: &mut S,
     batch: &[Queued],

@@ -43,6 +43,11 @@ pub const FORGET_AFTER: Duration = Duration::from_secs(10);
 /// that try gave (what the commands refused without a try are answered).
 pub struct HeldRows {
     rows: HashMap<String, Held>,
+    /// Idempotency keys found claimed by another transaction, with when:
+    /// not rows of counts, so no command is answered without a try for
+    /// them, but while one is held batches are wary, so that each retry
+    /// of it costs its batch the brief lock timeouts, not the whole one.
+    keys: HashMap<String, Instant>,
     /// When a batch may next try rows.
     next_probes: Option<Instant>,
     /// How many `tally_rows_held` shows.
@@ -54,6 +59,7 @@ impl Default for HeldRows {
         metrics::gauge!("tally_rows_held").set(0.0);
         HeldRows {
             rows: HashMap::new(),
+            keys: HashMap::new(),
             next_probes: None,
             shown: 0,
         }
@@ -80,7 +86,7 @@ impl HeldRows {
     /// Whether rows are known to be held: then no command waits for a row
     /// the whole lock timeout.
     pub fn wary(&self) -> bool {
-        !self.rows.is_empty()
+        !self.rows.is_empty() || !self.keys.is_empty()
     }
 
     /// Sorts the batch into commands applied as usual, commands that try a
@@ -193,14 +199,25 @@ impl HeldRows {
     /// of an idempotency key touched no row and says nothing.
     pub fn learn(&mut self, ran: &[Queued], now: Instant) {
         for q in ran {
+            // A key another transaction holds, not a row of counts: the
+            // command's row may be free, and a keyed command is tried every
+            // time anyway. Any other answer had the key.
+            if let Some(key) = &q.key {
+                match q.command.outcome() {
+                    Some(Err(Error::Busy(_, HeldRow::Key))) => {
+                        self.keys.insert(key.as_str().to_owned(), now);
+                        continue;
+                    }
+                    Some(_) => {
+                        self.keys.remove(key.as_str());
+                    }
+                    None => {}
+                }
+            }
             if q.command.is_replayed() {
                 continue;
             }
             match q.command.outcome() {
-                // A key another transaction holds, not a row of counts: the
-                // command's row may be free, and a keyed command is tried
-                // every time anyway.
-                Some(Err(Error::Busy(_, HeldRow::Key))) => {}
                 Some(Err(e @ Error::Busy(_, held))) => {
                     let row = match (&q.command, held) {
                         (
@@ -234,6 +251,17 @@ impl HeldRows {
         }
         self.rows
             .retain(|_, h| now.saturating_duration_since(h.asked) < FORGET_AFTER);
+        self.keys
+            .retain(|_, at| now.saturating_duration_since(*at) < FORGET_AFTER);
+        while self.keys.len() > MOST_ROWS
+            && let Some(oldest) = self
+                .keys
+                .iter()
+                .min_by_key(|(_, at)| **at)
+                .map(|(key, _)| key.clone())
+        {
+            self.keys.remove(&oldest);
+        }
         while self.rows.len() > MOST_ROWS
             && let Some(oldest) = self
                 .rows
@@ -441,23 +469,43 @@ mod tests {
 
     /// A key found claimed by another transaction is not the command's row:
     /// the next writes to that counter are applied as usual, not answered
-    /// row-busy without a try.
+    /// row-busy without a try; but batches are wary while it is held, and
+    /// no longer once a command has had the key.
     #[test]
     fn a_held_key_is_not_a_held_row() {
         let mut held = HeldRows::default();
         let t0 = Instant::now();
-        learn_from(&mut held, vec![increment("c")], HeldRow::Key, t0);
-        assert!(!held.wary());
-        let mut next = vec![increment("c")];
+        let keyed = |key: &str| {
+            let mut q = increment("c");
+            q.key = Some(crate::meter::IdempotencyKey::parse(key).unwrap());
+            q
+        };
+        let mut found = vec![keyed("k")];
+        found[0].command.fail(busy(HeldRow::Key));
+        held.learn(&found, t0);
+        assert!(held.wary());
+        let mut next = vec![increment("c"), keyed("k")];
         let split = held.split(&mut next, t0 + Duration::from_millis(1));
         assert_eq!(
             split,
             Split {
-                normal: 1,
+                normal: 2,
                 probes: 0
             }
         );
-        assert!(next[0].command.outcome().is_none());
+        assert!(next.iter().all(|q| q.command.outcome().is_none()));
+        // Had: replayed, say.
+        match &mut next[1].command {
+            Command::Increment { reply, .. } => reply.set_replayed(Ok(1)),
+            other => panic!("{other}"),
+        }
+        set_ok(&mut next[0]);
+        held.learn(&next, t0 + Duration::from_millis(2));
+        assert!(!held.wary());
+        // Forgotten in time too.
+        held.learn(&found, t0);
+        held.learn(&[], t0 + FORGET_AFTER);
+        assert!(!held.wary());
     }
 
     /// A batch tries at most `PROBES_PER_BATCH` rows, those tried longest

@@ -332,3 +332,60 @@ async fn a_batch_cut_off_says_whether_its_commit_went_out() {
     });
     join_all(runs).await;
 }
+
+/// One client sending 200 different checks under one `Idempotency-Key` at
+/// once, on budgets that do not exist, a database 50 ms away: the first
+/// is refused (`404`), the others, different requests beside it, as
+/// reusing its key (`422`), all without a statement of their own; the
+/// other callers in the same batch are answered `200` as usual. (Had each
+/// different request after a refusal run in a round of statements of its
+/// own, the batch would have run past its time limit, failing them all.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_requests_under_one_key_cost_their_batch_nothing() {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
+    // A slow writer, so that everything below shares one batch.
+    let bins = processes(
+        1,
+        &through(&url, distant.addr),
+        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+    );
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bins[0],
+        "real",
+        json!({"visitor_limit": 1000, "global_limit": 1000}),
+    )
+    .await;
+    let bin = &bins[0];
+    // Holds the writer while the rest queues up.
+    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let hostile = (0..200).map(|i| {
+        client
+            .post(bin.url(&format!("/budgets/nope{i:03}/check")))
+            .header("idempotency-key", "one-key")
+            .json(&json!({"visitor": "v"}))
+            .send()
+    });
+    let increment = client.post(bin.url("/counters/innocent")).send();
+    let check = client
+        .post(bin.url("/budgets/real/check"))
+        .header("idempotency-key", "alice-1")
+        .json(&json!({"visitor": "alice"}))
+        .send();
+    let started = Instant::now();
+    let (hostile, increment, check) = tokio::join!(join_all(hostile), increment, check);
+    let took = started.elapsed();
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(increment.unwrap().status(), StatusCode::OK);
+    assert_eq!(check.unwrap().status(), StatusCode::OK);
+    let mut statuses = std::collections::BTreeMap::new();
+    for r in hostile {
+        *statuses.entry(r.unwrap().status().as_u16()).or_insert(0) += 1;
+    }
+    assert_eq!(statuses, [(404, 1), (422, 199)].into(), "{took:?}");
+    assert!(took < Duration::from_secs(12), "{took:?}");
+    stop_all(bins).await;
+}
