@@ -30,16 +30,14 @@ async fn near_overflow() -> SqliteConnection {
 
 type Row = (String, String, String, i64);
 
+/// Every usage row and counter, in one order; the same on both engines.
+const DUMP: &str = "SELECT budget, day, visitor, calls FROM budget_visitor_usage
+     UNION ALL SELECT budget, day, '*global*', calls FROM budget_global_usage
+     UNION ALL SELECT name, '', '*counter*', value FROM counters
+     ORDER BY 1, 2, 3";
+
 async fn dump(conn: &mut SqliteConnection) -> Vec<Row> {
-    sqlx::query_as(
-        "SELECT budget, day, visitor, calls FROM budget_visitor_usage
-         UNION ALL SELECT budget, day, '*global*', calls FROM budget_global_usage
-         UNION ALL SELECT name, '', '*counter*', value FROM counters
-         ORDER BY 1, 2, 3",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap()
+    sqlx::query_as(DUMP).fetch_all(&mut *conn).await.unwrap()
 }
 
 /// The reference the set-based SQL is held to: one increment, applied
@@ -714,15 +712,7 @@ async fn keyed_batches_answer_as_command_by_command_on_postgres() {
     let [mut batched, mut single] = <[PgConnection; 2]>::try_from(conns).ok().unwrap();
     keyed_batches_agree(&mut batched, &mut single).await;
     let dump = async |conn: &mut PgConnection| -> (Vec<Row>, Vec<(String, String, String)>) {
-        let rows = sqlx::query_as(
-            "SELECT budget, day, visitor, calls FROM budget_visitor_usage
-             UNION ALL SELECT budget, day, '*global*', calls FROM budget_global_usage
-             UNION ALL SELECT name, '', '*counter*', value FROM counters
-             ORDER BY 1, 2, 3",
-        )
-        .fetch_all(&mut *conn)
-        .await
-        .unwrap();
+        let rows = sqlx::query_as(DUMP).fetch_all(&mut *conn).await.unwrap();
         let keys = sqlx::query_as(
             "SELECT key, fingerprint, result FROM idempotency_keys ORDER BY key COLLATE \"C\"",
         )
