@@ -189,7 +189,12 @@ async fn keyed_and_checked<S: Store>(
     };
     let mut outcomes: Vec<Option<Outcome>> = batch.iter().map(|_| None).collect();
     let mut keys = KeyStates::new();
-    let mut rounds = rounds(batch).into_iter();
+    // Without keys (the hot batch of checks) every command is a first.
+    let mut rounds = match batch.iter().any(|q| q.key.is_some()) {
+        true => rounds(batch),
+        false => vec![(0..batch.len()).collect()],
+    }
+    .into_iter();
     let first = rounds.next().unwrap_or_default();
     if !first.is_empty() && !run_round(conn, batch, &first, now, &mut outcomes, &mut keys).await? {
         return Ok(None);
