@@ -30,10 +30,7 @@ pub async fn claim(
     key: &IdempotencyKey,
     fingerprint: &str,
 ) -> Result<Option<StoredKey>, Error> {
-    let mut stored = conn
-        .claim_keys(&[(key.as_str(), fingerprint)])
-        .await
-        .map_err(Error::at_key)?;
+    let mut stored = claim_all(conn, &[(key.as_str(), fingerprint)]).await?;
     Ok(stored.pop().flatten())
 }
 

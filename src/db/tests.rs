@@ -660,10 +660,9 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
 /// and leaves the same rows and the same stored keys: a key stored before
 /// is replayed (or refused, reused by another command) and its command
 /// does not run; a refused command's key is given back, so its retry
-/// runs. A key sent more than once in a batch is taken in rounds
-/// (`txn::rounds`): the reference applies each key's first occurrence in
-/// queue order with the unkeyed commands, then each repeat, a round after
-/// the other.
+/// runs. A key sent more than once in a batch runs once
+/// (`txn::firsts_and_repeats`): the reference applies each key's first
+/// occurrence in queue order with the unkeyed commands, then the repeats.
 #[tokio::test]
 async fn keyed_batches_answer_as_command_by_command() {
     let (mut batched, mut single) = (fresh_db().await, fresh_db().await);
@@ -872,7 +871,7 @@ async fn a_different_request_beside_a_refused_first_try_reuses_its_key() {
 async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &mut C) {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{Pass, apply_by, apply_set_based, rounds},
+        txn::{Pass, apply_by, apply_set_based, firsts_and_repeats},
     };
     use crate::meter::IdempotencyKey;
 
@@ -924,7 +923,8 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
             .len()
             < specs.iter().filter(|s| s.2.is_some()).count();
         repeated += usize::from(repeats);
-        // The reference's order: round by round (`txn::rounds`).
+        // The reference's order: the first occurrences, then the repeats
+        // (`txn::firsts_and_repeats`).
         let mut order: Option<Vec<usize>> = None;
         let mut seen = Vec::new();
         for (conn, pass) in [(&mut *batched, Pass::Batch), (&mut *single, Pass::Probe)] {
@@ -971,7 +971,8 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
                 })
                 .collect();
             if pass == Pass::Batch {
-                order = Some(rounds(&batch).concat());
+                let (firsts, repeats) = firsts_and_repeats(&batch);
+                order = Some([firsts, repeats].concat());
             }
             match pass {
                 // Set-based it must be, not one by one after a failed try.

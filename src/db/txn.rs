@@ -13,7 +13,7 @@
 //! its batch down and two processes cannot deadlock on the same rows.
 //! There a keyed command claims its key in its own savepoint.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use jiff::Timestamp;
 
@@ -166,7 +166,7 @@ async fn increments_committed<S: Store>(
 /// back would. `None` on an overflow.
 ///
 /// A key sent more than once in the batch (a client's retry queued beside
-/// its first try) runs once: its first occurrence ([`rounds`]) with the
+/// its first try) runs once: its first occurrence ([`firsts_and_repeats`]) with the
 /// rest of the batch, and every later one is answered from what that left,
 /// in memory, without a statement of its own: the stored answer replayed,
 /// the same refusal if the first was refused and this is the same
@@ -189,17 +189,13 @@ async fn keyed_and_checked<S: Store>(
     };
     let mut outcomes: Vec<Option<Outcome>> = batch.iter().map(|_| None).collect();
     let mut keys = KeyStates::new();
-    // Without keys (the hot batch of checks) every command is a first.
-    let mut rounds = match batch.iter().any(|q| q.key.is_some()) {
-        true => rounds(batch),
-        false => vec![(0..batch.len()).collect()],
-    }
-    .into_iter();
-    let first = rounds.next().unwrap_or_default();
-    if !first.is_empty() && !run_round(conn, batch, &first, now, &mut outcomes, &mut keys).await? {
+    let (firsts, repeats) = firsts_and_repeats(batch);
+    if !firsts.is_empty()
+        && !apply_firsts(conn, batch, &firsts, now, &mut outcomes, &mut keys).await?
+    {
         return Ok(None);
     }
-    for i in rounds.flatten() {
+    for i in repeats {
         let q = &batch[i];
         if let Some(key) = &q.key {
             outcomes[i] = Some(keys.answer_again(key, &q.command.fingerprint()));
@@ -219,35 +215,29 @@ fn missing() -> Error {
     Error::Internal("the set-based batch produced no result for this command".into())
 }
 
-/// The batch's commands by round: round 0 holds every command without a
-/// key and each key's first occurrence, round `n` each key's `n`-th
-/// repeat; each in queue order. No key comes twice in a round. Which
+/// The batch's commands that run, every one without a key and each key's
+/// first occurrence, and the repeats of keys, each in queue order. Which
 /// occurrence of a key is the first goes by [`lock_order`], the order in
 /// which the batch, applied command by command, would claim it.
-pub(super) fn rounds(batch: &[Queued]) -> Vec<Vec<usize>> {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
-    let mut rounds: Vec<Vec<usize>> = vec![Vec::new()];
+pub(super) fn firsts_and_repeats(batch: &[Queued]) -> (Vec<usize>, Vec<usize>) {
+    // Without keys (the hot batch of checks) every command is a first.
+    if batch.iter().all(|q| q.key.is_none()) {
+        return ((0..batch.len()).collect(), Vec::new());
+    }
+    let mut seen: HashSet<&str> = HashSet::new();
+    let (mut firsts, mut repeats) = (Vec::new(), Vec::new());
     for i in lock_order(batch) {
-        let round = match &batch[i].key {
-            None => 0,
-            Some(key) => {
-                let n = seen.entry(key.as_str()).or_default();
-                *n += 1;
-                *n - 1
-            }
-        };
-        if rounds.len() <= round {
-            rounds.resize_with(round + 1, Vec::new);
+        match &batch[i].key {
+            Some(key) if !seen.insert(key.as_str()) => repeats.push(i),
+            _ => firsts.push(i),
         }
-        rounds[round].push(i);
     }
-    for round in &mut rounds {
-        round.sort_unstable();
-    }
-    rounds
+    firsts.sort_unstable();
+    repeats.sort_unstable();
+    (firsts, repeats)
 }
 
-/// What each key of the batch holds after the rounds so far.
+/// What each key of the batch holds once its first occurrence ran.
 struct KeyStates(HashMap<String, KeyState>);
 
 enum KeyState {
@@ -278,7 +268,7 @@ impl KeyStates {
 /// The statements of [`keyed_and_checked`]: the commands at `run` (their
 /// keys distinct) applied set-based, each keyed one's outcome kept in
 /// `keys`. `false` on an overflow.
-async fn run_round<S: Store>(
+async fn apply_firsts<S: Store>(
     conn: &mut S,
     batch: &[Queued],
     run: &[usize],
