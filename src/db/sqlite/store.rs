@@ -58,12 +58,14 @@ fn is_overflow(e: &sqlx::Error) -> bool {
         .is_some_and(|c| c == "3091")
 }
 
-/// The `[name, value]` pairs of [`upsert_counters`]'s one row.
-fn upserted(rows: Vec<String>) -> Result<Vec<(String, i64)>, Error> {
+/// The values of a statement that returns them as its one row of JSON
+/// (the counter upsert's `[name, value]` pairs, say; see
+/// [`upsert_counters`] for why one row).
+fn the_one_row<T: serde::de::DeserializeOwned>(rows: Vec<String>, what: &str) -> Result<T, Error> {
     let [row] = <[String; 1]>::try_from(rows).map_err(|rows| {
-        Error::Internal(format!("the counter upsert returned {} rows, not 1", rows.len()).into())
+        Error::Internal(format!("the {what} returned {} rows, not 1", rows.len()).into())
     })?;
-    from_one_row(&row, "counter upsert")
+    from_one_row(&row, what)
 }
 
 /// The values a statement returned as one row of JSON: a row tally cannot
@@ -129,7 +131,7 @@ impl Store for SqliteConnection {
             .fetch_all(self)
             .await;
         match rows {
-            Ok(rows) => Ok(Some(upserted(rows)?)),
+            Ok(rows) => Ok(Some(the_one_row(rows, "counter upsert")?)),
             Err(e) if is_overflow(&e) => Ok(None),
             Err(e) => Err(error(e)),
         }
@@ -149,7 +151,7 @@ impl Store for SqliteConnection {
             .fetch_all(&mut *self)
             .await;
         match rows {
-            Ok(rows) => Ok(Some(upserted(rows)?)),
+            Ok(rows) => Ok(Some(the_one_row(rows, "counter upsert")?)),
             Err(e) if is_overflow(&e) => {
                 self.exec("ROLLBACK").await?;
                 Ok(None)
@@ -297,12 +299,10 @@ impl Store for SqliteConnection {
         Ok(deleted > 0)
     }
 
-    /// Inserts the key with an empty answer, or reads what is stored for
-    /// it: as on PostgreSQL, though here the one writer serialises every
-    /// write, so no other transaction can hold the key meanwhile.
     /// What is stored, read before the claims are inserted, as one row of
-    /// JSON (see [`upsert_counters`] for why one row). One writer: nothing
-    /// comes between the two statements.
+    /// JSON. As on PostgreSQL, though here the one writer serialises every
+    /// write: no other transaction holds a key meanwhile, and nothing comes
+    /// between the two statements.
     async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error> {
         let rows = sqlx::query_scalar(
             "SELECT json_group_array(json_array(key, fingerprint, result))
@@ -316,10 +316,7 @@ impl Store for SqliteConnection {
         .fetch_all(&mut *self)
         .await
         .map_err(error)?;
-        let [row]: [String; 1] = rows.try_into().map_err(|rows: Vec<String>| {
-            Error::Internal(format!("the key claim returned {} rows, not 1", rows.len()).into())
-        })?;
-        let found: Vec<(String, String, String)> = from_one_row(&row, "key claim")?;
+        let found: Vec<(String, String, String)> = the_one_row(rows, "key claim")?;
         let mut stored: std::collections::HashMap<String, StoredKey> = found
             .into_iter()
             .map(|(key, fingerprint, result)| {
