@@ -282,6 +282,20 @@ pub struct Binary {
     readers: Readers,
 }
 
+/// Runs the binary with `env` (and nothing else of this process's) to
+/// its exit, a start that must fail with status 1; its stderr.
+pub fn failed_start(env: &[(&str, &str)]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_LISTEN", "127.0.0.1:0")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    stderr
+}
+
 impl Binary {
     pub fn start(env: &[(&str, &str)]) -> Self {
         Self::start_through(&[], env)

@@ -17,7 +17,7 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use crate::{
-    helpers::{ADMIN, Binary, problem},
+    helpers::{ADMIN, Binary, failed_start, problem},
     on_postgres::scale_out::{json, metric, processes, put_budget, stop_all},
     postgres::{self, PgServer},
 };
@@ -893,6 +893,15 @@ async fn a_refused_read_connection_is_answered_at_once() {
 }
 
 /// The value of counter `name` as `bin` reads it.
+/// A process on `url` (migrating it, if fresh) writes counter `kept` once,
+/// and stops.
+async fn kept_once(client: &Client, url: &str) {
+    let bins = processes(1, url, &[]);
+    let r = client.post(bins[0].url("/counters/kept")).send().await;
+    assert_eq!(r.unwrap().status(), StatusCode::OK);
+    stop_all(bins).await;
+}
+
 async fn counter(client: &Client, bin: &Binary, name: &str) -> i64 {
     let r = client
         .get(bin.url(&format!("/counters/{name}")))
@@ -951,19 +960,6 @@ async fn a_schema_named_like_the_role_moves_nothing() {
     stop_all(later).await;
 }
 
-/// Runs the binary to its exit (a start that must fail); its stderr.
-fn failed_start(env: &[(&str, &str)]) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "{stderr}");
-    stderr
-}
-
 /// Only the schemas of the role's `search_path` count: another
 /// deployment's tables in a schema of its own (its role's path) are not
 /// tally's, and do not stop it. Tally's tables in two schemas of the path
@@ -976,13 +972,7 @@ fn failed_start(env: &[(&str, &str)]) -> String {
 async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     let url = postgres::fresh_database().await;
     let client = Client::new();
-    let bins = processes(1, &url, &[]);
-    client
-        .post(bins[0].url("/counters/kept"))
-        .send()
-        .await
-        .unwrap();
-    stop_all(bins).await;
+    kept_once(&client, &url).await;
     let path_of = |schema: &str| format!("{url}?options=-c%20search_path%3D{schema}");
 
     // Another deployment, on a path of its own.
@@ -1039,13 +1029,7 @@ async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
 async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
     let url = postgres::fresh_database().await;
     let client = Client::new();
-    let owner = processes(1, &url, &[]);
-    client
-        .post(owner[0].url("/counters/kept"))
-        .send()
-        .await
-        .unwrap();
-    stop_all(owner).await;
+    kept_once(&client, &url).await;
 
     let role = unique("tally_app");
     let db = database_name(&url).to_owned();

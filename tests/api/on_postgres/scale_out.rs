@@ -757,14 +757,7 @@ async fn processes_starting_together_migrate_once() {
 async fn an_unreachable_server_at_start_fails_clearly_without_the_password() {
     let port = crate::loopback::free_port();
     let url = format!("postgres://tally:sekret-pw@127.0.0.1:{port}/tally");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .env("TALLY_DATABASE", &url)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", &url)]);
     assert!(
         err.contains(&format!(
             "cannot use PostgreSQL at postgres://tally:***@127.0.0.1:{port}/tally"

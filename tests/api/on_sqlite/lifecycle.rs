@@ -45,14 +45,11 @@ async fn a_port_in_use_is_a_clear_startup_failure() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_DATABASE", dir.path().join("t.db"))
-        .env("TALLY_LISTEN", &addr)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let db = dir.path().join("t.db");
+    let err = crate::helpers::failed_start(&[
+        ("TALLY_DATABASE", db.to_str().unwrap()),
+        ("TALLY_LISTEN", &addr),
+    ]);
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
 }
 
@@ -117,14 +114,7 @@ async fn a_database_a_newer_tally_migrated_is_served() {
         .await
         .unwrap();
     drop(conn);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_LISTEN", "127.0.0.1:0")
-        .env("TALLY_DATABASE", &db)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = crate::helpers::failed_start(&env);
     assert!(
         stderr.contains("migrations [99] of a newer tally failed part way"),
         "{stderr}"
