@@ -393,32 +393,41 @@ pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()
 /// installed, SIGTERM's default action kills the process, and an
 /// orchestrator may send it right after the first answer.
 pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
-    use tokio::signal::unix::{SignalKind, signal};
-    let listen = |kind: SignalKind, name: &'static str| {
-        let stream = signal(kind);
-        async move {
+    use tokio::signal::unix::SignalKind;
+    let first = first_signal(&[
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::interrupt(), "ctrl-c"),
+        // A hangup (the terminal tally was started from closing, say)
+        // would otherwise kill it on the spot, with no drain.
+        (SignalKind::hangup(), "SIGHUP"),
+    ]);
+    async move {
+        let name = first.await;
+        tracing::info!("{name} received, shutting down");
+    }
+}
+
+/// Listens for `signals` from the moment it is called, and resolves with
+/// the name of the first to arrive. One that cannot be listened for is
+/// logged, and never arrives.
+pub fn first_signal(
+    signals: &[(tokio::signal::unix::SignalKind, &'static str)],
+) -> impl Future<Output = &'static str> + Send + use<> {
+    let listening = signals.iter().map(|&(kind, name)| {
+        let stream = tokio::signal::unix::signal(kind);
+        Box::pin(async move {
             match stream {
                 Ok(mut s) => {
                     s.recv().await;
-                    tracing::info!("{name} received, shutting down");
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "cannot listen for {name}");
                     std::future::pending::<()>().await;
                 }
             }
-        }
-    };
-    let term = listen(SignalKind::terminate(), "SIGTERM");
-    let int = listen(SignalKind::interrupt(), "ctrl-c");
-    // A hangup (the terminal tally was started from closing, say) would
-    // otherwise kill it on the spot, with no drain.
-    let hup = listen(SignalKind::hangup(), "SIGHUP");
-    async move {
-        tokio::select! {
-            () = term => {}
-            () = int => {}
-            () = hup => {}
-        }
-    }
+            name
+        })
+    });
+    let listening: Vec<_> = listening.collect();
+    async move { futures_util::future::select_all(listening).await.0 }
 }

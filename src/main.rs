@@ -133,16 +133,10 @@ async fn restore_to(
 
 /// SIGTERM or SIGINT, whichever comes first. Not SIGHUP: a restore run by
 /// hand under `nohup` goes on when its terminal closes.
-async fn restore_stopped() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        },
-        _ => std::future::pending().await,
-    }
+fn restore_stopped() -> impl Future<Output = &'static str> {
+    use tokio::signal::unix::SignalKind;
+    tally::app::first_signal(&[
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::interrupt(), "SIGINT"),
+    ])
 }
