@@ -530,7 +530,7 @@ async fn readers_cannot_write() {
 async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
     use super::{
         command::{Command, Deleted, Queued, Reply},
-        txn::apply_batch,
+        txn::{apply_batch, lock_key},
     };
     use tokio::sync::oneshot::Receiver;
 
@@ -568,7 +568,10 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
         rx.await.unwrap().result
     }
 
-    for keyed in [false, true] {
+    // Each batch applied whole, and as the writer applies it: in the
+    // transactions `txn::transactions` splits it into, one after another.
+    let rounds = [(false, false), (true, false), (false, true), (true, true)];
+    for (round, (keyed, split)) in (1..).zip(rounds) {
         // Checks of `b` around its delete, a check of another budget, and
         // increments of `c` around its delete; `b` created again last.
         let (q1, before) = check(&b);
@@ -606,16 +609,32 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
         let mut batch = vec![q1, q2, q3, q4, q5, q6, q7, q8, q9];
         if keyed {
             for (i, q) in batch.iter_mut().enumerate() {
-                q.key = Some(crate::meter::IdempotencyKey::parse(&format!("k{i}")).unwrap());
+                q.key =
+                    Some(crate::meter::IdempotencyKey::parse(&format!("k{round}-{i}")).unwrap());
             }
         }
-        apply_batch(&mut conn, &mut batch).await.unwrap();
-        for mut q in batch {
-            q.command.send(&Ok(()));
+        let parts = match split {
+            false => vec![batch],
+            true => super::txn::transactions(batch),
+        };
+        // `b-other` apart, then `b` and `c` in seven runs of one kind.
+        assert_eq!(parts.len(), if split { 8 } else { 1 });
+        if split {
+            let first: Vec<_> = parts[0].iter().map(|q| lock_key(&q.command)).collect();
+            assert_eq!(first, [(1, "b-other")]);
         }
-        // The second round's `b` holds the first round's last check.
-        let round = i64::from(keyed) + 1;
-        assert_eq!(decided(before).await.unwrap(), round, "keyed: {keyed}");
+        for mut part in parts {
+            apply_batch(&mut conn, &mut part).await.unwrap();
+            for mut q in part {
+                q.command.send(&Ok(()));
+            }
+        }
+        // After the first round, `b` holds the round before's last check.
+        assert_eq!(
+            decided(before).await.unwrap(),
+            round.min(2),
+            "round {round}"
+        );
         assert_eq!(decided(before_other).await.unwrap(), round);
         assert_eq!(deleted(delete_b).await.unwrap(), Deleted);
         assert!(matches!(

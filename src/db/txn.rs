@@ -37,6 +37,69 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> 
     apply_by(conn, batch, Pass::Batch).await
 }
 
+/// The transactions a batch is applied in, in the order they run: the
+/// whole batch in one, unless it mixes increments and checks with other
+/// commands (an operator's put, delete or reset). Those run command by
+/// command, several round trips each on a distant PostgreSQL, and in one
+/// transaction with them every write of the batch would too: at 50 ms a
+/// batch of a few dozen writes would run past its time limit and fail
+/// them all. So the increments and checks on names no other command of
+/// the batch touches run first, set-based, in a transaction of their own
+/// (commands on different names commute, see [`lock_order`]); the rest
+/// follow in queue order, each run of increments and checks in one
+/// transaction, set-based, and each run of other commands in one, command
+/// by command: a check queued before the delete of its budget is still
+/// counted, and one queued after it finds the budget gone. Each part
+/// commits before the next begins, and its callers hear its own commit.
+pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
+    if !mixed(&batch) {
+        return vec![batch];
+    }
+    let tied: Vec<bool> = {
+        let touched: HashSet<LockKey> = batch
+            .iter()
+            .filter(|q| !set_based(&q.command))
+            .map(|q| lock_key(&q.command))
+            .collect();
+        batch
+            .iter()
+            .map(|q| touched.contains(&lock_key(&q.command)))
+            .collect()
+    };
+    // The first part holds the untied; each later one a run of one kind.
+    let mut parts: Vec<Vec<Queued>> = vec![Vec::new()];
+    for (q, tied) in batch.into_iter().zip(tied) {
+        let part = match (tied, parts.len()) {
+            (false, _) => 0,
+            (true, 1) => {
+                parts.push(Vec::new());
+                1
+            }
+            (true, n) => {
+                let kind = parts[n - 1].first().map(|p| set_based(&p.command));
+                if kind != Some(set_based(&q.command)) {
+                    parts.push(Vec::new());
+                }
+                parts.len() - 1
+            }
+        };
+        parts[part].push(q);
+    }
+    parts.retain(|p| !p.is_empty());
+    parts
+}
+
+/// Whether a batch holds both increments or checks and other commands:
+/// more than one transaction ([`transactions`]).
+pub(super) fn mixed(batch: &[Queued]) -> bool {
+    batch.iter().any(|q| set_based(&q.command)) && batch.iter().any(|q| !set_based(&q.command))
+}
+
+/// Whether a command can run set-based: an increment or a check.
+fn set_based(command: &Command) -> bool {
+    matches!(command, Command::Increment { .. } | Command::Check { .. })
+}
+
 /// Applies commands in one transaction by the rule `pass` names.
 pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: Pass) -> Applied {
     if pass != Pass::Probe
@@ -97,10 +160,7 @@ async fn run_set_based<S: Store>(
     // delete of its budget must find it gone, and one queued before it
     // must be counted first; only one by one, in queue order per name,
     // gives both.
-    if !batch
-        .iter()
-        .all(|q| matches!(q.command, Command::Increment { .. } | Command::Check { .. }))
-    {
+    if !batch.iter().all(|q| set_based(&q.command)) {
         return None;
     }
     if batch

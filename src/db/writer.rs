@@ -28,7 +28,7 @@ use super::{
     command::{Command, NOT_COMMITTED, Queued, Sent},
     committed::Committed,
     stats::{CommitClock, QueueStats},
-    txn::Applied,
+    txn::{self, Applied},
 };
 use crate::telemetry::Throttle;
 
@@ -224,7 +224,7 @@ impl<E: Engine> WriterLoop<E> {
             #[cfg(feature = "test-hooks")]
             self.test_hooks().await;
             self.batches += 1;
-            if let Err(lost) = self.run_batch(&mut batch).await {
+            if let Err(lost) = self.run_parts(&mut batch).await {
                 return Err(self.lose(lost, &mut batch).await);
             }
         }
@@ -277,8 +277,28 @@ impl<E: Engine> WriterLoop<E> {
         }
     }
 
-    /// Runs one batch and answers its callers; an error if the database
-    /// files turned out to be gone (every caller was answered so).
+    /// Runs what the queue gave in the transactions it is applied in
+    /// ([`txn::transactions`]), one after another; an error, with the
+    /// commands not yet run back in `batch`, if the database files turned
+    /// out to be gone.
+    async fn run_parts(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
+        if !txn::mixed(batch) {
+            return self.run_batch(batch).await;
+        }
+        let parts = txn::transactions(std::mem::take(batch));
+        let mut parts = parts.into_iter();
+        while let Some(mut part) = parts.next() {
+            if let Err(lost) = self.run_batch(&mut part).await {
+                batch.extend(parts.flatten());
+                return Err(lost);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one transaction's commands and answers their callers; an error
+    /// if the database files turned out to be gone (every caller was
+    /// answered so).
     async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();

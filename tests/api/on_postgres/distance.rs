@@ -26,7 +26,7 @@ use tokio::{
 };
 
 use crate::{
-    helpers::problem,
+    helpers::{ADMIN, problem},
     on_postgres::scale_out::{json, processes, put_budget, stop_all},
     postgres,
 };
@@ -388,4 +388,122 @@ async fn many_requests_under_one_key_cost_their_batch_nothing() {
     assert_eq!(statuses, [(404, 1), (422, 199)].into(), "{took:?}");
     assert!(took < Duration::from_secs(12), "{took:?}");
     stop_all(bins).await;
+}
+
+/// An operator's commands in a busy batch, on a database 50 ms away: a
+/// put of the budget the checks are counted on, and the delete of a
+/// counter, queued among 200 increments and checks (a quarter of them
+/// keyed), all in one batch. The operator's commands run command by
+/// command (about five round trips each); the increments and checks run
+/// set-based around them: those on other names in a transaction of their
+/// own, the checks of the budget put before and after it, each side in
+/// one. Every write is `200` within a few seconds, the checks before the
+/// put count against its old limits and those after it against the new
+/// ones, and nothing is counted twice or lost. (Run all together command
+/// by command, the batch would take about a minute, past its time limit,
+/// and fail every caller in it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
+    // A slow writer, so that everything below shares one batch.
+    let bins = processes(
+        1,
+        &through(&url, distant.addr),
+        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+    );
+    let bin = &bins[0];
+    let client = Client::new();
+    put_budget(
+        &client,
+        bin,
+        "hot",
+        json!({"visitor_limit": 1000, "global_limit": 1000}),
+    )
+    .await;
+    let r = client.post(bin.url("/counters/gone")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let write = |wave: usize, i: usize| {
+        let request = match i % 2 {
+            0 => client.post(bin.url(&format!("/counters/hot-{}", i % 10))),
+            _ => client
+                .post(bin.url("/budgets/hot/check"))
+                .json(&json!({"visitor": format!("v{}", i % 7)})),
+        };
+        let request = match i % 4 {
+            3 => request.header("idempotency-key", format!("op-{wave}-{i}")),
+            _ => request,
+        };
+        tokio::spawn(async move {
+            let r = request.send().await.unwrap();
+            (r.status(), r.text().await.unwrap())
+        })
+    };
+    // Holds the writer while the rest queues up.
+    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let before: Vec<_> = (0..100).map(|i| write(0, i)).collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let put = tokio::spawn(
+        client
+            .put(bin.url("/budgets/hot"))
+            .bearer_auth(ADMIN)
+            .json(&json!({"visitor_limit": 2000, "global_limit": 2000}))
+            .send(),
+    );
+    let delete = tokio::spawn(
+        client
+            .delete(bin.url("/counters/gone"))
+            .bearer_auth(ADMIN)
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let after: Vec<_> = (0..100).map(|i| write(1, i)).collect();
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(put.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        delete.await.unwrap().unwrap().status(),
+        StatusCode::NO_CONTENT
+    );
+    for (wave, writes, limit) in [(0, before, 1000), (1, after, 2000)] {
+        for (i, w) in writes.into_iter().enumerate() {
+            let (status, text) = w.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "wave {wave}, write {i}: {text}");
+            if i % 2 == 1 {
+                let d: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(d["global_limit"], limit, "wave {wave}, write {i}: {d}");
+            }
+        }
+    }
+    let took = started.elapsed();
+    // The writer's delay and a few rounds of round trips (command by
+    // command: about a minute).
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    let mut total = 0;
+    for n in 0..10 {
+        let r = client
+            .get(bin.url(&format!("/counters/hot-{n}")))
+            .send()
+            .await
+            .unwrap();
+        total += json(r).await["value"].as_i64().unwrap();
+    }
+    assert_eq!(total, 100);
+    let r = client
+        .get(bin.url("/budgets/hot/usage"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json(r).await["global_calls"], 100);
+    // Deleted: deleting it again is refused.
+    let r = client
+        .delete(bin.url("/counters/gone"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    problem(r, StatusCode::NOT_FOUND).await;
+    stop_all(bins).await;
+    drop(distant);
 }
