@@ -18,16 +18,19 @@ use serde_json::json;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{
-        TcpListener, TcpStream,
+        TcpStream,
         tcp::{OwnedReadHalf, OwnedWriteHalf},
     },
     sync::mpsc,
-    task::{JoinHandle, JoinSet},
+    task::JoinHandle,
 };
 
 use crate::{
     helpers::{ADMIN, problem},
-    on_postgres::scale_out::{json, processes, put_budget, stop_all},
+    on_postgres::{
+        forwarding::accept_each,
+        scale_out::{json, processes, put_budget, stop_all},
+    },
     postgres,
 };
 
@@ -50,34 +53,26 @@ type Trap = Arc<Mutex<Option<&'static [u8]>>>;
 
 impl Distant {
     async fn start(target: SocketAddr, delay: Duration) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let trap = Trap::default();
         let armed = Arc::clone(&trap);
-        let task = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                let Ok((inbound, _)) = listener.accept().await else {
-                    continue;
+        let (addr, task) = accept_each(move |inbound| {
+            let trap = Arc::clone(&armed);
+            async move {
+                let Ok(outbound) = TcpStream::connect(target).await else {
+                    return;
                 };
-                let trap = Arc::clone(&armed);
-                connections.spawn(async move {
-                    let Ok(outbound) = TcpStream::connect(target).await else {
-                        return;
-                    };
-                    let _ = inbound.set_nodelay(true);
-                    let _ = outbound.set_nodelay(true);
-                    let (in_read, in_write) = inbound.into_split();
-                    let (out_read, out_write) = outbound.into_split();
-                    let cut = Arc::new(AtomicBool::new(false));
-                    tokio::join!(
-                        held_back(in_read, out_write, delay, Some(trap), Arc::clone(&cut)),
-                        held_back(out_read, in_write, delay, None, cut)
-                    );
-                });
-                while connections.try_join_next().is_some() {}
+                let _ = inbound.set_nodelay(true);
+                let _ = outbound.set_nodelay(true);
+                let (in_read, in_write) = inbound.into_split();
+                let (out_read, out_write) = outbound.into_split();
+                let cut = Arc::new(AtomicBool::new(false));
+                tokio::join!(
+                    held_back(in_read, out_write, delay, Some(trap), Arc::clone(&cut)),
+                    held_back(out_read, in_write, delay, None, cut)
+                );
             }
-        });
+        })
+        .await;
         Distant { addr, trap, task }
     }
 

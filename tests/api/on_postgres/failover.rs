@@ -15,13 +15,11 @@ use std::{
 use reqwest::{Client, StatusCode};
 use serde_json::Value;
 use sqlx::Connection;
-use tokio::{
-    net::{TcpListener, TcpStream},
-    task::{JoinHandle, JoinSet},
-};
+use tokio::{net::TcpStream, task::JoinHandle};
 
 use crate::{
     helpers::Binary,
+    on_postgres::forwarding::accept_each,
     postgres::{self, PgServer},
 };
 
@@ -39,21 +37,10 @@ struct Forwarder {
 
 impl Forwarder {
     async fn start(target: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let target = Arc::new(Mutex::new(target));
         let current = Arc::clone(&target);
-        let task = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                let Ok((inbound, _)) = listener.accept().await else {
-                    continue;
-                };
-                let upstream = *current.lock().unwrap();
-                connections.spawn(forward(inbound, upstream));
-                while connections.try_join_next().is_some() {}
-            }
-        });
+        let (addr, task) =
+            accept_each(move |inbound| forward(inbound, *current.lock().unwrap())).await;
         Forwarder { addr, target, task }
     }
 

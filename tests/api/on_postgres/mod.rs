@@ -11,5 +11,6 @@
 
 mod distance;
 mod failover;
+mod forwarding;
 mod pg_operations;
 mod scale_out;
