@@ -26,7 +26,7 @@ use tokio::{
 };
 
 use crate::{
-    helpers::{ADMIN, problem},
+    helpers::{ADMIN, Binary, problem},
     on_postgres::{
         forwarding::accept_each,
         scale_out::{json, processes, put_budget, stop_all},
@@ -144,6 +144,26 @@ async fn held_back(
     tokio::join!(read, write);
 }
 
+/// What `bin` counted under `name`: the sum of counters `{name}-0` to
+/// `{name}-9`, and budget `name`'s calls today.
+async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
+    let mut total = 0;
+    for n in 0..10 {
+        let r = client
+            .get(bin.url(&format!("/counters/{name}-{n}")))
+            .send()
+            .await
+            .unwrap();
+        total += json(r).await["value"].as_i64().unwrap();
+    }
+    let r = client
+        .get(bin.url(&format!("/budgets/{name}/usage")))
+        .send()
+        .await
+        .unwrap();
+    (total, json(r).await["global_calls"].as_i64().unwrap())
+}
+
 /// The database URL `url` names, reached through a forwarder.
 fn through(url: &str, forwarder: SocketAddr) -> String {
     let mut u = url::Url::parse(url).unwrap();
@@ -241,22 +261,7 @@ async fn keyed_writes_to_a_distant_database_go_a_batch_at_a_time() {
         );
         assert_eq!(a, b, "retry {i}");
     }
-    let mut total = 0;
-    for n in 0..10 {
-        let r = client
-            .get(bin.url(&format!("/counters/far-{n}")))
-            .send()
-            .await
-            .unwrap();
-        total += json(r).await["value"].as_i64().unwrap();
-    }
-    assert_eq!(total, 95);
-    let r = client
-        .get(bin.url("/budgets/far/usage"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(json(r).await["global_calls"], 95);
+    assert_eq!(counted(&client, bin, "far").await, (95, 95));
     stop_all(bins).await;
     drop(distant);
 }
@@ -475,22 +480,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
     // The writer's delay and a few rounds of round trips (command by
     // command: about a minute).
     assert!(took < Duration::from_secs(8), "{took:?}");
-    let mut total = 0;
-    for n in 0..10 {
-        let r = client
-            .get(bin.url(&format!("/counters/hot-{n}")))
-            .send()
-            .await
-            .unwrap();
-        total += json(r).await["value"].as_i64().unwrap();
-    }
-    assert_eq!(total, 100);
-    let r = client
-        .get(bin.url("/budgets/hot/usage"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(json(r).await["global_calls"], 100);
+    assert_eq!(counted(&client, bin, "hot").await, (100, 100));
     // Deleted: deleting it again is refused.
     let r = client
         .delete(bin.url("/counters/gone"))
