@@ -120,6 +120,10 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
              year mistyped?)"
         );
     }
+    if let Some(dir) = db.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let lock = lock_restores(db)?;
     if db.exists() {
         tracing::warn!(
             database = %db.display(),
@@ -149,14 +153,11 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     // A marker with no database describes one that is gone; the latest
     // state restored below writes none.
     remove_file(&marker_path(db))?;
-    if let Some(dir) = db.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
 
     // 2. The latest state, to see whether it records this restore.
     let latest = beside(db, "-latest");
     remove_sqlite_files(&latest)?;
-    match litestream(ls, &["-o", path_str(&latest)?], db).await {
+    match litestream(ls, &["-o", path_str(&latest)?], db, &lock).await {
         Ok(_) => {}
         // Before any instant is asked for: a replica with no backup at all
         // is the wrong place (a mistyped bucket or path, a release renamed),
@@ -196,7 +197,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
 
     // 3. The restore to the instant: what it will bring back, then do it.
     let plan: Plan = serde_json::from_slice(
-        &litestream(ls, &["-dry-run", "-json", "-timestamp", &target], db)
+        &litestream(ls, &["-dry-run", "-json", "-timestamp", &target], db, &lock)
             .await
             .context(
                 "planning the restore (is the instant within the replica's history? it holds \
@@ -216,6 +217,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
         ls,
         &["-timestamp", &target, "-o", path_str(&restoring)?],
         db,
+        &lock,
     )
     .await
     .context("restoring to the instant")?;
@@ -262,12 +264,52 @@ struct PlanFile {
 /// What Litestream says when the replica holds nothing for the database.
 const NO_BACKUPS: &str = "no matching backup files available";
 
+/// The lock file beside `db` that one restore at a time holds, for as
+/// long as it or a Litestream it started runs. Two restores into one
+/// directory would remove each other's files, and one could move the
+/// other's half-restored file into place. The file stays: removed, a
+/// restore that had opened it would hold a lock nobody else takes.
+fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
+    let path = beside(db, "-restore.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "another restore is running into {}: a `tally restore-to`, or a `litestream \
+             restore` one started and that outlived it (a tally killed with SIGKILL leaves it \
+             running). Run one restore at a time: wait for it to end, or stop it, and run this \
+             again",
+            db.parent().unwrap_or(db).display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+}
+
 /// `litestream restore -config C ARGS DB`; its standard output, or an
 /// error carrying what it said. It is killed when this is dropped (a stop)
-/// or takes longer than the timeout. (A tally killed with SIGKILL leaves it
-/// running, as any process leaves its children; in a container, the
-/// container's end takes it too.)
-async fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result<Vec<u8>> {
+/// or takes longer than the timeout. A tally killed with SIGKILL leaves it
+/// running, as any process leaves its children (in a container, the
+/// container's end takes it too): it is given the restore `lock`, so that
+/// no other restore runs into the same directory until it has ended.
+async fn litestream(
+    ls: &Litestream,
+    args: &[&str],
+    db: &Path,
+    lock: &std::fs::File,
+) -> anyhow::Result<Vec<u8>> {
+    // Its standard input, which a restore never reads: a descriptor of the
+    // lock's own open file, it holds the lock for as long as Litestream
+    // (or anything it leaves behind) has it open, and no other process
+    // gets it.
+    let held = lock.try_clone().context("handing the restore lock on")?;
     // Litestream says nothing while the object store does not answer, and
     // waits for it: without this line a stuck restore leaves an empty log.
     tracing::info!(
@@ -282,6 +324,7 @@ async fn litestream(ls: &Litestream, args: &[&str], db: &Path) -> anyhow::Result
         .arg(&ls.config)
         .args(args)
         .arg(db)
+        .stdin(held)
         .kill_on_drop(true);
     let out = tokio::time::timeout(ls.timeout, command.output())
         .await
@@ -406,6 +449,66 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             binary: script,
             config: dir.join("litestream.yml"),
             timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// One restore into a directory at a time: a second started while the
+    /// first's Litestream runs is refused at once and touches nothing; once
+    /// the first has ended, the next runs.
+    #[tokio::test]
+    async fn a_second_restore_into_one_directory_is_refused_while_the_first_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let started = dir.path().join("started");
+        let ls = litestream_that(
+            dir.path(),
+            &format!("touch {}; sleep 1; exit 1", started.display()),
+        );
+        let db = dir.path().join("data").join("tally.db");
+        let at: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        let first = tokio::spawn({
+            let (db, ls) = (db.clone(), ls.clone());
+            async move { restore_to(&db, at, &ls).await }
+        });
+        while !started.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        assert!(
+            format!("{e:#}").contains("another restore is running"),
+            "{e:#}"
+        );
+        let e = first.await.unwrap().unwrap_err();
+        assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
+        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
+    }
+
+    /// A Litestream that outlives its restore (its tally killed with
+    /// SIGKILL; here a process it left behind) holds the directory's lock
+    /// until it ends: no other restore writes beside it meanwhile.
+    #[tokio::test]
+    async fn a_litestream_left_running_keeps_its_directory_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        // What it leaves behind holds its standard input (a shell gives an
+        // asynchronous list /dev/null for it, hence the copy).
+        let ls = litestream_that(dir.path(), "exec 3<&0; (sleep 2 >/dev/null 2>&1) & exit 1");
+        let db = dir.path().join("data").join("tally.db");
+        let at: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
+        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        assert!(
+            format!("{e:#}").contains("another restore is running"),
+            "{e:#}"
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let e = restore_to(&db, at, &ls).await.unwrap_err();
+            if format!("{e:#}").contains("litestream restore") {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{e:#}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
