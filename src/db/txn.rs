@@ -37,39 +37,33 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> 
     apply_by(conn, batch, Pass::Batch).await
 }
 
-/// The transactions a batch is applied in, in the order they run: the
-/// whole batch in one, unless it mixes increments and checks with other
-/// commands (an operator's put, delete or reset). Those run command by
-/// command, several round trips each on a distant PostgreSQL, and in one
-/// transaction with them every write of the batch would too: at 50 ms a
-/// batch of a few dozen writes would run past its time limit and fail
-/// them all. So the increments and checks on names no other command of
-/// the batch touches run first, set-based, in a transaction of their own
-/// (commands on different names commute, see [`lock_order`]); the rest
-/// follow in queue order, each run of increments and checks in one
-/// transaction, set-based, and each run of other commands in one, command
-/// by command: a check queued before the delete of its budget is still
-/// counted, and one queued after it finds the budget gone. Each part
-/// commits before the next begins, and its callers hear its own commit.
+/// The transactions a batch is applied in, in the order they run, where
+/// statements are round trips over a network: the whole batch in one,
+/// unless it mixes increments and checks with other commands (an
+/// operator's put, delete or reset). Those run command by command, several
+/// round trips each on a distant PostgreSQL, and in one transaction with
+/// them every write of the batch would too: at 50 ms a batch of a few
+/// dozen writes would run past its time limit and fail them all. So the
+/// increments and checks not tied to the operator's commands ([`tied`])
+/// run first, set-based, in a transaction of their own (commands on
+/// different names commute, see [`lock_order`]); the rest follow in queue
+/// order, each run of increments and checks in one transaction,
+/// set-based, and each run of other commands in one, command by command:
+/// a check queued before the delete of its budget is still counted, and
+/// one queued after it finds the budget gone. At most [`MOST_PARTS`]
+/// transactions: past them, the rest of the batch runs in the last,
+/// command by command. Each part commits before the next begins, and its
+/// callers hear its own commit.
 pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     if !mixed(&batch) {
         return vec![batch];
     }
-    let tied: Vec<bool> = {
-        let touched: HashSet<LockKey> = batch
-            .iter()
-            .filter(|q| !set_based(&q.command))
-            .map(|q| lock_key(&q.command))
-            .collect();
-        batch
-            .iter()
-            .map(|q| touched.contains(&lock_key(&q.command)))
-            .collect()
-    };
+    let tied = tied(&batch);
     // The first part holds the untied; each later one a run of one kind.
     let mut parts: Vec<Vec<Queued>> = vec![Vec::new()];
     for (q, tied) in batch.into_iter().zip(tied) {
-        let part = match (tied, parts.len()) {
+        let n = parts.len();
+        let part = match (tied, n) {
             (false, _) => 0,
             (true, 1) => {
                 parts.push(Vec::new());
@@ -77,7 +71,7 @@ pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
             }
             (true, n) => {
                 let kind = parts[n - 1].first().map(|p| set_based(&p.command));
-                if kind != Some(set_based(&q.command)) {
+                if kind != Some(set_based(&q.command)) && n < MOST_PARTS {
                     parts.push(Vec::new());
                 }
                 parts.len() - 1
@@ -87,6 +81,43 @@ pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     }
     parts.retain(|p| !p.is_empty());
     parts
+}
+
+/// The most transactions [`transactions`] splits a batch into: the
+/// writes beside one operator's command (those apart, those before it and
+/// those after it, and the command). An operator interleaving many
+/// commands with the writes on their names costs a commit per part, and
+/// every part its own time limit.
+const MOST_PARTS: usize = 4;
+
+/// Which commands of a batch are tied to its operator's commands, to run
+/// after the others, in queue order with them: the operator's commands,
+/// every command on a name one of them touches, and every command sharing
+/// an idempotency key or a name with a tied one (so that a key goes to the
+/// first of its commands as it would in one transaction, and commands on
+/// one name keep their queue order), until none is left to tie.
+fn tied(batch: &[Queued]) -> Vec<bool> {
+    let mut tied: Vec<bool> = batch.iter().map(|q| !set_based(&q.command)).collect();
+    loop {
+        let (mut names, mut keys) = (HashSet::new(), HashSet::new());
+        for (q, _) in batch.iter().zip(&tied).filter(|(_, t)| **t) {
+            names.insert(lock_key(&q.command));
+            keys.extend(q.key.as_ref().map(|k| k.as_str()));
+        }
+        let mut more = false;
+        for (q, t) in batch.iter().zip(tied.iter_mut()) {
+            if !*t
+                && (names.contains(&lock_key(&q.command))
+                    || q.key.as_ref().is_some_and(|k| keys.contains(k.as_str())))
+            {
+                *t = true;
+                more = true;
+            }
+        }
+        if !more {
+            return tied;
+        }
+    }
 }
 
 /// Whether a batch holds both increments or checks and other commands:

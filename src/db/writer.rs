@@ -108,6 +108,14 @@ pub(super) trait Engine: Send + 'static {
     /// of its own) rather than in a server's (PostgreSQL): only then can
     /// handlers speed it up by yielding their core ([`CommitClock`]).
     const COMMITS_HERE: bool;
+
+    /// Whether a batch that mixes an operator's commands with increments
+    /// and checks is split into transactions ([`txn::transactions`]):
+    /// where every statement is a round trip over a network (PostgreSQL),
+    /// command by command costs each write of such a batch several; in
+    /// this process (SQLite) it costs little, and a commit (an fsync) per
+    /// part would cost more.
+    const SPLITS_MIXED: bool;
 }
 
 /// The storage was lost underneath tally, for the log line and the answers.
@@ -277,29 +285,52 @@ impl<E: Engine> WriterLoop<E> {
         }
     }
 
-    /// Runs what the queue gave in the transactions it is applied in
-    /// ([`txn::transactions`]), one after another; an error, with the
-    /// commands not yet run back in `batch`, if the database files turned
-    /// out to be gone.
+    /// Runs what the queue gave: in one transaction, or where statements
+    /// are round trips over a network ([`Engine::SPLITS_MIXED`]) in the
+    /// transactions [`txn::transactions`] splits it into, one after
+    /// another. Once one of them has lost the database (unreachable, or
+    /// cut off during its `COMMIT`), the parts after it do not run: their
+    /// callers hear at once that the database cannot be reached, as the
+    /// whole batch would have, rather than each part waiting out its own
+    /// time limit while they give up. An error, with the commands not yet
+    /// run back in `batch`, if the database files turned out to be gone.
     async fn run_parts(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
-        if !txn::mixed(batch) {
-            return self.run_batch(batch).await;
+        if !E::SPLITS_MIXED || !txn::mixed(batch) {
+            return self.run_batch(batch).await.map(drop);
         }
         let parts = txn::transactions(std::mem::take(batch));
         let mut parts = parts.into_iter();
         while let Some(mut part) = parts.next() {
-            if let Err(lost) = self.run_batch(&mut part).await {
-                batch.extend(parts.flatten());
-                return Err(lost);
+            match self.run_batch(&mut part).await {
+                Err(lost) => {
+                    batch.extend(parts.flatten());
+                    return Err(lost);
+                }
+                Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown))) => {
+                    let not_run = Err(match e {
+                        Error::OutcomeUnknown => {
+                            Error::Unavailable(Arc::new(sqlx::Error::Io(std::io::Error::other(
+                                "the connection was lost during an earlier transaction of the \
+                                 same batch; this one did not run",
+                            ))))
+                        }
+                        e => e,
+                    });
+                    for q in parts.flatten() {
+                        answer(q, &not_run);
+                    }
+                    return Ok(());
+                }
+                Ok(_) => {}
             }
         }
         Ok(())
     }
 
-    /// Runs one transaction's commands and answers their callers; an error
-    /// if the database files turned out to be gone (every caller was
-    /// answered so).
-    async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
+    /// Runs one transaction's commands and answers their callers; its
+    /// commit, or an error if the database files turned out to be gone
+    /// (every caller was answered so).
+    async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<Applied, Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
         let clock = E::COMMITS_HERE.then(CommitClock::start).flatten();
@@ -337,7 +368,7 @@ impl<E: Engine> WriterLoop<E> {
         }
         match lost {
             Some(lost) => Err(lost),
-            None => Ok(()),
+            None => Ok(commit),
         }
     }
 

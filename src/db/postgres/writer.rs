@@ -16,6 +16,7 @@ pub struct WriterConn {
 
 impl Engine for WriterConn {
     const COMMITS_HERE: bool = false;
+    const SPLITS_MIXED: bool = true;
 
     async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
         WriterConn::apply(self, batch).await

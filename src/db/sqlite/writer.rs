@@ -30,6 +30,7 @@ pub(crate) struct SqliteWriter {
 
 impl Engine for SqliteWriter {
     const COMMITS_HERE: bool = true;
+    const SPLITS_MIXED: bool = false;
 
     /// Past the storage limit, the commands that add data are answered
     /// storage-full without running (nothing of them is written); those

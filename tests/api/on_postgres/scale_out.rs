@@ -506,6 +506,74 @@ async fn a_server_that_stops_answering_does_not_hold_writes_forever() {
     stop_all(bins).await;
 }
 
+/// A batch split around an operator's commands (checks of a budget
+/// alternating with resets of its visitors: a transaction for the first
+/// check, one for the first reset, one for the rest) on a server that
+/// stops answering: the first transaction is cut off at its time limit,
+/// and the others do not run. Every caller hears at once that the database
+/// cannot be reached (`503`; a check `meter-error`, denied), rather than
+/// each transaction after the first waiting out a connect timeout of its
+/// own while its callers give up, and once the server answers again
+/// nothing of the batch has been counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_split_batch_on_a_server_that_stops_answering_fails_as_one() {
+    let server = PgServer::start();
+    let url = postgres::fresh_database_on(&server.url()).await;
+    // A slow writer, so that everything below shares one batch.
+    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "1500")]);
+    let bin = &bins[0];
+    let client = Client::new();
+    put_budget(
+        &client,
+        bin,
+        "b",
+        json!({"visitor_limit": 100, "global_limit": 100}),
+    )
+    .await;
+    let first = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut sent = Vec::new();
+    for i in 0..8 {
+        let check = client
+            .post(bin.url("/budgets/b/check"))
+            .json(&json!({"visitor": format!("v{i}")}));
+        sent.push(("/problems/meter-error", tokio::spawn(check.send())));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let reset = client
+            .post(bin.url("/budgets/b/reset"))
+            .bearer_auth(ADMIN)
+            .json(&json!({"visitor": format!("w{i}")}));
+        sent.push(("/problems/database-unavailable", tokio::spawn(reset.send())));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    server.freeze(true);
+    let frozen = Instant::now();
+    let mut answered = Vec::new();
+    for (kind, sent) in sent {
+        let p = problem(
+            sent.await.unwrap().unwrap(),
+            StatusCode::SERVICE_UNAVAILABLE,
+        )
+        .await;
+        assert_eq!(p["type"], kind, "{p}");
+        answered.push(frozen.elapsed());
+    }
+    let (earliest, latest) = (answered.iter().min(), answered.iter().max());
+    let (earliest, latest) = (*earliest.unwrap(), *latest.unwrap());
+    assert!(latest < Duration::from_secs(25), "{answered:?}");
+    assert!(latest - earliest < Duration::from_secs(1), "{answered:?}");
+    server.freeze(false);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = client
+        .get(bin.url("/budgets/b/usage"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json(r).await["global_calls"], 0);
+    stop_all(bins).await;
+}
+
 /// A deadlock between tally's batch and another transaction is PostgreSQL's
 /// to break, and its victim here is tally's: the writer runs the batch
 /// again and its callers only see their answers, a little later.
