@@ -617,9 +617,8 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
             false => vec![batch],
             true => super::txn::transactions(batch),
         };
-        // `b-other` apart, then `b` and `c`: a run of one kind, a run of
-        // the other, and the rest together (`MOST_PARTS`).
-        assert_eq!(parts.len(), if split { 4 } else { 1 });
+        // `b-other` apart, then `b` and `c` in seven runs of one kind.
+        assert_eq!(parts.len(), if split { 8 } else { 1 });
         if split {
             let first: Vec<_> = parts[0].iter().map(|q| lock_key(&q.command)).collect();
             assert_eq!(first, [(1, "b-other")]);
@@ -1097,4 +1096,111 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
     }
     // Many batches held a key more than once.
     assert!(repeated > 80, "{repeated}");
+}
+
+/// `txn::transactions` over random batches of every kind of command, on a
+/// few names and keys: its parts hold every command once, each part in
+/// queue order and of one kind (set-based or command by command); taken
+/// one after another, commands on one name keep their queue order; and
+/// the first part holding a key holds its first command in queue order.
+#[test]
+fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
+    use super::{
+        command::{Command, Queued, Reply},
+        txn::{lock_key, transactions},
+    };
+    let names = ["a", "b", "c", "d"].map(|n| Name::parse(n).unwrap());
+    let spec = BudgetSpec::new(5, 5, None, None).unwrap();
+    let visitor = VisitorId::parse("v").unwrap();
+    let set_based = |c: &Command| matches!(c, Command::Increment { .. } | Command::Check { .. });
+    let mut rng = fastrand::Rng::with_seed(7);
+    for round in 0..20_000 {
+        let batch: Vec<Queued> = (0..rng.usize(1..14))
+            .map(|i| {
+                let name = names[rng.usize(..names.len())].clone();
+                let command = match rng.u8(..8) {
+                    0 | 1 => Command::Increment {
+                        name,
+                        by: 1,
+                        reply: Reply::new().0,
+                    },
+                    2 | 3 => Command::Check {
+                        budget: name,
+                        visitor: visitor.clone(),
+                        day: None,
+                        reply: Reply::new().0,
+                    },
+                    4 => Command::DeleteCounter {
+                        name,
+                        reply: Reply::new().0,
+                    },
+                    5 => Command::DeleteBudget {
+                        name,
+                        reply: Reply::new().0,
+                    },
+                    6 => Command::PutBudget {
+                        name,
+                        spec: spec.clone(),
+                        reply: Reply::new().0,
+                    },
+                    _ => Command::Reset {
+                        budget: name,
+                        day: None,
+                        visitor: None,
+                        reply: Reply::new().0,
+                    },
+                };
+                let key = rng.bool().then(|| {
+                    crate::meter::IdempotencyKey::parse(&format!("k{}", rng.u8(..3))).unwrap()
+                });
+                Queued {
+                    command,
+                    key,
+                    request_id: Some(i.to_string().into()),
+                }
+            })
+            .collect();
+        let len = batch.len();
+        let what: Vec<_> = batch
+            .iter()
+            .map(|q| {
+                let (kind, name) = lock_key(&q.command);
+                let key = q.key.as_ref().map(|k| k.as_str().to_owned());
+                ((kind, name.to_owned()), key)
+            })
+            .collect();
+        let parts: Vec<Vec<(usize, bool)>> = transactions(batch)
+            .iter()
+            .map(|p| {
+                p.iter()
+                    .map(|q| {
+                        let i = q.request_id.as_deref().unwrap().parse().unwrap();
+                        (i, set_based(&q.command))
+                    })
+                    .collect()
+            })
+            .collect();
+        let at = format!("round {round}: {what:?} -> {parts:?}");
+        let order: Vec<usize> = parts.iter().flatten().map(|(i, _)| *i).collect();
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..len).collect::<Vec<_>>(), "{at}");
+        for p in &parts {
+            assert!(!p.is_empty(), "{at}");
+            assert!(p.windows(2).all(|w| w[0].0 < w[1].0), "{at}");
+            assert!(p.iter().all(|(_, kind)| *kind == p[0].1), "{at}");
+        }
+        for (x, &i) in order.iter().enumerate() {
+            for &j in &order[x + 1..] {
+                assert!(what[i].0 != what[j].0 || i < j, "{at}");
+            }
+        }
+        for key in what.iter().filter_map(|(_, k)| k.as_ref()) {
+            let first = what.iter().position(|(_, k)| k.as_ref() == Some(key));
+            let holds =
+                |p: &&Vec<(usize, bool)>| p.iter().any(|(i, _)| what[*i].1.as_ref() == Some(key));
+            let part = parts.iter().find(holds).unwrap();
+            assert!(part.iter().any(|(i, _)| Some(*i) == first), "{at}: {key}");
+        }
+    }
 }

@@ -45,15 +45,17 @@ pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> 
 /// them every write of the batch would too: at 50 ms a batch of a few
 /// dozen writes would run past its time limit and fail them all. So the
 /// increments and checks not tied to the operator's commands ([`tied`])
-/// run first, set-based, in a transaction of their own (commands on
-/// different names commute, see [`lock_order`]); the rest follow in queue
-/// order, each run of increments and checks in one transaction,
-/// set-based, and each run of other commands in one, command by command:
-/// a check queued before the delete of its budget is still counted, and
-/// one queued after it finds the budget gone. At most [`MOST_PARTS`]
-/// transactions: past them, the rest of the batch runs in the last,
-/// command by command. Each part commits before the next begins, and its
-/// callers hear its own commit.
+/// run first, set-based, in a transaction of their own (they share no
+/// name and no key with the rest, and commands on different names
+/// commute, see [`lock_order`]); the tied follow in queue order, each run
+/// of increments and checks in one transaction, set-based, and each run
+/// of operator's commands in one, command by command: a check queued
+/// before the delete of its budget is still counted, and one queued after
+/// it finds the budget gone. Each part commits before the next begins, and
+/// its callers hear its own commit. An operator interleaving commands with
+/// the writes on their names costs a transaction per run, a few round
+/// trips each, about what those commands cost in one transaction command
+/// by command, where every write between them would cost as much.
 pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     if !mixed(&batch) {
         return vec![batch];
@@ -71,7 +73,7 @@ pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
             }
             (true, n) => {
                 let kind = parts[n - 1].first().map(|p| set_based(&p.command));
-                if kind != Some(set_based(&q.command)) && n < MOST_PARTS {
+                if kind != Some(set_based(&q.command)) {
                     parts.push(Vec::new());
                 }
                 parts.len() - 1
@@ -83,19 +85,15 @@ pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     parts
 }
 
-/// The most transactions [`transactions`] splits a batch into: the
-/// writes beside one operator's command (those apart, those before it and
-/// those after it, and the command). An operator interleaving many
-/// commands with the writes on their names costs a commit per part, and
-/// every part its own time limit.
-const MOST_PARTS: usize = 4;
-
 /// Which commands of a batch are tied to its operator's commands, to run
 /// after the others, in queue order with them: the operator's commands,
 /// every command on a name one of them touches, and every command sharing
-/// an idempotency key or a name with a tied one (so that a key goes to the
-/// first of its commands as it would in one transaction, and commands on
-/// one name keep their queue order), until none is left to tie.
+/// an idempotency key or a name with a tied one, until none is left to
+/// tie. So commands on one name keep their queue order across the parts,
+/// and the commands sharing a key are all tied or all not: the first part
+/// holding a key holds its first command in queue order (within one
+/// transaction a key goes to its first command in lock order, see
+/// [`firsts_and_repeats`]).
 fn tied(batch: &[Queued]) -> Vec<bool> {
     let mut tied: Vec<bool> = batch.iter().map(|q| !set_based(&q.command)).collect();
     loop {

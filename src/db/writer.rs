@@ -15,6 +15,7 @@
 //! that tally exits non-zero and is restarted.
 
 use std::{
+    collections::HashSet,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -288,12 +289,15 @@ impl<E: Engine> WriterLoop<E> {
     /// Runs what the queue gave: in one transaction, or where statements
     /// are round trips over a network ([`Engine::SPLITS_MIXED`]) in the
     /// transactions [`txn::transactions`] splits it into, one after
-    /// another. Once one of them has lost the database (unreachable, or
-    /// cut off during its `COMMIT`), the parts after it do not run: their
-    /// callers hear at once that the database cannot be reached, as the
-    /// whole batch would have, rather than each part waiting out its own
-    /// time limit while they give up. An error, with the commands not yet
-    /// run back in `batch`, if the database files turned out to be gone.
+    /// another. Once one of them has failed for the database (unreachable,
+    /// out of time, or cut off during its `COMMIT`), the parts after it do
+    /// not run: their callers hear at once that nothing of theirs was
+    /// done, as the whole batch would have, rather than each part waiting
+    /// out its own time limit while they give up. But a command whose key
+    /// was in a part cut off during its `COMMIT` would have been answered
+    /// from what that part stored, or run: its outcome is unknown too. An
+    /// error, with the commands not yet run back in `batch`, if the
+    /// database files turned out to be gone.
     async fn run_parts(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         if !E::SPLITS_MIXED || !txn::mixed(batch) {
             return self.run_batch(batch).await.map(drop);
@@ -301,12 +305,17 @@ impl<E: Engine> WriterLoop<E> {
         let parts = txn::transactions(std::mem::take(batch));
         let mut parts = parts.into_iter();
         while let Some(mut part) = parts.next() {
+            let keys: HashSet<String> = part
+                .iter()
+                .filter_map(|q| Some(q.key.as_ref()?.as_str().to_owned()))
+                .collect();
             match self.run_batch(&mut part).await {
                 Err(lost) => {
                     batch.extend(parts.flatten());
                     return Err(lost);
                 }
                 Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown))) => {
+                    let unknown = matches!(e, Error::OutcomeUnknown);
                     let not_run = Err(match e {
                         Error::OutcomeUnknown => {
                             Error::Unavailable(Arc::new(sqlx::Error::Io(std::io::Error::other(
@@ -317,7 +326,11 @@ impl<E: Engine> WriterLoop<E> {
                         e => e,
                     });
                     for q in parts.flatten() {
-                        answer(q, &not_run);
+                        let keyed_there = q.key.as_ref().is_some_and(|k| keys.contains(k.as_str()));
+                        match unknown && keyed_there {
+                            true => answer(q, &Err(Error::OutcomeUnknown)),
+                            false => answer(q, &not_run),
+                        }
                     }
                     return Ok(());
                 }

@@ -39,7 +39,8 @@ use crate::{
 /// `delay` more than on loopback. Armed with a trap ([`Distant::trap`]),
 /// it turns the connection on which tally next sends those bytes into a
 /// black hole: nothing more is delivered either way, and neither side is
-/// told, as when a network partition falls between two packets.
+/// told, as when a network partition falls between two packets (with
+/// [`Distant::trap_after`], once those bytes have reached the server).
 struct Distant {
     addr: SocketAddr,
     trap: Trap,
@@ -47,9 +48,9 @@ struct Distant {
     task: JoinHandle<()>,
 }
 
-/// The bytes that, sent by tally, cut their connection off; taken when
-/// they do.
-type Trap = Arc<Mutex<Option<&'static [u8]>>>;
+/// The bytes that, sent by tally, cut their connection off, and whether
+/// they reach the server first; taken when they do.
+type Trap = Arc<Mutex<Option<(&'static [u8], bool)>>>;
 
 impl Distant {
     async fn start(target: SocketAddr, delay: Duration) -> Self {
@@ -79,7 +80,13 @@ impl Distant {
     /// Cuts off the next connection on which tally sends `bytes`, before
     /// they reach the server.
     fn trap(&self, bytes: &'static [u8]) {
-        *self.trap.lock().unwrap() = Some(bytes);
+        *self.trap.lock().unwrap() = Some((bytes, false));
+    }
+
+    /// Cuts off the next connection on which tally sends `bytes`, once
+    /// they have reached the server: its answer is lost.
+    fn trap_after(&self, bytes: &'static [u8]) {
+        *self.trap.lock().unwrap() = Some((bytes, true));
     }
 }
 
@@ -91,7 +98,7 @@ impl Drop for Distant {
 
 /// Copies `from` to `to`, each chunk `delay` after it was read, until the
 /// connection is `cut`: from then on it reads and drops, and never closes
-/// `to`. A chunk holding the `trap`'s bytes cuts it.
+/// `to`. A chunk holding the `trap`'s bytes cuts it, delivered or not.
 async fn held_back(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
@@ -99,7 +106,9 @@ async fn held_back(
     trap: Option<Trap>,
     cut: Arc<AtomicBool>,
 ) {
-    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    // Each chunk with when to deliver it, and whether it is delivered
+    // though the connection is cut (the trap's, sprung after).
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
     let dropping = Arc::clone(&cut);
     let read = async move {
         let mut buf = vec![0u8; 64 * 1024];
@@ -107,15 +116,23 @@ async fn held_back(
             let chunk = &buf[..n];
             if let Some(trap) = &trap {
                 let mut armed = trap.lock().unwrap();
-                if armed.is_some_and(|bytes| chunk.windows(bytes.len()).any(|w| w == bytes)) {
+                if let Some((bytes, after)) = *armed
+                    && chunk.windows(bytes.len()).any(|w| w == bytes)
+                {
                     *armed = None;
                     dropping.store(true, Ordering::SeqCst);
+                    if after {
+                        let _ = tx.send((Instant::now() + delay, chunk.to_vec(), true));
+                    }
                 }
             }
             if dropping.load(Ordering::SeqCst) {
                 continue;
             }
-            if tx.send((Instant::now() + delay, chunk.to_vec())).is_err() {
+            if tx
+                .send((Instant::now() + delay, chunk.to_vec(), false))
+                .is_err()
+            {
                 break;
             }
         }
@@ -125,9 +142,9 @@ async fn held_back(
         }
     };
     let write = async move {
-        while let Some((at, bytes)) = rx.recv().await {
+        while let Some((at, bytes, delivered_anyway)) = rx.recv().await {
             tokio::time::sleep_until(at.into()).await;
-            if cut.load(Ordering::SeqCst) {
+            if cut.load(Ordering::SeqCst) && !delivered_anyway {
                 continue;
             }
             if to.write_all(&bytes).await.is_err() {
@@ -489,6 +506,157 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
         .await
         .unwrap();
     problem(r, StatusCode::NOT_FOUND).await;
+    stop_all(bins).await;
+    drop(distant);
+}
+
+/// Two puts of a budget amid 160 checks of it, one batch, a database
+/// 50 ms away: five transactions (the checks before the first put, the
+/// put, the checks between, the put, the checks after), each run of
+/// checks set-based. Every check is `200` and counts against the limits
+/// put before it. (With the runs after the second operator's command
+/// applied together, command by command, that transaction ran past its
+/// time limit and its 110 callers heard `503`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothing() {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
+    // A slow writer, so that everything below shares one batch.
+    let bins = processes(
+        1,
+        &through(&url, distant.addr),
+        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+    );
+    let bin = &bins[0];
+    let client = Client::new();
+    let limits = |limit: u32| json!({"visitor_limit": limit, "global_limit": limit});
+    put_budget(&client, bin, "hot", limits(1000)).await;
+    let check = |i: usize| {
+        let request = client
+            .post(bin.url("/budgets/hot/check"))
+            .json(&json!({"visitor": format!("v{}", i % 7)}));
+        tokio::spawn(async move {
+            let r = request.send().await.unwrap();
+            (r.status(), r.text().await.unwrap())
+        })
+    };
+    let put = |limit: u32| {
+        let request = client
+            .put(bin.url("/budgets/hot"))
+            .bearer_auth(ADMIN)
+            .json(&limits(limit));
+        tokio::spawn(async move { request.send().await.unwrap().status() })
+    };
+    // Holds the writer while the rest queues up.
+    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let mut waves = vec![(1000, (0..50).map(check).collect::<Vec<_>>())];
+    let mut puts = Vec::new();
+    for (limit, checks) in [(2000, 60), (3000, 50)] {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        puts.push(put(limit));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waves.push((limit, (0..checks).map(check).collect()));
+    }
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    for put in puts {
+        assert_eq!(put.await.unwrap(), StatusCode::OK);
+    }
+    for (limit, checks) in waves {
+        for (i, c) in checks.into_iter().enumerate() {
+            let (status, text) = c.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "limit {limit}, check {i}: {text}");
+            let d: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(d["global_limit"], limit, "check {i}: {d}");
+        }
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    let r = client
+        .get(bin.url("/budgets/hot/usage"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json(r).await["global_calls"], 160);
+    stop_all(bins).await;
+    drop(distant);
+}
+
+/// A keyed check, a put of its budget and the same check again (a
+/// client's retry) in one batch: three transactions. The first one's
+/// `COMMIT` reaches the server and its answer is lost, so the first try
+/// hears `outcome-unknown`. The put, which did not run, hears
+/// `database-unavailable`; the retry would have been answered from what
+/// the first try stored, or run, so its outcome is unknown too (not a
+/// denial that says nothing was counted). Sent again later, it is the
+/// first try's answer replayed: the call was allowed and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), Duration::ZERO).await;
+    // A slow writer, so that everything below shares one batch.
+    let bins = processes(
+        1,
+        &through(&url, distant.addr),
+        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+    );
+    let bin = &bins[0];
+    let client = Client::new();
+    let limits = |limit: u32| json!({"visitor_limit": limit, "global_limit": limit});
+    put_budget(&client, bin, "hot", limits(10)).await;
+    let check = || {
+        client
+            .post(bin.url("/budgets/hot/check"))
+            .header("idempotency-key", "the-one")
+            .json(&json!({"visitor": "v"}))
+            .send()
+    };
+    // Holds the writer while the rest queues up.
+    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first = tokio::spawn(check());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let put = tokio::spawn(
+        client
+            .put(bin.url("/budgets/hot"))
+            .bearer_auth(ADMIN)
+            .json(&limits(20))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = tokio::spawn(check());
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    distant.trap_after(b"COMMIT");
+    for (what, r, status, kind) in [
+        ("first", first, 500, "/problems/outcome-unknown"),
+        ("put", put, 503, "/problems/database-unavailable"),
+        ("retry", retry, 500, "/problems/outcome-unknown"),
+    ] {
+        let p = problem(
+            r.await.unwrap().unwrap(),
+            StatusCode::from_u16(status).unwrap(),
+        )
+        .await;
+        assert_eq!(p["type"], kind, "{what}: {p}");
+    }
+    // Once the writer has a connection again: the first try committed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let r = loop {
+        let r = check().await.unwrap();
+        if r.status() == StatusCode::OK {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "{}", r.text().await.unwrap());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(r.headers().contains_key("idempotent-replayed"));
+    let d = json(r).await;
+    assert_eq!(
+        (&d["allowed"], &d["visitor_calls"]),
+        (&json!(true), &json!(1)),
+        "{d}"
+    );
     stop_all(bins).await;
     drop(distant);
 }
