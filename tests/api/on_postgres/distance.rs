@@ -29,7 +29,7 @@ use crate::{
     helpers::{ADMIN, Binary, problem},
     on_postgres::{
         forwarding::accept_each,
-        scale_out::{json, processes, put_budget, stop_all},
+        scale_out::{json, metric, processes, put_budget, stop_all},
     },
     postgres,
 };
@@ -179,6 +179,21 @@ async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
         .await
         .unwrap();
     (total, json(r).await["global_calls"].as_i64().unwrap())
+}
+
+/// Waits until `bin`'s write queue holds at least `n` commands: those sent
+/// so far are queued, in the order sent, behind a writer held by its test
+/// delay.
+async fn queued(client: &Client, bin: &Binary, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let depth = metric(client, bin, "tally_write_queue_depth").await;
+        if depth.is_some_and(|d| d >= n as f64) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "queue depth {depth:?}, not {n}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// The database URL `url` names, reached through a forwarder.
@@ -427,7 +442,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
     let bins = processes(
         1,
         &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
     );
     let bin = &bins[0];
     let client = Client::new();
@@ -461,7 +476,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let before: Vec<_> = (0..100).map(|i| write(0, i)).collect();
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    queued(&client, bin, 100).await;
     let put = tokio::spawn(
         client
             .put(bin.url("/budgets/hot"))
@@ -475,8 +490,9 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
             .bearer_auth(ADMIN)
             .send(),
     );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    queued(&client, bin, 102).await;
     let after: Vec<_> = (0..100).map(|i| write(1, i)).collect();
+    queued(&client, bin, 202).await;
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(put.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(
@@ -496,7 +512,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
     let took = started.elapsed();
     // The writer's delay and a few rounds of round trips (command by
     // command: about a minute).
-    assert!(took < Duration::from_secs(8), "{took:?}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
     assert_eq!(counted(&client, bin, "hot").await, (100, 100));
     // Deleted: deleting it again is refused.
     let r = client
@@ -525,7 +541,7 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
     let bins = processes(
         1,
         &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
     );
     let bin = &bins[0];
     let client = Client::new();
@@ -553,12 +569,15 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
     let started = Instant::now();
     let mut waves = vec![(1000, (0..50).map(check).collect::<Vec<_>>())];
     let mut puts = Vec::new();
+    let mut sent = 50;
     for (limit, checks) in [(2000, 60), (3000, 50)] {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        queued(&client, bin, sent).await;
         puts.push(put(limit));
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        queued(&client, bin, sent + 1).await;
         waves.push((limit, (0..checks).map(check).collect()));
+        sent += 1 + checks;
     }
+    queued(&client, bin, sent).await;
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
     for put in puts {
         assert_eq!(put.await.unwrap(), StatusCode::OK);
@@ -572,7 +591,7 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
         }
     }
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
     let r = client
         .get(bin.url("/budgets/hot/usage"))
         .send()
@@ -599,7 +618,7 @@ async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
     let bins = processes(
         1,
         &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
+        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
     );
     let bin = &bins[0];
     let client = Client::new();
@@ -616,7 +635,7 @@ async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
     let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
     tokio::time::sleep(Duration::from_millis(200)).await;
     let first = tokio::spawn(check());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    queued(&client, bin, 1).await;
     let put = tokio::spawn(
         client
             .put(bin.url("/budgets/hot"))
@@ -624,8 +643,9 @@ async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
             .json(&limits(20))
             .send(),
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    queued(&client, bin, 2).await;
     let retry = tokio::spawn(check());
+    queued(&client, bin, 3).await;
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
     distant.trap_after(b"COMMIT");
     for (what, r, status, kind) in [
