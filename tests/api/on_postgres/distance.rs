@@ -13,7 +13,7 @@ use std::{
 };
 
 use futures_util::future::join_all;
-use reqwest::{Client, StatusCode};
+use reqwest::{Client, Response, StatusCode};
 use serde_json::json;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -179,6 +179,35 @@ async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
         .await
         .unwrap();
     (total, json(r).await["global_calls"].as_i64().unwrap())
+}
+
+/// One tally process on a fresh database `delay` away each way, whose
+/// writer waits `hold_ms` before every batch (`TALLY_TEST_WRITER_DELAY_MS`),
+/// and a budget `name` allowing `limit` calls a day (a visitor's and all).
+async fn far_with_a_slow_writer(
+    delay: Duration,
+    hold_ms: &str,
+    name: &str,
+    limit: u32,
+) -> (Distant, Vec<Binary>) {
+    let url = postgres::fresh_database().await;
+    let distant = Distant::start(target_of(&url), delay).await;
+    let bins = processes(
+        1,
+        &through(&url, distant.addr),
+        &[("TALLY_TEST_WRITER_DELAY_MS", hold_ms)],
+    );
+    let limits = json!({"visitor_limit": limit, "global_limit": limit});
+    put_budget(&Client::new(), &bins[0], name, limits).await;
+    (distant, bins)
+}
+
+/// Sends a write that holds the slow writer, and gives it the time to
+/// take it: what is sent next queues up behind it, to become one batch.
+async fn hold_the_writer(client: &Client, bin: &Binary) -> JoinHandle<reqwest::Result<Response>> {
+    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    busy
 }
 
 /// Waits until `bin`'s write queue holds at least `n` commands: those sent
@@ -374,26 +403,12 @@ async fn a_batch_cut_off_says_whether_its_commit_went_out() {
 /// own, the batch would have run past its time limit, failing them all.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_requests_under_one_key_cost_their_batch_nothing() {
-    let url = postgres::fresh_database().await;
-    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
     // A slow writer, so that everything below shares one batch.
-    let bins = processes(
-        1,
-        &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "1500")],
-    );
-    let client = Client::new();
-    put_budget(
-        &client,
-        &bins[0],
-        "real",
-        json!({"visitor_limit": 1000, "global_limit": 1000}),
-    )
-    .await;
+    let (distant, bins) =
+        far_with_a_slow_writer(Duration::from_millis(25), "1500", "real", 1000).await;
     let bin = &bins[0];
-    // Holds the writer while the rest queues up.
-    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = Client::new();
+    let busy = hold_the_writer(&client, bin).await;
     let hostile = (0..200).map(|i| {
         client
             .post(bin.url(&format!("/budgets/nope{i:03}/check")))
@@ -420,6 +435,7 @@ async fn many_requests_under_one_key_cost_their_batch_nothing() {
     assert_eq!(statuses, [(404, 1), (422, 199)].into(), "{took:?}");
     assert!(took < Duration::from_secs(12), "{took:?}");
     stop_all(bins).await;
+    drop(distant);
 }
 
 /// An operator's commands in a busy batch, on a database 50 ms away: a
@@ -436,23 +452,11 @@ async fn many_requests_under_one_key_cost_their_batch_nothing() {
 /// and fail every caller in it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
-    let url = postgres::fresh_database().await;
-    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
     // A slow writer, so that everything below shares one batch.
-    let bins = processes(
-        1,
-        &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
-    );
+    let (distant, bins) =
+        far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
-    put_budget(
-        &client,
-        bin,
-        "hot",
-        json!({"visitor_limit": 1000, "global_limit": 1000}),
-    )
-    .await;
     let r = client.post(bin.url("/counters/gone")).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let write = |wave: usize, i: usize| {
@@ -471,9 +475,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
             (r.status(), r.text().await.unwrap())
         })
     };
-    // Holds the writer while the rest queues up.
-    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = hold_the_writer(&client, bin).await;
     let started = Instant::now();
     let before: Vec<_> = (0..100).map(|i| write(0, i)).collect();
     queued(&client, bin, 100).await;
@@ -535,18 +537,12 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
 /// time limit and its 110 callers heard `503`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothing() {
-    let url = postgres::fresh_database().await;
-    let distant = Distant::start(target_of(&url), Duration::from_millis(25)).await;
     // A slow writer, so that everything below shares one batch.
-    let bins = processes(
-        1,
-        &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
-    );
+    let (distant, bins) =
+        far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
     let limits = |limit: u32| json!({"visitor_limit": limit, "global_limit": limit});
-    put_budget(&client, bin, "hot", limits(1000)).await;
     let check = |i: usize| {
         let request = client
             .post(bin.url("/budgets/hot/check"))
@@ -563,9 +559,7 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
             .json(&limits(limit));
         tokio::spawn(async move { request.send().await.unwrap().status() })
     };
-    // Holds the writer while the rest queues up.
-    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = hold_the_writer(&client, bin).await;
     let started = Instant::now();
     let mut waves = vec![(1000, (0..50).map(check).collect::<Vec<_>>())];
     let mut puts = Vec::new();
@@ -612,18 +606,11 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
 /// first try's answer replayed: the call was allowed and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
-    let url = postgres::fresh_database().await;
-    let distant = Distant::start(target_of(&url), Duration::ZERO).await;
     // A slow writer, so that everything below shares one batch.
-    let bins = processes(
-        1,
-        &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", "4000")],
-    );
+    let (distant, bins) = far_with_a_slow_writer(Duration::ZERO, "4000", "hot", 10).await;
     let bin = &bins[0];
     let client = Client::new();
     let limits = |limit: u32| json!({"visitor_limit": limit, "global_limit": limit});
-    put_budget(&client, bin, "hot", limits(10)).await;
     let check = || {
         client
             .post(bin.url("/budgets/hot/check"))
@@ -631,9 +618,7 @@ async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
             .json(&json!({"visitor": "v"}))
             .send()
     };
-    // Holds the writer while the rest queues up.
-    let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = hold_the_writer(&client, bin).await;
     let first = tokio::spawn(check());
     queued(&client, bin, 1).await;
     let put = tokio::spawn(
