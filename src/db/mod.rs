@@ -192,6 +192,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// The database cannot be used for writes, for `reason` (not an error
+    /// the driver gave): nothing was written, and retrying is safe.
+    pub(crate) fn unavailable(reason: &'static str) -> Self {
+        Error::Unavailable(Arc::new(sqlx::Error::Io(std::io::Error::other(reason))))
+    }
+
     /// An error each engine has no more to say about (a pool closed, a
     /// connection that broke, anything else the database answered). Each
     /// engine classifies its own errors first (`sqlite::error`,

@@ -674,10 +674,9 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
 }
 
 /// A key shared by an operator's command and a write on another name
-/// goes to the first in queue order, as in one transaction: the write is
-/// tied to the operator's command, and so is every command on its name,
-/// which keeps its queue order. Only the write on a name nothing ties
-/// runs apart, first.
+/// goes to the first in queue order: the write is tied to the operator's
+/// command, and so is every command on its name, which keeps its queue
+/// order. Only the write on a name nothing ties runs apart, first.
 #[tokio::test]
 async fn a_key_ties_a_write_to_the_operators_command_before_it() {
     use super::{
@@ -1107,12 +1106,11 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
 fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{lock_key, transactions},
+        txn::{lock_key, set_based, transactions},
     };
     let names = ["a", "b", "c", "d"].map(|n| Name::parse(n).unwrap());
     let spec = BudgetSpec::new(5, 5, None, None).unwrap();
     let visitor = VisitorId::parse("v").unwrap();
-    let set_based = |c: &Command| matches!(c, Command::Increment { .. } | Command::Check { .. });
     let mut rng = fastrand::Rng::with_seed(7);
     for round in 0..20_000 {
         let batch: Vec<Queued> = (0..rng.usize(1..14))

@@ -64,22 +64,17 @@ pub(super) fn transactions(batch: Vec<Queued>) -> Vec<Vec<Queued>> {
     // The first part holds the untied; each later one a run of one kind.
     let mut parts: Vec<Vec<Queued>> = vec![Vec::new()];
     for (q, tied) in batch.into_iter().zip(tied) {
-        let n = parts.len();
-        let part = match (tied, n) {
-            (false, _) => 0,
-            (true, 1) => {
-                parts.push(Vec::new());
-                1
-            }
-            (true, n) => {
-                let kind = parts[n - 1].first().map(|p| set_based(&p.command));
-                if kind != Some(set_based(&q.command)) {
-                    parts.push(Vec::new());
-                }
-                parts.len() - 1
-            }
-        };
-        parts[part].push(q);
+        if !tied {
+            parts[0].push(q);
+            continue;
+        }
+        let last = parts.len() - 1;
+        let kind = parts[last].first().map(|p| set_based(&p.command));
+        if last == 0 || kind != Some(set_based(&q.command)) {
+            parts.push(Vec::new());
+        }
+        let last = parts.len() - 1;
+        parts[last].push(q);
     }
     parts.retain(|p| !p.is_empty());
     parts
@@ -125,7 +120,7 @@ pub(super) fn mixed(batch: &[Queued]) -> bool {
 }
 
 /// Whether a command can run set-based: an increment or a check.
-fn set_based(command: &Command) -> bool {
+pub(super) fn set_based(command: &Command) -> bool {
     matches!(command, Command::Increment { .. } | Command::Check { .. })
 }
 

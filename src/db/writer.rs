@@ -317,12 +317,10 @@ impl<E: Engine> WriterLoop<E> {
                 Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown))) => {
                     let unknown = matches!(e, Error::OutcomeUnknown);
                     let not_run = Err(match e {
-                        Error::OutcomeUnknown => {
-                            Error::Unavailable(Arc::new(sqlx::Error::Io(std::io::Error::other(
-                                "the connection was lost during an earlier transaction of the \
-                                 same batch; this one did not run",
-                            ))))
-                        }
+                        Error::OutcomeUnknown => Error::unavailable(
+                            "the connection was lost during an earlier transaction of the same \
+                             batch; this one did not run",
+                        ),
                         e => e,
                     });
                     for q in parts.flatten() {

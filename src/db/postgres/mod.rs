@@ -224,12 +224,9 @@ pub async fn connect(options: &PgConnectOptions) -> Result<PgConnection, Error> 
         Ok(Ok((conn, false))) => Ok(conn),
         Ok(Ok((conn, true))) => {
             let _ = conn.close().await;
-            Err(Error::Unavailable(Arc::new(sqlx::Error::Io(
-                std::io::Error::other(
-                    "the server takes no writes (a standby, or read-only): \
-                     tally needs the primary",
-                ),
-            ))))
+            Err(Error::unavailable(
+                "the server takes no writes (a standby, or read-only): tally needs the primary",
+            ))
         }
         Ok(Err(e)) => Err(match error(e) {
             // Refused credentials or an unknown database are not a

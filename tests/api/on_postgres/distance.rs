@@ -29,7 +29,7 @@ use crate::{
     helpers::{ADMIN, Binary, problem},
     on_postgres::{
         forwarding::accept_each,
-        scale_out::{json, metric, processes, put_budget, stop_all},
+        scale_out::{global_calls, json, metric, processes, put_budget, stop_all},
     },
     postgres,
 };
@@ -173,12 +173,7 @@ async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
             .unwrap();
         total += json(r).await["value"].as_i64().unwrap();
     }
-    let r = client
-        .get(bin.url(&format!("/budgets/{name}/usage")))
-        .send()
-        .await
-        .unwrap();
-    (total, json(r).await["global_calls"].as_i64().unwrap())
+    (total, global_calls(client, bin, name).await)
 }
 
 /// One tally process on a fresh database `delay` away each way, whose
@@ -586,12 +581,7 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
     }
     let took = started.elapsed();
     assert!(took < Duration::from_secs(20), "{took:?}");
-    let r = client
-        .get(bin.url("/budgets/hot/usage"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(json(r).await["global_calls"], 160);
+    assert_eq!(global_calls(&client, bin, "hot").await, 160);
     stop_all(bins).await;
     drop(distant);
 }

@@ -42,6 +42,13 @@ pub(crate) async fn json(r: reqwest::Response) -> Value {
     r.json().await.unwrap()
 }
 
+/// Budget `name`'s calls today, as `bin` reads them.
+pub(crate) async fn global_calls(client: &Client, bin: &Binary, name: &str) -> i64 {
+    let url = bin.url(&format!("/budgets/{name}/usage"));
+    let usage = json(client.get(url).send().await.unwrap()).await;
+    usage["global_calls"].as_i64().unwrap()
+}
+
 /// Creates budget `name` through `bin`'s admin API, asserting success.
 pub(crate) async fn put_budget(client: &Client, bin: &Binary, name: &str, spec: Value) {
     let r = client
@@ -284,15 +291,7 @@ async fn processes_racing_on_a_days_prune_lose_nothing() {
     });
     let answers = join_all(checks).await;
     assert!(answers.iter().all(|d| d["allowed"] == true));
-    let usage = json(
-        client
-            .get(bins[1].url("/budgets/old/usage"))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(usage["global_calls"], 200);
+    assert_eq!(global_calls(&client, &bins[1], "old").await, 200);
     let mut pruned = 0.0;
     for bin in &bins {
         pruned += metric(&client, bin, "tally_budget_pruned_rows_total")
@@ -565,12 +564,7 @@ async fn a_split_batch_on_a_server_that_stops_answering_fails_as_one() {
     assert!(latest - earliest < Duration::from_secs(1), "{answered:?}");
     server.freeze(false);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let r = client
-        .get(bin.url("/budgets/b/usage"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(json(r).await["global_calls"], 0);
+    assert_eq!(global_calls(&client, bin, "b").await, 0);
     stop_all(bins).await;
 }
 
