@@ -280,6 +280,22 @@ impl Error {
         matches!(self, Error::Unavailable(_)) || self.is_retryable()
     }
 
+    /// What a transaction of a batch hears that did not run because an
+    /// earlier one of the same batch failed with this: `None` unless that
+    /// one could not reach the server, or lost its connection during its
+    /// `COMMIT` (the later ones are not run, rather than each waiting out
+    /// its own time limit).
+    pub(crate) fn not_run_after(&self) -> Option<Error> {
+        match self {
+            Error::Unavailable(_) => Some(self.clone()),
+            Error::OutcomeUnknown => Some(Error::unavailable(
+                "the connection was lost during an earlier transaction of the same batch; this \
+                 one did not run",
+            )),
+            _ => None,
+        }
+    }
+
     /// A serialization failure or deadlock: the same transaction run again
     /// can succeed.
     pub(crate) fn is_retryable(&self) -> bool {

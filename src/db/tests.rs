@@ -950,7 +950,7 @@ async fn a_different_request_beside_a_refused_first_try_reuses_its_key() {
 async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &mut C) {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{Pass, apply_by, apply_set_based, firsts_and_repeats},
+        txn::{OnHeld, Pass, apply_by, apply_set_based, firsts_and_repeats},
     };
     use crate::meter::IdempotencyKey;
 
@@ -1059,7 +1059,9 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
                     .await
                     .expect("applied set-based")
                     .unwrap(),
-                _ => apply_by(conn, &mut batch, pass).await.unwrap(),
+                _ => apply_by(conn, &mut batch, pass, OnHeld::OneByOne)
+                    .await
+                    .unwrap(),
             }
             for q in &mut batch {
                 q.command.send(&Ok(()));
@@ -1201,4 +1203,105 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
             assert!(part.iter().any(|(i, _)| Some(*i) == first), "{at}: {key}");
         }
     }
+}
+
+/// 20,000 random batches of increments and checks over a few names and
+/// keys, cut in halves as a batch that met a held row is: the halves hold
+/// every command once, share no name and no key, keep each name's (and
+/// key's) commands in queue order, and are cut as near the middle as a
+/// boundary between groups is; a batch of one group is not cut.
+#[test]
+fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
+    use super::{
+        command::{Command, Queued, Reply},
+        txn::{divisible, halves, lock_key},
+    };
+    let names = ["a", "b", "c", "d", "e", "f"].map(|n| Name::parse(n).unwrap());
+    let visitor = VisitorId::parse("v").unwrap();
+    let mut rng = fastrand::Rng::with_seed(11);
+    let (mut cut, mut whole) = (0, 0);
+    for round in 0..20_000 {
+        let mut batch: Vec<Queued> = (0..rng.usize(1..16))
+            .map(|i| {
+                let name = names[rng.usize(..names.len())].clone();
+                let command = match rng.bool() {
+                    true => Command::Increment {
+                        name,
+                        by: 1,
+                        reply: Reply::new().0,
+                    },
+                    false => Command::Check {
+                        budget: name,
+                        visitor: visitor.clone(),
+                        day: None,
+                        reply: Reply::new().0,
+                    },
+                };
+                let key = (rng.u8(..4) == 0).then(|| {
+                    crate::meter::IdempotencyKey::parse(&format!("k{}", rng.u8(..3))).unwrap()
+                });
+                Queued {
+                    command,
+                    key,
+                    request_id: Some(i.to_string().into()),
+                }
+            })
+            .collect();
+        let len = batch.len();
+        let what: Vec<_> = batch
+            .iter()
+            .map(|q| {
+                let (kind, name) = lock_key(&q.command);
+                let key = q.key.as_ref().map(|k| k.as_str().to_owned());
+                ((kind, name.to_owned()), key)
+            })
+            .collect();
+        let can = divisible(&batch);
+        let at = halves(&mut batch);
+        let order: Vec<usize> = batch
+            .iter()
+            .map(|q| q.request_id.as_deref().unwrap().parse().unwrap())
+            .collect();
+        let seen = format!("round {round}: {what:?} -> {order:?}, cut at {at:?}");
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..len).collect::<Vec<_>>(), "{seen}");
+        assert_eq!(can, at.is_some(), "{seen}");
+        let Some(at) = at else {
+            whole += 1;
+            continue;
+        };
+        cut += 1;
+        assert!(0 < at && at < len, "{seen}");
+        let (first, second) = order.split_at(at);
+        for &i in first {
+            for &j in second {
+                assert_ne!(what[i].0, what[j].0, "{seen}");
+                assert!(what[i].1.is_none() || what[i].1 != what[j].1, "{seen}");
+            }
+        }
+        // Within each side, a name's commands in queue order.
+        for side in [first, second] {
+            for (x, &i) in side.iter().enumerate() {
+                for &j in &side[x + 1..] {
+                    assert!(what[i].0 != what[j].0 || i < j, "{seen}");
+                }
+            }
+        }
+        // No boundary between groups nearer the middle: each side cut
+        // again at any nearer point would split a group.
+        let middle = len / 2;
+        for nearer in 1..len {
+            if nearer.abs_diff(middle) < at.abs_diff(middle) {
+                let (a, b) = order.split_at(nearer);
+                let shares = a.iter().any(|&i| {
+                    b.iter().any(|&j| {
+                        what[i].0 == what[j].0 || (what[i].1.is_some() && what[i].1 == what[j].1)
+                    })
+                });
+                assert!(shares, "{seen}: {nearer} is a nearer boundary");
+            }
+        }
+    }
+    assert!(cut > 5_000 && whole > 1_000, "{cut} cut, {whole} whole");
 }

@@ -10,7 +10,9 @@
 //! set-based result could differ: an overflowing counter, a row held
 //! elsewhere) runs command by command, each in a savepoint of its own, in
 //! one lock order, so that one refused command does not take the rest of
-//! its batch down and two processes cannot deadlock on the same rows.
+//! its batch down and two processes cannot deadlock on the same rows. (On
+//! PostgreSQL a batch that found a row held is first cut in halves that
+//! share no name and no key, [`halves`], down to the held name's commands.)
 //! There a keyed command claims its key in its own savepoint.
 
 use std::collections::{HashMap, HashSet};
@@ -34,7 +36,7 @@ pub(super) type Applied = Result<(), Error>;
 /// Applies a batch in one transaction: set-based when it can be, else one
 /// command at a time.
 pub(super) async fn apply_batch(conn: &mut impl Store, batch: &mut [Queued]) -> Applied {
-    apply_by(conn, batch, Pass::Batch).await
+    apply_by(conn, batch, Pass::Batch, OnHeld::OneByOne).await
 }
 
 /// The transactions a batch is applied in, in the order they run, where
@@ -125,40 +127,164 @@ pub(super) fn set_based(command: &Command) -> bool {
 }
 
 /// Applies commands in one transaction by the rule `pass` names.
-pub(super) async fn apply_by(conn: &mut impl Store, batch: &mut [Queued], pass: Pass) -> Applied {
-    if pass != Pass::Probe
-        && let Some(applied) = apply_set_based(conn, batch, pass).await
-    {
-        return applied;
+pub(super) async fn apply_by(
+    conn: &mut impl Store,
+    batch: &mut [Queued],
+    pass: Pass,
+    on_held: OnHeld,
+) -> Applied {
+    if pass != Pass::Probe {
+        match apply_set_based(conn, batch, pass).await {
+            Ok(applied) => return applied,
+            Err(Fallback::Held(e)) if on_held == OnHeld::GiveBack => return Err(e),
+            Err(_) => {}
+        }
     }
     one_by_one(conn, batch, pass).await
+}
+
+/// What [`apply_by`] does when the set-based try finds a row held by
+/// another transaction past its brief lock timeout, without saying which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OnHeld {
+    /// Runs the batch command by command: each command waits for its own
+    /// row, and only those on held rows are answered row-busy.
+    OneByOne,
+    /// Gives the held row's error back, nothing committed, so that the
+    /// caller can divide the batch ([`halves`]) and find the held rows in
+    /// a few set-based transactions: command by command costs several
+    /// round trips a command, past a distant server's time limit for a
+    /// batch of a few dozen.
+    GiveBack,
+}
+
+/// Why a batch was not applied set-based ([`apply_set_based`]); nothing of
+/// it ran, or its transaction was rolled back.
+#[derive(Debug)]
+pub(super) enum Fallback {
+    /// It holds another kind of command, a counter would overflow, or a
+    /// statement failed: one by one tells which command it was.
+    OneByOne,
+    /// A row it needs is held by another transaction (which one, the error
+    /// does not say).
+    Held(Error),
+}
+
+/// Puts a batch's commands in groups that share no name and no
+/// idempotency key, each group's commands in queue order, the groups in
+/// the order of their first commands, and gives where to cut it into two
+/// halves of whole groups, as near the middle as a group boundary is;
+/// `None` if it is one group. Commands on different names and keys
+/// commute ([`lock_order`]), so each half run in a transaction of its own
+/// answers every caller as the whole batch in one would have.
+pub(super) fn halves(batch: &mut [Queued]) -> Option<usize> {
+    let groups = groups(batch);
+    if groups.iter().all(|&g| g == 0) {
+        return None;
+    }
+    // Where each command goes: by group, stable.
+    let mut from: Vec<usize> = (0..batch.len()).collect();
+    from.sort_by_key(|&i| groups[i]);
+    let mut best: Option<usize> = None;
+    let middle = batch.len() / 2;
+    for i in 1..from.len() {
+        if groups[from[i]] != groups[from[i - 1]]
+            && best.is_none_or(|b| i.abs_diff(middle) < b.abs_diff(middle))
+        {
+            best = Some(i);
+        }
+    }
+    // Moved in place, a cycle of the permutation at a time: position `k`
+    // takes the command at `from[k]`.
+    let mut placed = vec![false; batch.len()];
+    for start in 0..batch.len() {
+        let mut k = start;
+        while !placed[k] {
+            placed[k] = true;
+            if from[k] == start {
+                break;
+            }
+            batch.swap(k, from[k]);
+            k = from[k];
+        }
+    }
+    best
+}
+
+/// Whether a batch holds more than one group ([`halves`]).
+pub(super) fn divisible(batch: &[Queued]) -> bool {
+    groups(batch).iter().any(|&g| g > 0)
+}
+
+/// Each command's group ([`halves`]): commands sharing a name or an
+/// idempotency key, directly or through others, share a group; groups are
+/// numbered by their first command in queue order.
+fn groups(batch: &[Queued]) -> Vec<usize> {
+    fn root(parent: &mut [usize], mut i: usize) -> usize {
+        while parent[i] != i {
+            parent[i] = parent[parent[i]];
+            i = parent[i];
+        }
+        i
+    }
+    let mut parent: Vec<usize> = (0..batch.len()).collect();
+    let mut by_name: HashMap<LockKey<'_>, usize> = HashMap::new();
+    let mut by_key: HashMap<&str, usize> = HashMap::new();
+    for (i, q) in batch.iter().enumerate() {
+        let join = |j: usize, parent: &mut Vec<usize>| {
+            let (a, b) = (root(parent, i), root(parent, j));
+            parent[a.max(b)] = a.min(b);
+        };
+        match by_name.entry(lock_key(&q.command)) {
+            std::collections::hash_map::Entry::Occupied(e) => join(*e.get(), &mut parent),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(i);
+            }
+        }
+        if let Some(key) = &q.key {
+            match by_key.entry(key.as_str()) {
+                std::collections::hash_map::Entry::Occupied(e) => join(*e.get(), &mut parent),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(i);
+                }
+            }
+        }
+    }
+    let mut numbers: HashMap<usize, usize> = HashMap::new();
+    (0..batch.len())
+        .map(|i| {
+            let r = root(&mut parent, i);
+            let next = numbers.len();
+            *numbers.entry(r).or_insert(next)
+        })
+        .collect()
 }
 
 /// All increments of the batch in one statement, all checks in a
 /// handful, and all idempotency keys claimed in one and stored in
 /// another. Increments and checks touch disjoint tables, so running each
 /// kind as a group keeps every caller's answer what it would be in queue
-/// order. `None` (with nothing run, or the transaction rolled back) when
-/// the batch must be applied one by one instead: it holds another kind
-/// of command, a statement failed, or a counter would overflow. An error
-/// that breaks the transaction ([`Error::breaks_transaction`]) is the
-/// whole batch's answer.
+/// order. [`Fallback`] (with nothing run, or the transaction rolled back)
+/// when the batch must be applied another way: it holds another kind of
+/// command, a statement failed, a counter would overflow, or a row it
+/// needs is held elsewhere. An error that breaks the transaction
+/// ([`Error::breaks_transaction`]) is the whole batch's answer.
 pub(super) async fn apply_set_based<S: Store>(
     conn: &mut S,
     batch: &mut [Queued],
     pass: Pass,
-) -> Option<Applied> {
+) -> Result<Applied, Fallback> {
     // Wary, the set-based try waits for a row only briefly: a row held
     // past that is waited for command by command (`one_by_one`).
     let begin = match pass {
-        Pass::Wary => S::BEGIN_PROBE,
+        Pass::Wary | Pass::Hurried => S::BEGIN_PROBE,
         Pass::Batch | Pass::Probe => S::BEGIN_SET_BASED,
     };
     let (outcomes, now, commit) = run_set_based(conn, batch, begin).await?;
     if commit.is_ok() {
         answer_in_queue_order(batch, outcomes, now);
     }
-    Some(commit)
+    Ok(commit)
 }
 
 /// What a set-based batch answers one command.
@@ -179,13 +305,13 @@ async fn run_set_based<S: Store>(
     conn: &mut S,
     batch: &[Queued],
     begin_with: &'static str,
-) -> Option<(Vec<Outcome>, Timestamp, Applied)> {
+) -> Result<(Vec<Outcome>, Timestamp, Applied), Fallback> {
     // Any other command, a delete among them: a check queued after the
     // delete of its budget must find it gone, and one queued before it
     // must be counted first; only one by one, in queue order per name,
     // gives both.
     if !batch.iter().all(|q| set_based(&q.command)) {
-        return None;
+        return Err(Fallback::OneByOne);
     }
     if batch
         .iter()
@@ -194,22 +320,27 @@ async fn run_set_based<S: Store>(
         return increments_committed(conn, batch, begin_with).await;
     }
     if let Err(e) = begin(conn, begin_with).await {
-        return e
-            .breaks_transaction()
-            .then(|| (Vec::new(), Timestamp::UNIX_EPOCH, Err(e)));
+        return match e.breaks_transaction() {
+            true => Ok((Vec::new(), Timestamp::UNIX_EPOCH, Err(e))),
+            false => Err(Fallback::OneByOne),
+        };
     }
     match keyed_and_checked(conn, batch).await {
-        Ok(Some((outcomes, now))) => Some((outcomes, now, commit(conn).await)),
+        Ok(Some((outcomes, now))) => Ok((outcomes, now, commit(conn).await)),
         // Lost connection or lost race: the batch's, whichever way it runs.
         Err(e) if e.breaks_transaction() => {
             let _ = conn.exec("ROLLBACK").await;
-            Some((Vec::new(), Timestamp::UNIX_EPOCH, Err(e)))
+            Ok((Vec::new(), Timestamp::UNIX_EPOCH, Err(e)))
         }
-        // An overflow, a row held elsewhere, or a statement that failed:
-        // one by one tells which command it was.
+        Err(e @ Error::Busy(..)) => {
+            let _ = conn.exec("ROLLBACK").await;
+            Err(Fallback::Held(e))
+        }
+        // An overflow, or a statement that failed: one by one tells which
+        // command it was.
         _ => {
             let _ = conn.exec("ROLLBACK").await;
-            None
+            Err(Fallback::OneByOne)
         }
     }
 }
@@ -220,17 +351,18 @@ async fn increments_committed<S: Store>(
     conn: &mut S,
     batch: &[Queued],
     begin_with: &'static str,
-) -> Option<(Vec<Outcome>, Timestamp, Applied)> {
+) -> Result<(Vec<Outcome>, Timestamp, Applied), Fallback> {
     let increments: Vec<(&Name, i64)> = batch.iter().filter_map(increment).collect();
     let started = std::time::Instant::now();
     let applied = counters::increment_many_committed(conn, &increments, begin_with).await;
     let (values, commit) = match applied {
         Ok(Some(values)) => (values, Ok(())),
-        Ok(None) => return None,
-        // One row held elsewhere: one by one, only its commands wait.
-        Err(Error::Busy(..)) => {
+        Ok(None) => return Err(Fallback::OneByOne),
+        // A row held elsewhere: one by one (or in halves), only its
+        // commands wait.
+        Err(e @ Error::Busy(..)) => {
             let _ = conn.exec("ROLLBACK").await;
-            return None;
+            return Err(Fallback::Held(e));
         }
         Err(e) => {
             let _ = conn.exec("ROLLBACK").await;
@@ -239,7 +371,7 @@ async fn increments_committed<S: Store>(
     };
     crate::kept!(histogram "tally_commit_duration_seconds").record(started.elapsed().as_secs_f64());
     let outcomes = values.into_iter().map(|v| Outcome::Value(Ok(v))).collect();
-    Some((outcomes, Timestamp::UNIX_EPOCH, commit))
+    Ok((outcomes, Timestamp::UNIX_EPOCH, commit))
 }
 
 /// Inside the batch's transaction: claims every idempotency key (one
@@ -479,6 +611,12 @@ pub(super) enum Pass {
     /// command per row): one by one, each waiting for its row only briefly
     /// ([`Store::BEGIN_PROBE`]).
     Probe,
+    /// A later transaction of a batch one of whose commands has already
+    /// waited the whole lock timeout (a batch cut in halves around held
+    /// rows): set-based if it can be, else one by one, every command
+    /// waiting for its row only briefly, as the commands after the first
+    /// held row do in one transaction ([`Store::AFTER_BUSY`]).
+    Hurried,
 }
 
 /// The general path: one transaction, each command in its own
@@ -490,7 +628,7 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
     let begin_with = match pass {
         Pass::Batch => S::BEGIN,
         Pass::Wary => S::BEGIN_SET_BASED,
-        Pass::Probe => S::BEGIN_PROBE,
+        Pass::Probe | Pass::Hurried => S::BEGIN_PROBE,
     };
     let mut broken = begin(conn, begin_with).await.err();
     let began = broken.is_none();
@@ -510,7 +648,7 @@ async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) ->
     // batch past its deadline. A command whose row is free does not wait at
     // all, whatever else its budget or counter has held.
     // Probing: briefly from the start (`begin_with`).
-    let mut waited = pass == Pass::Probe;
+    let mut waited = matches!(pass, Pass::Probe | Pass::Hurried);
     for i in lock_order(batch) {
         let q = &mut batch[i];
         if let Some(e) = &broken {

@@ -91,6 +91,10 @@ pub(super) trait Engine: Send + 'static {
     /// Applies a batch in one transaction ([`super::txn::apply_batch`]).
     async fn apply(&mut self, batch: &mut [Queued]) -> Applied;
 
+    /// A batch of `commands` is about to be applied, in one transaction
+    /// or several ([`Self::SPLITS_MIXED`]).
+    fn begin_batch(&mut self, _commands: usize) {}
+
     /// Whether the storage is still where it was opened: SQLite's files
     /// can be deleted or replaced underneath it (see `sqlite::files`); a
     /// server's cannot.
@@ -231,7 +235,7 @@ impl<E: Engine> WriterLoop<E> {
                 }
             }
             #[cfg(feature = "test-hooks")]
-            self.test_hooks().await;
+            self.test_hooks(batch.len()).await;
             self.batches += 1;
             if let Err(lost) = self.run_parts(&mut batch).await {
                 return Err(self.lose(lost, &mut batch).await);
@@ -299,6 +303,19 @@ impl<E: Engine> WriterLoop<E> {
     /// error, with the commands not yet run back in `batch`, if the
     /// database files turned out to be gone.
     async fn run_parts(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
+        self.engine.begin_batch(batch.len());
+        let keyed = batch.iter().any(|q| q.key.is_some());
+        self.run_split(batch).await?;
+        // After the answers, and after the batch's last transaction: nobody
+        // waits for the clean-up.
+        if keyed {
+            self.forget_expired_keys().await;
+        }
+        Ok(())
+    }
+
+    /// [`Self::run_parts`]'s transactions, one after another.
+    async fn run_split(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         if !E::SPLITS_MIXED || !txn::mixed(batch) {
             return self.run_batch(batch).await.map(drop);
         }
@@ -314,15 +331,9 @@ impl<E: Engine> WriterLoop<E> {
                     batch.extend(parts.flatten());
                     return Err(lost);
                 }
-                Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown))) => {
+                Ok(Err(e)) if let Some(not_run) = e.not_run_after() => {
                     let unknown = matches!(e, Error::OutcomeUnknown);
-                    let not_run = Err(match e {
-                        Error::OutcomeUnknown => Error::unavailable(
-                            "the connection was lost during an earlier transaction of the same \
-                             batch; this one did not run",
-                        ),
-                        e => e,
-                    });
+                    let not_run = Err(not_run);
                     for q in parts.flatten() {
                         let keyed_there = q.key.as_ref().is_some_and(|k| keys.contains(k.as_str()));
                         match unknown && keyed_there {
@@ -345,7 +356,6 @@ impl<E: Engine> WriterLoop<E> {
         let size = batch.len();
         let started = std::time::Instant::now();
         let clock = E::COMMITS_HERE.then(CommitClock::start).flatten();
-        let keyed = batch.iter().any(|q| q.key.is_some());
         let commit = self.engine.apply(batch).await;
         if let Some(clock) = clock {
             self.stats.record_commit_cpu(clock);
@@ -372,10 +382,6 @@ impl<E: Engine> WriterLoop<E> {
         }
         for q in batch.drain(..) {
             answer(q, &commit);
-        }
-        // After the answers: nobody waits for the clean-up.
-        if keyed && lost.is_none() {
-            self.forget_expired_keys().await;
         }
         match lost {
             Some(lost) => Err(lost),
@@ -428,10 +434,13 @@ impl<E: Engine> WriterLoop<E> {
 }
 
 impl<E: Engine> WriterLoop<E> {
-    /// The test hooks, before a batch: sleep, or panic holding it.
+    /// The test hooks, before a batch: sleep, or panic holding it. A test
+    /// that has the writer sleep knows from the log line that it holds a
+    /// batch: what is sent next queues behind it.
     #[cfg(feature = "test-hooks")]
-    async fn test_hooks(&self) {
+    async fn test_hooks(&self, commands: usize) {
         if let Some(delay) = self.delay {
+            tracing::info!(commands, "test hook: the writer holds its batch");
             tokio::time::sleep(delay).await;
         }
         if self.panic_after == Some(self.batches) {

@@ -379,6 +379,28 @@ impl Binary {
     pub fn log_text(&self) -> String {
         self.logs.lock().unwrap().join("\n")
     }
+
+    /// How many batches a writer slowed by `TALLY_TEST_WRITER_DELAY_MS`
+    /// has taken and held so far.
+    pub fn batches_held(&self) -> usize {
+        let logs = self.logs.lock().unwrap();
+        logs.iter()
+            .filter(|l| l.contains("test hook: the writer holds its batch"))
+            .count()
+    }
+
+    /// Waits until the slowed writer holds its `n`th batch: what is sent
+    /// next queues behind it.
+    pub async fn writer_holds(&self, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.batches_held() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never took batch {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
 }
 
 impl Drop for Binary {

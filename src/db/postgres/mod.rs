@@ -54,7 +54,7 @@ use super::{
     list::KeyRange,
     reads::{BoxFuture, Reads},
     store::{BudgetRow, Store, StoredKey, UsageRow},
-    txn::{self, Applied, Pass},
+    txn::{self, Applied, OnHeld, Pass},
     writer::{Engine, Lost},
 };
 use crate::{

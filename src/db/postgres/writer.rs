@@ -12,6 +12,9 @@ pub struct WriterConn {
     options: PgConnectOptions,
     conn: Option<PgConnection>,
     held: HeldRows,
+    /// When the batch being applied must be done by, all its transactions
+    /// together ([`Engine::begin_batch`]).
+    deadline: Option<Instant>,
 }
 
 impl Engine for WriterConn {
@@ -20,6 +23,13 @@ impl Engine for WriterConn {
 
     async fn apply(&mut self, batch: &mut [Queued]) -> Applied {
         WriterConn::apply(self, batch).await
+    }
+
+    /// One time limit for the whole batch, however many transactions it
+    /// takes (an operator's commands among its writes, a held row found
+    /// in halves, a race run again): each one's limit is what is left.
+    fn begin_batch(&mut self, commands: usize) {
+        self.deadline = Some(Instant::now() + batch_limit(commands));
     }
 
     /// A server's storage cannot be deleted underneath tally.
@@ -43,6 +53,7 @@ impl WriterConn {
             options: options.application_name("tally-writer"),
             conn: None,
             held: HeldRows::default(),
+            deadline: None,
         }
     }
 
@@ -72,7 +83,7 @@ impl WriterConn {
         if !normal.is_empty() {
             // The commands answered row-busy and the tries not made hear
             // that whatever the batch's error: none of them ran.
-            if let Err(e) = self.run(normal, pass).await {
+            if let Err(e) = self.run_dividing(normal, pass).await {
                 self.held.refuse_untried(probes);
                 return Err(e);
             }
@@ -80,7 +91,7 @@ impl WriterConn {
             self.held.learn(normal, Instant::now());
         }
         if !probes.is_empty() {
-            match self.run(probes, Pass::Probe).await {
+            match self.run(probes, Pass::Probe, OnHeld::OneByOne).await {
                 Ok(()) => self.held.learn(probes, Instant::now()),
                 // The rest of the batch committed: only the probes' callers
                 // hear that theirs did not.
@@ -94,9 +105,75 @@ impl WriterConn {
         Ok(())
     }
 
+    /// Applies commands in one transaction, or, when a row one of them
+    /// needs is found held by another transaction, in as many as it takes
+    /// to find which: the batch is cut in two halves that share no name and
+    /// no key ([`txn::halves`]), each applied the same way, until a part of
+    /// one name (or of names tied by keys) is left, which runs command by
+    /// command, its commands on the held row answered row-busy. A held row
+    /// among `n` names costs about `2 log2(n)` set-based transactions, a
+    /// few round trips each, where command by command the whole batch
+    /// would cost several round trips a command: on a distant server, past
+    /// its time limit for a batch of a few dozen, and every caller in it
+    /// would hear `503`, batch after batch, for as long as the row is held.
+    ///
+    /// Each part commits on its own, and its callers hear its commit. Once
+    /// a part could not reach the server (or its `COMMIT`'s outcome is
+    /// unknown), the parts after it do not run, and their callers hear that
+    /// nothing of theirs was done. `Err` means that nothing of the batch
+    /// committed (or, for [`Error::OutcomeUnknown`], that it was one
+    /// transaction).
+    async fn run_dividing(&mut self, batch: &mut [Queued], pass: Pass) -> Applied {
+        let divisible = batch.len() > 1 && txn::divisible(batch);
+        let on_held = match divisible {
+            true => OnHeld::GiveBack,
+            false => OnHeld::OneByOne,
+        };
+        let applied = self.run(batch, pass, on_held).await;
+        if !matches!(applied, Err(Error::Busy(..))) || !divisible {
+            return applied;
+        }
+        let Some(at) = txn::halves(batch) else {
+            return self.run(batch, pass, OnHeld::OneByOne).await;
+        };
+        let (first, second) = batch.split_at_mut(at);
+        let first_applied = Box::pin(self.run_dividing(first, pass)).await;
+        // Out of reach: nothing of either half ran.
+        if let Err(Error::Unavailable(_)) = first_applied {
+            return first_applied;
+        }
+        // Once a command has waited for a held row, the rest of the batch
+        // waits for one only briefly: a session holding many rows costs
+        // the batch one lock timeout, not one each.
+        let waited = first
+            .iter()
+            .any(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(..)))));
+        let pass = match waited {
+            true => Pass::Hurried,
+            false => pass,
+        };
+        let mut stopped: Option<Error> = None;
+        let mut first_applied = Some(first_applied);
+        for part in [first, second] {
+            let applied = match (first_applied.take(), &stopped) {
+                (Some(applied), _) => applied,
+                (None, Some(e)) => Err(e.clone()),
+                (None, None) => Box::pin(self.run_dividing(part, pass)).await,
+            };
+            let Err(e) = applied else { continue };
+            if stopped.is_none() {
+                stopped = e.not_run_after();
+            }
+            for q in part.iter_mut() {
+                q.command.fail(e.clone());
+            }
+        }
+        Ok(())
+    }
+
     /// Applies commands in one transaction, running it again when it lost
     /// a race with another process.
-    async fn run(&mut self, batch: &mut [Queued], pass: Pass) -> Applied {
+    async fn run(&mut self, batch: &mut [Queued], pass: Pass, on_held: OnHeld) -> Applied {
         let mut attempt = 0;
         // A connection kept from an earlier batch may have died while idle
         // (a server restart, a proxy's or firewall's idle timeout): a batch
@@ -104,15 +181,21 @@ impl WriterConn {
         // once more on a new one.
         let mut stale = self.conn.is_some();
         loop {
+            let limit = match self.deadline {
+                Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+                None => batch_limit(batch.len()),
+            };
+            if limit.is_zero() {
+                // Out of time before it began: nothing of it ran.
+                return Err(timed_out(batch_limit(batch.len())));
+            }
             let conn = match self.conn().await {
                 Ok(conn) => conn,
                 Err(e) => return Err(e),
             };
-            let commands = u32::try_from(batch.len()).unwrap_or(u32::MAX);
-            let limit =
-                BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands));
             let sent = Arc::new(AtomicBool::new(false));
-            let applied = COMMIT_SENT.scope(Arc::clone(&sent), txn::apply_by(conn, batch, pass));
+            let applied =
+                COMMIT_SENT.scope(Arc::clone(&sent), txn::apply_by(conn, batch, pass, on_held));
             let Ok(applied) = tokio::time::timeout(limit, applied).await else {
                 self.conn = None;
                 if !sent.load(Ordering::Relaxed) {
@@ -222,6 +305,12 @@ fn log_busy(batch: &[Queued]) {
     }
 }
 
+/// How long a batch of `commands` may take, all its transactions together.
+fn batch_limit(commands: usize) -> Duration {
+    let commands = u32::try_from(commands).unwrap_or(u32::MAX);
+    BATCH_TIMEOUT.saturating_add(BATCH_TIMEOUT_PER_COMMAND.saturating_mul(commands))
+}
+
 /// A random wait of up to 2^attempt ms (at most 256 ms).
 fn backoff(attempt: u32) -> Duration {
     use std::hash::{BuildHasher, Hasher};
@@ -264,6 +353,41 @@ mod tests {
         }
     }
 
+    /// A port nothing listens on: every connection to it is refused.
+    fn nowhere() -> PgConnectOptions {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        PgConnectOptions::new().host("127.0.0.1").port(port)
+    }
+
+    /// A batch's time limit is its own, not each transaction's: once the
+    /// batch has used it up (in earlier transactions, say), a transaction
+    /// of it is not begun, and its callers hear that the server did not
+    /// answer in time, without a connection tried.
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_out_of_time_begins_no_more_transactions() {
+        let mut writer = WriterConn::new(nowhere());
+        writer.begin_batch(2);
+        tokio::time::advance(batch_limit(2) - Duration::from_millis(1)).await;
+        let (q, _rx) = increment("early");
+        let commit = writer.apply(&mut [q]).await;
+        let Err(Error::Unavailable(e)) = commit else {
+            panic!("{commit:?}")
+        };
+        assert!(!e.to_string().contains("did not answer"), "{e}");
+
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let (q, _rx) = increment("late");
+        let commit = writer.apply(&mut [q]).await;
+        let Err(Error::Unavailable(e)) = commit else {
+            panic!("{commit:?}")
+        };
+        assert!(e.to_string().contains("did not answer within"), "{e}");
+    }
+
     /// A batch whose own part fails (here: no server to reach) answers its
     /// callers with that failure, but the commands it answered row-busy
     /// without running, and the try of a held row it never made, hear
@@ -272,14 +396,7 @@ mod tests {
     /// retrying for nothing).
     #[tokio::test]
     async fn commands_on_held_rows_hear_row_busy_whatever_the_batch_hears() {
-        // A port nothing listens on: every connection is refused.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let options = PgConnectOptions::new().host("127.0.0.1").port(port);
-        let mut writer = WriterConn::new(options);
+        let mut writer = WriterConn::new(nowhere());
         // "held" was found held a second ago: due for a try.
         let then = Instant::now() - Duration::from_secs(1);
         let (mut found, _) = increment("held");

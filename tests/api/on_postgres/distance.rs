@@ -15,6 +15,7 @@ use std::{
 use futures_util::future::join_all;
 use reqwest::{Client, Response, StatusCode};
 use serde_json::json;
+use sqlx::{Connection, PgConnection};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{
@@ -178,13 +179,14 @@ async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
 
 /// One tally process on a fresh database `delay` away each way, whose
 /// writer waits `hold_ms` before every batch (`TALLY_TEST_WRITER_DELAY_MS`),
-/// and a budget `name` allowing `limit` calls a day (a visitor's and all).
+/// and a budget `name` allowing `limit` calls a day (a visitor's and all);
+/// and the database's own URL, on loopback.
 async fn far_with_a_slow_writer(
     delay: Duration,
     hold_ms: &str,
     name: &str,
     limit: u32,
-) -> (Distant, Vec<Binary>) {
+) -> (Distant, Vec<Binary>, String) {
     let url = postgres::fresh_database().await;
     let distant = Distant::start(target_of(&url), delay).await;
     let bins = processes(
@@ -194,14 +196,15 @@ async fn far_with_a_slow_writer(
     );
     let limits = json!({"visitor_limit": limit, "global_limit": limit});
     put_budget(&Client::new(), &bins[0], name, limits).await;
-    (distant, bins)
+    (distant, bins, url)
 }
 
 /// Sends a write that holds the slow writer, and gives it the time to
 /// take it: what is sent next queues up behind it, to become one batch.
 async fn hold_the_writer(client: &Client, bin: &Binary) -> JoinHandle<reqwest::Result<Response>> {
+    let held = bin.batches_held();
     let busy = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    bin.writer_holds(held + 1).await;
     busy
 }
 
@@ -399,7 +402,7 @@ async fn a_batch_cut_off_says_whether_its_commit_went_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_requests_under_one_key_cost_their_batch_nothing() {
     // A slow writer, so that everything below shares one batch.
-    let (distant, bins) =
+    let (distant, bins, _) =
         far_with_a_slow_writer(Duration::from_millis(25), "1500", "real", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
@@ -448,7 +451,7 @@ async fn many_requests_under_one_key_cost_their_batch_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
     // A slow writer, so that everything below shares one batch.
-    let (distant, bins) =
+    let (distant, bins, _) =
         far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
@@ -533,7 +536,7 @@ async fn an_operators_command_leaves_the_writes_beside_it_set_based() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothing() {
     // A slow writer, so that everything below shares one batch.
-    let (distant, bins) =
+    let (distant, bins, _) =
         far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
@@ -597,7 +600,7 @@ async fn operators_commands_amid_the_writes_on_their_name_cost_the_writes_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
     // A slow writer, so that everything below shares one batch.
-    let (distant, bins) = far_with_a_slow_writer(Duration::ZERO, "4000", "hot", 10).await;
+    let (distant, bins, _) = far_with_a_slow_writer(Duration::ZERO, "4000", "hot", 10).await;
     let bin = &bins[0];
     let client = Client::new();
     let limits = |limit: u32| json!({"visitor_limit": limit, "global_limit": limit});
@@ -652,6 +655,77 @@ async fn a_retry_beside_a_commit_cut_off_hears_its_outcome_unknown() {
         (&json!(true), &json!(1)),
         "{d}"
     );
+    stop_all(bins).await;
+    drop(distant);
+}
+
+/// A counter's row held by an operator's open transaction, a database
+/// 50 ms away, and one batch of 150 increments of other names with five
+/// of the held one among them. The batch's set-based try finds a row held
+/// without learning which, and the batch is cut in halves that share no
+/// name until the held name is alone: a few set-based transactions in
+/// all. Every write to another name is `200`, the five to the held row
+/// `503` row-busy, and once the row is released it takes writes. (Command
+/// by command, five round trips each, the batch ran past its time limit
+/// and all 155 callers heard `503`, as would every batch like it for as
+/// long as the row was held.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_row_in_a_distant_batch_costs_only_its_own_writes() {
+    // A slow writer, so that everything below shares one batch.
+    let (distant, bins, url) =
+        far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 10).await;
+    let bin = &bins[0];
+    let client = Client::new();
+    let r = client.post(bin.url("/counters/held")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'held' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let busy = hold_the_writer(&client, bin).await;
+    let started = Instant::now();
+    let writes: Vec<_> = (0..155)
+        .map(|i| {
+            let name = match i % 31 {
+                0 => "held".to_owned(),
+                _ => format!("free-{i}"),
+            };
+            let request = client.post(bin.url(&format!("/counters/{name}")));
+            tokio::spawn(async move {
+                let r = request.send().await.unwrap();
+                (name, r.status(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    queued(&client, bin, 155).await;
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    let mut held = 0;
+    for w in writes {
+        let (name, status, text) = w.await.unwrap();
+        match name.as_str() {
+            "held" => {
+                held += 1;
+                assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+                let p: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(p["type"], "/problems/row-busy", "{p}");
+            }
+            _ => assert_eq!(status, StatusCode::OK, "{name}: {text}"),
+        }
+    }
+    assert_eq!(held, 5);
+    let took = started.elapsed();
+    eprintln!("the batch with a held row took {took:?}");
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    let r = client.post(bin.url("/counters/held")).send().await.unwrap();
+    assert_eq!(json(r).await["value"], 2, "the busy writes wrote nothing");
+    let reads = (1..155).filter(|i| i % 31 != 0).map(|i| {
+        let read = client.get(bin.url(&format!("/counters/free-{i}"))).send();
+        async move { (i, json(read.await.unwrap()).await) }
+    });
+    for (i, v) in join_all(reads).await {
+        assert_eq!(v["value"], 1, "free-{i}");
+    }
     stop_all(bins).await;
     drop(distant);
 }

@@ -15,7 +15,7 @@ use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
 use crate::{
-    helpers::{ADMIN, Binary, problem},
+    helpers::{ADMIN, Binary, problem, wait_for_queue_depth},
     postgres::{self, PgServer},
 };
 
@@ -519,7 +519,7 @@ async fn a_split_batch_on_a_server_that_stops_answering_fails_as_one() {
     let server = PgServer::start();
     let url = postgres::fresh_database_on(&server.url()).await;
     // A slow writer, so that everything below shares one batch.
-    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "1500")]);
+    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "2500")]);
     let bin = &bins[0];
     let client = Client::new();
     put_budget(
@@ -529,8 +529,9 @@ async fn a_split_batch_on_a_server_that_stops_answering_fails_as_one() {
         json!({"visitor_limit": 100, "global_limit": 100}),
     )
     .await;
+    let held = bin.batches_held();
     let first = tokio::spawn(client.post(bin.url("/counters/first")).send());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    bin.writer_holds(held + 1).await;
     let mut sent = Vec::new();
     for i in 0..8 {
         let check = client
@@ -545,6 +546,7 @@ async fn a_split_batch_on_a_server_that_stops_answering_fails_as_one() {
         sent.push(("/problems/database-unavailable", tokio::spawn(reset.send())));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    wait_for_queue_depth(&client, &bin.url(""), 16).await;
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
     server.freeze(true);
     let frozen = Instant::now();
