@@ -1108,7 +1108,7 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
 fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{lock_key, set_based, transactions},
+        txn::{set_based, transactions},
     };
     let names = ["a", "b", "c", "d"].map(|n| Name::parse(n).unwrap());
     let spec = BudgetSpec::new(5, 5, None, None).unwrap();
@@ -1161,14 +1161,7 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
             })
             .collect();
         let len = batch.len();
-        let what: Vec<_> = batch
-            .iter()
-            .map(|q| {
-                let (kind, name) = lock_key(&q.command);
-                let key = q.key.as_ref().map(|k| k.as_str().to_owned());
-                ((kind, name.to_owned()), key)
-            })
-            .collect();
+        let what = names_and_keys(&batch);
         let parts: Vec<Vec<(usize, bool)>> = transactions(batch)
             .iter()
             .map(|p| {
@@ -1214,7 +1207,7 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
 fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{divisible, halves, lock_key},
+        txn::{divisible, halves},
     };
     let names = ["a", "b", "c", "d", "e", "f"].map(|n| Name::parse(n).unwrap());
     let visitor = VisitorId::parse("v").unwrap();
@@ -1248,14 +1241,7 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
             })
             .collect();
         let len = batch.len();
-        let what: Vec<_> = batch
-            .iter()
-            .map(|q| {
-                let (kind, name) = lock_key(&q.command);
-                let key = q.key.as_ref().map(|k| k.as_str().to_owned());
-                ((kind, name.to_owned()), key)
-            })
-            .collect();
+        let what = names_and_keys(&batch);
         let can = divisible(&batch);
         let at = halves(&mut batch);
         let order: Vec<usize> = batch
@@ -1304,4 +1290,16 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
         }
     }
     assert!(cut > 5_000 && whole > 1_000, "{cut} cut, {whole} whole");
+}
+
+/// Each command's lock key (kind and name) and idempotency key, owned.
+fn names_and_keys(batch: &[super::command::Queued]) -> Vec<((u8, String), Option<String>)> {
+    batch
+        .iter()
+        .map(|q| {
+            let (kind, name) = super::txn::lock_key(&q.command);
+            let key = q.key.as_ref().map(|k| k.as_str().to_owned());
+            ((kind, name.to_owned()), key)
+        })
+        .collect()
 }
