@@ -95,6 +95,13 @@ pub(super) trait Engine: Send + 'static {
     /// or several ([`Self::SPLITS_MIXED`]).
     fn begin_batch(&mut self, _commands: usize) {}
 
+    /// What stopped the batch begun last part-way, if anything did: a
+    /// transaction of it (not necessarily a whole part) that could not
+    /// reach the server, or whose `COMMIT`'s outcome is unknown.
+    fn stopped(&self) -> Option<&Error> {
+        None
+    }
+
     /// Whether the storage is still where it was opened: SQLite's files
     /// can be deleted or replaced underneath it (see `sqlite::files`); a
     /// server's cannot.
@@ -326,12 +333,18 @@ impl<E: Engine> WriterLoop<E> {
                 .iter()
                 .filter_map(|q| Some(q.key.as_ref()?.as_str().to_owned()))
                 .collect();
-            match self.run_batch(&mut part).await {
+            let commit = match self.run_batch(&mut part).await {
                 Err(lost) => {
                     batch.extend(parts.flatten());
                     return Err(lost);
                 }
-                Ok(Err(e)) if let Some(not_run) = e.not_run_after() => {
+                Ok(commit) => commit,
+            };
+            // The part's own error, or one of its transactions' (a part cut
+            // in halves around a held row commits some and may fail others).
+            let stopped = commit.err().or_else(|| self.engine.stopped().cloned());
+            match stopped {
+                Some(e) if let Some(not_run) = e.not_run_after() => {
                     let unknown = matches!(e, Error::OutcomeUnknown);
                     let not_run = Err(not_run);
                     for q in parts.flatten() {
@@ -343,7 +356,7 @@ impl<E: Engine> WriterLoop<E> {
                     }
                     return Ok(());
                 }
-                Ok(_) => {}
+                _ => {}
             }
         }
         Ok(())

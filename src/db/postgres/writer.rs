@@ -15,7 +15,21 @@ pub struct WriterConn {
     /// When the batch being applied must be done by, all its transactions
     /// together ([`Engine::begin_batch`]).
     deadline: Option<Instant>,
+    /// How many more times the batch may be cut in halves around held rows
+    /// ([`Self::run_dividing`]).
+    cuts_left: u32,
+    /// What stopped the batch: a transaction of it that could not reach
+    /// the server, or whose `COMMIT`'s outcome is unknown. Its transactions
+    /// after that one do not run ([`Error::not_run_after`]).
+    stopped: Option<Error>,
 }
+
+/// The most times one batch is cut in halves around held rows: enough to
+/// find one held name among tens of thousands, or a few among hundreds.
+/// Past it (a session holding every row a batch needs, say) what is left
+/// runs command by command, as without halves, rather than costing
+/// several transactions per held name.
+const CUTS_PER_BATCH: u32 = 16;
 
 impl Engine for WriterConn {
     const COMMITS_HERE: bool = false;
@@ -30,6 +44,12 @@ impl Engine for WriterConn {
     /// in halves, a race run again): each one's limit is what is left.
     fn begin_batch(&mut self, commands: usize) {
         self.deadline = Some(Instant::now() + batch_limit(commands));
+        self.cuts_left = CUTS_PER_BATCH;
+        self.stopped = None;
+    }
+
+    fn stopped(&self) -> Option<&Error> {
+        self.stopped.as_ref()
     }
 
     /// A server's storage cannot be deleted underneath tally.
@@ -54,6 +74,8 @@ impl WriterConn {
             conn: None,
             held: HeldRows::default(),
             deadline: None,
+            cuts_left: CUTS_PER_BATCH,
+            stopped: None,
         }
     }
 
@@ -88,6 +110,12 @@ impl WriterConn {
                 return Err(e);
             }
             log_busy(normal);
+            // Stopped part-way, some commands carry an error of a
+            // transaction that did not run, which says nothing of rows.
+            if self.stopped.is_some() {
+                self.held.refuse_untried(probes);
+                return Ok(());
+            }
             self.held.learn(normal, Instant::now());
         }
         if !probes.is_empty() {
@@ -124,15 +152,25 @@ impl WriterConn {
     /// committed (or, for [`Error::OutcomeUnknown`], that it was one
     /// transaction).
     async fn run_dividing(&mut self, batch: &mut [Queued], pass: Pass) -> Applied {
-        let divisible = batch.len() > 1 && txn::divisible(batch);
+        if let Some(not_run) = self.stopped.as_ref().and_then(Error::not_run_after) {
+            return Err(not_run);
+        }
+        let divisible = batch.len() > 1 && self.cuts_left > 0 && txn::divisible(batch);
         let on_held = match divisible {
             true => OnHeld::GiveBack,
             false => OnHeld::OneByOne,
         };
         let applied = self.run(batch, pass, on_held).await;
+        if let Err(e) = &applied
+            && e.not_run_after().is_some()
+            && self.stopped.is_none()
+        {
+            self.stopped = Some(e.clone());
+        }
         if !matches!(applied, Err(Error::Busy(..))) || !divisible {
             return applied;
         }
+        self.cuts_left -= 1;
         let Some(at) = txn::halves(batch) else {
             return self.run(batch, pass, OnHeld::OneByOne).await;
         };
@@ -152,18 +190,13 @@ impl WriterConn {
             true => Pass::Hurried,
             false => pass,
         };
-        let mut stopped: Option<Error> = None;
         let mut first_applied = Some(first_applied);
         for part in [first, second] {
-            let applied = match (first_applied.take(), &stopped) {
-                (Some(applied), _) => applied,
-                (None, Some(e)) => Err(e.clone()),
-                (None, None) => Box::pin(self.run_dividing(part, pass)).await,
+            let applied = match first_applied.take() {
+                Some(applied) => applied,
+                None => Box::pin(self.run_dividing(part, pass)).await,
             };
             let Err(e) = applied else { continue };
-            if stopped.is_none() {
-                stopped = e.not_run_after();
-            }
             for q in part.iter_mut() {
                 q.command.fail(e.clone());
             }
@@ -189,14 +222,17 @@ impl WriterConn {
                 // Out of time before it began: nothing of it ran.
                 return Err(timed_out(batch_limit(batch.len())));
             }
-            let conn = match self.conn().await {
-                Ok(conn) => conn,
-                Err(e) => return Err(e),
+            // Connecting counts against the time too.
+            let until = Instant::now() + limit;
+            let conn = match tokio::time::timeout_at(until, self.conn()).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(timed_out(limit)),
             };
             let sent = Arc::new(AtomicBool::new(false));
             let applied =
                 COMMIT_SENT.scope(Arc::clone(&sent), txn::apply_by(conn, batch, pass, on_held));
-            let Ok(applied) = tokio::time::timeout(limit, applied).await else {
+            let Ok(applied) = tokio::time::timeout_at(until, applied).await else {
                 self.conn = None;
                 if !sent.load(Ordering::Relaxed) {
                     // Cut off before its COMMIT went out: the server ends
@@ -379,7 +415,9 @@ mod tests {
         };
         assert!(!e.to_string().contains("did not answer"), "{e}");
 
-        tokio::time::advance(Duration::from_millis(1)).await;
+        let mut writer = WriterConn::new(nowhere());
+        writer.begin_batch(2);
+        tokio::time::advance(batch_limit(2)).await;
         let (q, _rx) = increment("late");
         let commit = writer.apply(&mut [q]).await;
         let Err(Error::Unavailable(e)) = commit else {
