@@ -383,7 +383,13 @@ impl<E: Engine> WriterLoop<E> {
             }
             None => commit,
         };
-        self.log_commit(&commit, size);
+        // A transaction of it that failed is logged as the batch's failure,
+        // even when others of it committed: that the database answers
+        // again is said once a batch commits whole.
+        match (&commit, self.engine.stopped().cloned()) {
+            (Ok(()), Some(e)) => self.log_commit(&Err(e), size),
+            _ => self.log_commit(&commit, size),
+        }
         let took = started.elapsed();
         self.stats.record_batch(size, took);
         crate::kept!(histogram "tally_commit_batch_size").record(size as f64);
