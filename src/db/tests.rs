@@ -763,29 +763,12 @@ async fn keyed_batches_answer_as_command_by_command() {
 #[tokio::test]
 async fn keyed_batches_answer_as_command_by_command_on_postgres() {
     use sqlx::PgConnection;
-    let server = std::env::var("TALLY_TEST_POSTGRES")
-        .expect("TALLY_TEST_POSTGRES is not set: run ./scripts/test, which starts a PostgreSQL");
-    let unique = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let names = [0, 1].map(|i| format!("tally_keyed_{}_{unique}_{i}", std::process::id()));
-    let mut admin = PgConnection::connect(&server).await.unwrap();
+    let mut dbs = Vec::new();
     let mut conns = Vec::new();
-    for db in &names {
-        let create = format!("CREATE DATABASE {db}");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(create))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let mut url = url::Url::parse(&server).unwrap();
-        url.set_path(db);
-        let mut conn = PgConnection::connect(url.as_str()).await.unwrap();
-        sqlx::migrate!("./migrations/postgres")
-            .run(&mut conn)
-            .await
-            .unwrap();
-        conns.push(conn);
+    for i in 0..2 {
+        let db = FreshPostgres::new(&format!("keyed_{i}")).await;
+        conns.push(PgConnection::connect(&db.url).await.unwrap());
+        dbs.push(db);
     }
     let [mut batched, mut single] = <[PgConnection; 2]>::try_from(conns).ok().unwrap();
     keyed_batches_agree(&mut batched, &mut single).await;
@@ -803,12 +786,8 @@ async fn keyed_batches_answer_as_command_by_command_on_postgres() {
     assert_eq!(kept, dump(&mut single).await);
     assert!(kept.1.len() > 30, "{}", kept.1.len());
     drop((batched, single));
-    for db in &names {
-        let drop = format!("DROP DATABASE {db} WITH (FORCE)");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-            .execute(&mut admin)
-            .await
-            .unwrap();
+    for db in dbs {
+        db.drop().await;
     }
 }
 
@@ -1302,4 +1281,51 @@ fn names_and_keys(batch: &[super::command::Queued]) -> Vec<((u8, String), Option
             ((kind, name.to_owned()), key)
         })
         .collect()
+}
+
+/// A migrated database of the test's own on the test command's
+/// PostgreSQL (`TALLY_TEST_POSTGRES`).
+pub(crate) struct FreshPostgres {
+    pub url: String,
+    name: String,
+    admin: sqlx::PgConnection,
+}
+
+impl FreshPostgres {
+    pub async fn new(tag: &str) -> Self {
+        use sqlx::Connection;
+        let server = std::env::var("TALLY_TEST_POSTGRES").expect(
+            "TALLY_TEST_POSTGRES is not set: run ./scripts/test, which starts a PostgreSQL",
+        );
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let name = format!("tally_{tag}_{}_{unique}", std::process::id());
+        let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let mut url = url::Url::parse(&server).unwrap();
+        url.set_path(&name);
+        let mut conn = sqlx::PgConnection::connect(url.as_str()).await.unwrap();
+        sqlx::migrate!("./migrations/postgres")
+            .run(&mut conn)
+            .await
+            .unwrap();
+        FreshPostgres {
+            url: url.to_string(),
+            name,
+            admin,
+        }
+    }
+
+    pub async fn drop(mut self) {
+        let drop = format!("DROP DATABASE {} WITH (FORCE)", self.name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&mut self.admin)
+            .await
+            .unwrap();
+    }
 }

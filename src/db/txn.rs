@@ -277,7 +277,7 @@ pub(super) async fn apply_set_based<S: Store>(
     // Wary, the set-based try waits for a row only briefly: a row held
     // past that is waited for command by command (`one_by_one`).
     let begin = match pass {
-        Pass::Wary | Pass::Hurried => S::BEGIN_PROBE,
+        Pass::Wary | Pass::Hurried | Pass::Halved => S::BEGIN_PROBE,
         Pass::Batch | Pass::Probe => S::BEGIN_SET_BASED,
     };
     let (outcomes, now, commit) = run_set_based(conn, batch, begin).await?;
@@ -611,6 +611,12 @@ pub(super) enum Pass {
     /// command per row): one by one, each waiting for its row only briefly
     /// ([`Store::BEGIN_PROBE`]).
     Probe,
+    /// A half of a batch whose set-based try found a row held: a
+    /// set-based try waits for a row only briefly (the whole batch's try
+    /// has waited for rows another tally process holds for milliseconds),
+    /// and command by command the first held row is waited for the whole
+    /// lock timeout, as in [`Pass::Batch`].
+    Halved,
     /// A later transaction of a batch one of whose commands has already
     /// waited the whole lock timeout (a batch cut in halves around held
     /// rows): set-based if it can be, else one by one, every command
@@ -626,7 +632,7 @@ pub(super) enum Pass {
 /// every caller gets the error.
 async fn one_by_one<S: Store>(conn: &mut S, batch: &mut [Queued], pass: Pass) -> Applied {
     let begin_with = match pass {
-        Pass::Batch => S::BEGIN,
+        Pass::Batch | Pass::Halved => S::BEGIN,
         Pass::Wary => S::BEGIN_SET_BASED,
         Pass::Probe | Pass::Hurried => S::BEGIN_PROBE,
     };

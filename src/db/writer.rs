@@ -314,8 +314,9 @@ impl<E: Engine> WriterLoop<E> {
         let keyed = batch.iter().any(|q| q.key.is_some());
         self.run_split(batch).await?;
         // After the answers, and after the batch's last transaction: nobody
-        // waits for the clean-up.
-        if keyed {
+        // waits for the clean-up. Not when the server could not be reached:
+        // the next batch would wait for it.
+        if keyed && self.engine.stopped().is_none() {
             self.forget_expired_keys().await;
         }
         Ok(())

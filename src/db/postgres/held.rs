@@ -199,6 +199,21 @@ impl HeldRows {
     /// of an idempotency key touched no row and says nothing.
     pub fn learn(&mut self, ran: &[Queued], now: Instant) {
         for q in ran {
+            // The error of a transaction that failed or never ran (the
+            // server out of reach, a `COMMIT` cut off, a batch stopped
+            // part-way) says nothing of the command's rows or key.
+            if let Some(Err(
+                Error::Unavailable(_)
+                | Error::OutcomeUnknown
+                | Error::Raced(_)
+                | Error::StorageFull(_)
+                | Error::StorageLost(_)
+                | Error::Closed
+                | Error::QueueFull { .. },
+            )) = q.command.outcome()
+            {
+                continue;
+            }
             // A key another transaction holds, not a row of counts: the
             // command's row may be free, and a keyed command is tried every
             // time anyway. Any other answer had the key.
@@ -383,6 +398,26 @@ mod tests {
             q.command.fail(busy(at));
         }
         held.learn(&batch, now);
+    }
+
+    /// A command whose transaction failed or never ran (the server out of
+    /// reach, a batch stopped part-way) says nothing of its row: a row
+    /// found held stays remembered; one that got through forgets it.
+    #[test]
+    fn an_error_of_a_transaction_that_did_not_run_forgets_no_row() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(&mut held, vec![increment("a")], HeldRow::Own, t0);
+        let mut not_run = increment("a");
+        not_run.command.fail(Error::unavailable(
+            "an earlier transaction of the batch failed",
+        ));
+        held.learn(std::slice::from_ref(&not_run), t0);
+        assert!(held.wary(), "the row is still taken for held");
+        let mut got_it = increment("a");
+        set_ok(&mut got_it);
+        held.learn(std::slice::from_ref(&got_it), t0);
+        assert!(!held.wary(), "a write that got the row forgets it");
     }
 
     /// A row found held is answered without a try, tried again once per

@@ -18,6 +18,9 @@ pub struct WriterConn {
     /// How many more times the batch may be cut in halves around held rows
     /// ([`Self::run_dividing`]).
     cuts_left: u32,
+    /// Transactions begun, counted for the tests.
+    #[cfg(test)]
+    transactions: u32,
     /// What stopped the batch: a transaction of it that could not reach
     /// the server, or whose `COMMIT`'s outcome is unknown. Its transactions
     /// after that one do not run ([`Error::not_run_after`]).
@@ -75,6 +78,8 @@ impl WriterConn {
             held: HeldRows::default(),
             deadline: None,
             cuts_left: CUTS_PER_BATCH,
+            #[cfg(test)]
+            transactions: 0,
             stopped: None,
         }
     }
@@ -110,13 +115,12 @@ impl WriterConn {
                 return Err(e);
             }
             log_busy(normal);
-            // Stopped part-way, some commands carry an error of a
-            // transaction that did not run, which says nothing of rows.
+            self.held.learn(normal, Instant::now());
+            // Stopped part-way: no more of the batch runs.
             if self.stopped.is_some() {
                 self.held.refuse_untried(probes);
                 return Ok(());
             }
-            self.held.learn(normal, Instant::now());
         }
         if !probes.is_empty() {
             match self.run(probes, Pass::Probe, OnHeld::OneByOne).await {
@@ -175,7 +179,11 @@ impl WriterConn {
             return self.run(batch, pass, OnHeld::OneByOne).await;
         };
         let (first, second) = batch.split_at_mut(at);
-        let first_applied = Box::pin(self.run_dividing(first, pass)).await;
+        let halved = match pass {
+            Pass::Batch => Pass::Halved,
+            pass => pass,
+        };
+        let first_applied = Box::pin(self.run_dividing(first, halved)).await;
         // Out of reach: nothing of either half ran.
         if let Err(Error::Unavailable(_)) = first_applied {
             return first_applied;
@@ -188,7 +196,7 @@ impl WriterConn {
             .any(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(..)))));
         let pass = match waited {
             true => Pass::Hurried,
-            false => pass,
+            false => halved,
         };
         let mut first_applied = Some(first_applied);
         for part in [first, second] {
@@ -221,6 +229,10 @@ impl WriterConn {
             if limit.is_zero() {
                 // Out of time before it began: nothing of it ran.
                 return Err(timed_out(batch_limit(batch.len())));
+            }
+            #[cfg(test)]
+            {
+                self.transactions += 1;
             }
             // Connecting counts against the time too.
             let until = Instant::now() + limit;
@@ -424,6 +436,53 @@ mod tests {
             panic!("{commit:?}")
         };
         assert!(e.to_string().contains("did not answer within"), "{e}");
+    }
+
+    /// A session holding every row a batch needs (an operator's bulk
+    /// `SELECT ... FOR UPDATE`): the batch is cut in halves at most
+    /// [`CUTS_PER_BATCH`] times, so it costs a bounded number of
+    /// transactions, not a few per held name (about 300 here), and every
+    /// command hears row-busy well within the batch's time limit.
+    #[tokio::test]
+    async fn every_row_held_costs_a_batch_a_bounded_number_of_transactions() {
+        use sqlx::Connection;
+        const HELD: usize = 150;
+        let db = crate::db::tests::FreshPostgres::new("all_held").await;
+        let mut holder = PgConnection::connect(&db.url).await.unwrap();
+        let hold = format!(
+            "INSERT INTO counters (name, value) SELECT 'h' || i, 1 FROM generate_series(1, {HELD}) i;
+             BEGIN; SELECT * FROM counters FOR UPDATE"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let options = connect_options(&db.url, Duration::from_millis(100)).unwrap();
+        let mut writer = WriterConn::new(options);
+        let (mut batch, _answers): (Vec<_>, Vec<_>) =
+            (1..=HELD).map(|i| increment(&format!("h{i}"))).unzip();
+        writer.begin_batch(HELD);
+        let started = std::time::Instant::now();
+        let commit = writer.apply(&mut batch).await;
+        let took = started.elapsed();
+        assert!(commit.is_ok(), "{commit:?}");
+        for q in &batch {
+            let outcome = q.command.outcome();
+            assert!(
+                matches!(outcome, Some(Err(Error::Busy(..)))),
+                "{}: {outcome:?}",
+                q.command
+            );
+        }
+        // At most 1 + 2 x 16; cut without a bound, about 2 per held name.
+        assert!(
+            writer.transactions < HELD as u32 / 4,
+            "{} transactions",
+            writer.transactions
+        );
+        assert!(took < batch_limit(HELD), "{took:?}");
+        drop((holder, writer));
+        db.drop().await;
     }
 
     /// A batch whose own part fails (here: no server to reach) answers its

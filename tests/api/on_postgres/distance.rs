@@ -729,3 +729,75 @@ async fn a_held_row_in_a_distant_batch_costs_only_its_own_writes() {
     stop_all(bins).await;
     drop(distant);
 }
+
+/// A batch cut in halves around a held row, stopped part-way. Of its ten
+/// names the first half holds the held one and four others: cut again, the
+/// held name's own transaction commits (its write answered row-busy), and
+/// so do the other four. Then the second half's connection goes silent, so
+/// that the batch runs out of time before its `COMMIT`: its five writes
+/// hear `503 database-unavailable` (nothing was done), and the row found
+/// held is remembered all the same (`tally_rows_held`), so the next batch
+/// is wary of it rather than finding it again at the cost of a lock
+/// timeout and the cuts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_stopped_part_way_remembers_the_held_row_it_found() {
+    // A slow writer, so that the writes below share one batch.
+    let (distant, bins, url) = far_with_a_slow_writer(Duration::ZERO, "1500", "hot", 10).await;
+    let bin = &bins[0];
+    let client = Client::new();
+    let r = client
+        .post(bin.url("/counters/a-held"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'a-held' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    // The second half's upsert: its names go as an array whose first
+    // element (after the lower bound, 1) is "free-4", 6 bytes long; in the
+    // whole batch's and the first half's, "a-held" comes first.
+    distant.trap(b"\x00\x00\x00\x01\x00\x00\x00\x06free-4");
+    let busy = hold_the_writer(&client, bin).await;
+    let send = |name: String| {
+        let request = client.post(bin.url(&format!("/counters/{name}")));
+        tokio::spawn(async move {
+            let r = request.send().await.unwrap();
+            (name, r.status(), r.text().await.unwrap())
+        })
+    };
+    // In this queue order (the held name first: its half, and its leaf,
+    // run first).
+    let mut writes = vec![send("a-held".into())];
+    queued(&client, bin, 1).await;
+    for i in 0..9 {
+        writes.push(send(format!("free-{i}")));
+        queued(&client, bin, i + 2).await;
+    }
+    assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
+    for w in writes {
+        let (name, status, text) = w.await.unwrap();
+        let want = match name.as_str() {
+            "a-held" => Some("/problems/row-busy"),
+            "free-0" | "free-1" | "free-2" | "free-3" => None,
+            _ => Some("/problems/database-unavailable"),
+        };
+        let Some(want) = want else {
+            assert_eq!(status, StatusCode::OK, "{name}: {text}");
+            continue;
+        };
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{name}: {text}");
+        let p: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(p["type"], want, "{name}: {p}");
+    }
+    assert_eq!(
+        metric(&client, bin, "tally_rows_held").await,
+        Some(1.0),
+        "the row found held is remembered"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    stop_all(bins).await;
+    drop(distant);
+}

