@@ -131,6 +131,10 @@ impl WriterConn {
                     for q in probes.iter_mut() {
                         q.command.fail(e.clone());
                     }
+                    // Out of reach, the server stops the batch here too.
+                    if e.not_run_after().is_some() {
+                        self.stopped = Some(e);
+                    }
                 }
             }
         }
@@ -483,6 +487,35 @@ mod tests {
         assert!(took < batch_limit(HELD), "{took:?}");
         drop((holder, writer));
         db.drop().await;
+    }
+
+    /// A try of a held row that cannot reach the server stops the batch
+    /// as any transaction of it would: the later parts of a split batch
+    /// do not run, each waiting to connect in turn.
+    #[tokio::test]
+    async fn a_probe_out_of_reach_stops_the_batch() {
+        let mut writer = WriterConn::new(nowhere());
+        let then = Instant::now() - Duration::from_secs(1);
+        let (mut found, _) = increment("held");
+        found.command.fail(Error::Busy(
+            Arc::new(sqlx::Error::PoolTimedOut),
+            crate::db::HeldRow::Own,
+        ));
+        writer.held.learn(std::slice::from_ref(&found), then);
+        let (tried, mut tried_rx) = increment("held");
+        let mut batch = vec![tried];
+        writer.begin_batch(batch.len());
+        let commit = writer.apply(&mut batch).await;
+        assert!(commit.is_ok(), "{commit:?}");
+        assert!(
+            matches!(writer.stopped(), Some(Error::Unavailable(_))),
+            "{:?}",
+            writer.stopped()
+        );
+        for mut q in batch {
+            q.command.send(&commit);
+        }
+        assert!(matches!(heard(&mut tried_rx), Error::Unavailable(_)));
     }
 
     /// A batch whose own part fails (here: no server to reach) answers its
