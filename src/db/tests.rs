@@ -1186,7 +1186,7 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
 fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
     use super::{
         command::{Command, Queued, Reply},
-        txn::{divisible, halves},
+        txn::{divisible, groups, halves},
     };
     let names = ["a", "b", "c", "d", "e", "f"].map(|n| Name::parse(n).unwrap());
     let visitor = VisitorId::parse("v").unwrap();
@@ -1221,8 +1221,9 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
             .collect();
         let len = batch.len();
         let what = names_and_keys(&batch);
-        let can = divisible(&batch);
-        let at = halves(&mut batch);
+        let groups = groups(&batch);
+        let can = divisible(&groups);
+        let at = halves(&mut batch, &groups);
         let order: Vec<usize> = batch
             .iter()
             .map(|q| q.request_id.as_deref().unwrap().parse().unwrap())

@@ -170,16 +170,16 @@ pub(super) enum Fallback {
     Held(Error),
 }
 
-/// Puts a batch's commands in groups that share no name and no
-/// idempotency key, each group's commands in queue order, the groups in
-/// the order of their first commands, and gives where to cut it into two
-/// halves of whole groups, as near the middle as a group boundary is;
-/// `None` if it is one group. Commands on different names and keys
-/// commute ([`lock_order`]), so each half run in a transaction of its own
-/// answers every caller as the whole batch in one would have.
-pub(super) fn halves(batch: &mut [Queued]) -> Option<usize> {
-    let groups = groups(batch);
-    if groups.iter().all(|&g| g == 0) {
+/// Puts a batch's commands in their [`groups`] (commands sharing no name
+/// and no idempotency key across two groups), each group's commands in
+/// queue order, the groups in the order of their first commands, and
+/// gives where to cut it into two halves of whole groups, as near the
+/// middle as a group boundary is; `None` if it is one group. Commands on
+/// different names and keys commute ([`lock_order`]), so each half run in a
+/// transaction of its own answers every caller as the whole batch in one
+/// would have.
+pub(super) fn halves(batch: &mut [Queued], groups: &[usize]) -> Option<usize> {
+    if !divisible(groups) {
         return None;
     }
     // Where each command goes: by group, stable.
@@ -211,15 +211,15 @@ pub(super) fn halves(batch: &mut [Queued]) -> Option<usize> {
     best
 }
 
-/// Whether a batch holds more than one group ([`halves`]).
-pub(super) fn divisible(batch: &[Queued]) -> bool {
-    groups(batch).iter().any(|&g| g > 0)
+/// Whether a batch's [`groups`] are more than one.
+pub(super) fn divisible(groups: &[usize]) -> bool {
+    groups.iter().any(|&g| g > 0)
 }
 
-/// Each command's group ([`halves`]): commands sharing a name or an
-/// idempotency key, directly or through others, share a group; groups are
-/// numbered by their first command in queue order.
-fn groups(batch: &[Queued]) -> Vec<usize> {
+/// Each command's group: commands sharing a name or an idempotency key,
+/// directly or through others, share a group; groups are numbered by their
+/// first command in queue order.
+pub(super) fn groups(batch: &[Queued]) -> Vec<usize> {
     fn root(parent: &mut [usize], mut i: usize) -> usize {
         while parent[i] != i {
             parent[i] = parent[parent[i]];
@@ -231,23 +231,16 @@ fn groups(batch: &[Queued]) -> Vec<usize> {
     let mut by_name: HashMap<LockKey<'_>, usize> = HashMap::new();
     let mut by_key: HashMap<&str, usize> = HashMap::new();
     for (i, q) in batch.iter().enumerate() {
-        let join = |j: usize, parent: &mut Vec<usize>| {
-            let (a, b) = (root(parent, i), root(parent, j));
+        // The first command with its name, and with its key.
+        let firsts = [
+            Some(*by_name.entry(lock_key(&q.command)).or_insert(i)),
+            q.key
+                .as_ref()
+                .map(|k| *by_key.entry(k.as_str()).or_insert(i)),
+        ];
+        for j in firsts.into_iter().flatten() {
+            let (a, b) = (root(&mut parent, i), root(&mut parent, j));
             parent[a.max(b)] = a.min(b);
-        };
-        match by_name.entry(lock_key(&q.command)) {
-            std::collections::hash_map::Entry::Occupied(e) => join(*e.get(), &mut parent),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(i);
-            }
-        }
-        if let Some(key) = &q.key {
-            match by_key.entry(key.as_str()) {
-                std::collections::hash_map::Entry::Occupied(e) => join(*e.get(), &mut parent),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(i);
-                }
-            }
         }
     }
     let mut numbers: HashMap<usize, usize> = HashMap::new();

@@ -163,7 +163,11 @@ impl WriterConn {
         if let Some(not_run) = self.stopped.as_ref().and_then(Error::not_run_after) {
             return Err(not_run);
         }
-        let divisible = batch.len() > 1 && self.cuts_left > 0 && txn::divisible(batch);
+        let groups = match self.cuts_left > 0 && batch.len() > 1 {
+            true => txn::groups(batch),
+            false => Vec::new(),
+        };
+        let divisible = txn::divisible(&groups);
         let on_held = match divisible {
             true => OnHeld::GiveBack,
             false => OnHeld::OneByOne,
@@ -179,7 +183,7 @@ impl WriterConn {
             return applied;
         }
         self.cuts_left -= 1;
-        let Some(at) = txn::halves(batch) else {
+        let Some(at) = txn::halves(batch, &groups) else {
             return self.run(batch, pass, OnHeld::OneByOne).await;
         };
         let (first, second) = batch.split_at_mut(at);
@@ -415,6 +419,20 @@ mod tests {
         PgConnectOptions::new().host("127.0.0.1").port(port)
     }
 
+    /// A writer with no server to reach that found counter `name` held a
+    /// second ago: due for a try.
+    fn found_held_a_second_ago(name: &str) -> WriterConn {
+        let mut writer = WriterConn::new(nowhere());
+        let then = Instant::now() - Duration::from_secs(1);
+        let (mut found, _) = increment(name);
+        found.command.fail(Error::Busy(
+            Arc::new(sqlx::Error::PoolTimedOut),
+            crate::db::HeldRow::Own,
+        ));
+        writer.held.learn(std::slice::from_ref(&found), then);
+        writer
+    }
+
     /// A batch's time limit is its own, not each transaction's: once the
     /// batch has used it up (in earlier transactions, say), a transaction
     /// of it is not begun, and its callers hear that the server did not
@@ -494,14 +512,7 @@ mod tests {
     /// do not run, each waiting to connect in turn.
     #[tokio::test]
     async fn a_probe_out_of_reach_stops_the_batch() {
-        let mut writer = WriterConn::new(nowhere());
-        let then = Instant::now() - Duration::from_secs(1);
-        let (mut found, _) = increment("held");
-        found.command.fail(Error::Busy(
-            Arc::new(sqlx::Error::PoolTimedOut),
-            crate::db::HeldRow::Own,
-        ));
-        writer.held.learn(std::slice::from_ref(&found), then);
+        let mut writer = found_held_a_second_ago("held");
         let (tried, mut tried_rx) = increment("held");
         let mut batch = vec![tried];
         writer.begin_batch(batch.len());
@@ -526,15 +537,7 @@ mod tests {
     /// retrying for nothing).
     #[tokio::test]
     async fn commands_on_held_rows_hear_row_busy_whatever_the_batch_hears() {
-        let mut writer = WriterConn::new(nowhere());
-        // "held" was found held a second ago: due for a try.
-        let then = Instant::now() - Duration::from_secs(1);
-        let (mut found, _) = increment("held");
-        found.command.fail(Error::Busy(
-            Arc::new(sqlx::Error::PoolTimedOut),
-            crate::db::HeldRow::Own,
-        ));
-        writer.held.learn(std::slice::from_ref(&found), then);
+        let mut writer = found_held_a_second_ago("held");
 
         let (free, mut free_rx) = increment("free");
         let (tried, mut tried_rx) = increment("held");
