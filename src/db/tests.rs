@@ -1129,14 +1129,7 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
                         reply: Reply::new().0,
                     },
                 };
-                let key = rng.bool().then(|| {
-                    crate::meter::IdempotencyKey::parse(&format!("k{}", rng.u8(..3))).unwrap()
-                });
-                Queued {
-                    command,
-                    key,
-                    request_id: Some(i.to_string().into()),
-                }
+                numbered(i, command, rng.bool().then(|| rng.u8(..3)))
             })
             .collect();
         let len = batch.len();
@@ -1146,7 +1139,7 @@ fn a_split_batch_keeps_every_command_once_and_each_name_in_order() {
             .map(|p| {
                 p.iter()
                     .map(|q| {
-                        let i = q.request_id.as_deref().unwrap().parse().unwrap();
+                        let i = number(q);
                         (i, set_based(&q.command))
                     })
                     .collect()
@@ -1209,14 +1202,7 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
                         reply: Reply::new().0,
                     },
                 };
-                let key = (rng.u8(..4) == 0).then(|| {
-                    crate::meter::IdempotencyKey::parse(&format!("k{}", rng.u8(..3))).unwrap()
-                });
-                Queued {
-                    command,
-                    key,
-                    request_id: Some(i.to_string().into()),
-                }
+                numbered(i, command, (rng.u8(..4) == 0).then(|| rng.u8(..3)))
             })
             .collect();
         let len = batch.len();
@@ -1224,10 +1210,7 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
         let groups = groups(&batch);
         let can = divisible(&groups);
         let at = halves(&mut batch, &groups);
-        let order: Vec<usize> = batch
-            .iter()
-            .map(|q| q.request_id.as_deref().unwrap().parse().unwrap())
-            .collect();
+        let order: Vec<usize> = batch.iter().map(number).collect();
         let seen = format!("round {round}: {what:?} -> {order:?}, cut at {at:?}");
         let mut sorted = order.clone();
         sorted.sort();
@@ -1270,6 +1253,21 @@ fn a_batch_cut_in_halves_keeps_each_name_and_key_on_one_side_in_order() {
         }
     }
     assert!(cut > 5_000 && whole > 1_000, "{cut} cut, {whole} whole");
+}
+
+/// Command `i` of a random batch, its number as its request id, with key
+/// `k{key}` if any.
+fn numbered(i: usize, command: super::command::Command, key: Option<u8>) -> super::command::Queued {
+    super::command::Queued {
+        command,
+        key: key.map(|k| crate::meter::IdempotencyKey::parse(&format!("k{k}")).unwrap()),
+        request_id: Some(i.to_string().into()),
+    }
+}
+
+/// The number [`numbered`] gave a command.
+fn number(q: &super::command::Queued) -> usize {
+    q.request_id.as_deref().unwrap().parse().unwrap()
 }
 
 /// Each command's lock key (kind and name) and idempotency key, owned.

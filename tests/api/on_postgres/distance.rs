@@ -223,6 +223,38 @@ async fn queued(client: &Client, bin: &Binary, n: usize) {
     }
 }
 
+/// Counter `name`, written once, with its row then held by an outside
+/// session (an operator's `SELECT ... FOR UPDATE` left open) on the
+/// database at `url`, until the session given back commits or is dropped.
+async fn held_counter(client: &Client, bin: &Binary, url: &str, name: &str) -> PgConnection {
+    let r = client
+        .post(bin.url(&format!("/counters/{name}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut holder = PgConnection::connect(url).await.unwrap();
+    let hold = format!("BEGIN; SELECT * FROM counters WHERE name = '{name}' FOR UPDATE");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder
+}
+
+/// Sends an increment of counter `name`; its answer, with the name.
+fn post_counter(
+    client: &Client,
+    bin: &Binary,
+    name: String,
+) -> JoinHandle<(String, StatusCode, String)> {
+    let request = client.post(bin.url(&format!("/counters/{name}")));
+    tokio::spawn(async move {
+        let r = request.send().await.unwrap();
+        (name, r.status(), r.text().await.unwrap())
+    })
+}
+
 /// The database URL `url` names, reached through a forwarder.
 fn through(url: &str, forwarder: SocketAddr) -> String {
     let mut u = url::Url::parse(url).unwrap();
@@ -676,27 +708,15 @@ async fn a_held_row_in_a_distant_batch_costs_only_its_own_writes() {
         far_with_a_slow_writer(Duration::from_millis(25), "4000", "hot", 10).await;
     let bin = &bins[0];
     let client = Client::new();
-    let r = client.post(bin.url("/counters/held")).send().await.unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-    let mut holder = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'held' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = held_counter(&client, bin, &url, "held").await;
     let busy = hold_the_writer(&client, bin).await;
     let started = Instant::now();
     let writes: Vec<_> = (0..155)
-        .map(|i| {
-            let name = match i % 31 {
-                0 => "held".to_owned(),
-                _ => format!("free-{i}"),
-            };
-            let request = client.post(bin.url(&format!("/counters/{name}")));
-            tokio::spawn(async move {
-                let r = request.send().await.unwrap();
-                (name, r.status(), r.text().await.unwrap())
-            })
+        .map(|i| match i % 31 {
+            0 => "held".to_owned(),
+            _ => format!("free-{i}"),
         })
+        .map(|name| post_counter(&client, bin, name))
         .collect();
     queued(&client, bin, 155).await;
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
@@ -745,35 +765,18 @@ async fn a_batch_stopped_part_way_remembers_the_held_row_it_found() {
     let (distant, bins, url) = far_with_a_slow_writer(Duration::ZERO, "1500", "hot", 10).await;
     let bin = &bins[0];
     let client = Client::new();
-    let r = client
-        .post(bin.url("/counters/a-held"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-    let mut holder = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'a-held' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = held_counter(&client, bin, &url, "a-held").await;
     // The second half's upsert: its names go as an array whose first
     // element (after the lower bound, 1) is "free-4", 6 bytes long; in the
     // whole batch's and the first half's, "a-held" comes first.
     distant.trap(b"\x00\x00\x00\x01\x00\x00\x00\x06free-4");
     let busy = hold_the_writer(&client, bin).await;
-    let send = |name: String| {
-        let request = client.post(bin.url(&format!("/counters/{name}")));
-        tokio::spawn(async move {
-            let r = request.send().await.unwrap();
-            (name, r.status(), r.text().await.unwrap())
-        })
-    };
     // In this queue order (the held name first: its half, and its leaf,
     // run first).
-    let mut writes = vec![send("a-held".into())];
+    let mut writes = vec![post_counter(&client, bin, "a-held".into())];
     queued(&client, bin, 1).await;
     for i in 0..9 {
-        writes.push(send(format!("free-{i}")));
+        writes.push(post_counter(&client, bin, format!("free-{i}")));
         queued(&client, bin, i + 2).await;
     }
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
