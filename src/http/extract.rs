@@ -133,6 +133,21 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
     if has_content_type && !is_json && declared.is_some_and(|n| n > 0) {
         return Err(not_json());
     }
+    // Codings tally does not take apart: refused from the head too. hyper
+    // has taken a `chunked` body apart, and refused one whose last coding
+    // is anything else.
+    let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
+    if codings(req.headers(), header::TRANSFER_ENCODING)
+        .any(|c| !c.eq_ignore_ascii_case(b"chunked"))
+    {
+        return Err(Problem::transfer_coding());
+    }
+    if (chunked || declared.is_some_and(|n| n > 0))
+        && codings(req.headers(), header::CONTENT_ENCODING)
+            .any(|c| !c.eq_ignore_ascii_case(b"identity"))
+    {
+        return Err(Problem::content_coding());
+    }
     let body = Bytes::from_request(req, state).await.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             too_large()
@@ -169,6 +184,20 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         });
     }
     Ok(Some(axum::Json::<T>::from_bytes(&body)?.0))
+}
+
+/// The codings a list-valued field names, over all its fields (`gzip,
+/// chunked` is two), with white space and empty elements left out.
+fn codings(
+    headers: &axum::http::HeaderMap,
+    name: header::HeaderName,
+) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(name)
+        .into_iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty())
 }
 
 fn too_large() -> Problem {

@@ -140,7 +140,7 @@ pub enum Problems {
     TooLarge(ProblemDoc),
     #[response(
         status = 415,
-        description = "Body is not JSON",
+        description = "Body is not JSON, or sent in a content coding (`Content-Encoding` other than `identity`)",
         content_type = "application/problem+json"
     )]
     UnsupportedMediaType(ProblemDoc),

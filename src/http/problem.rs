@@ -43,7 +43,9 @@ struct Inner {
     detail: String,
     extensions: Map<String, Value>,
     retry_after: Option<Duration>,
-    www_authenticate: bool,
+    /// One more header the status calls for: `WWW-Authenticate` on a
+    /// `401`, `Accept-Encoding` on a `415` for a content coding.
+    header: Option<(header::HeaderName, HeaderValue)>,
 }
 
 impl Problem {
@@ -55,7 +57,7 @@ impl Problem {
             detail: title.to_owned(),
             extensions: Map::new(),
             retry_after: None,
-            www_authenticate: false,
+            header: None,
         }))
     }
 
@@ -106,8 +108,45 @@ impl Problem {
     pub fn unauthorized() -> Self {
         let mut p = Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
             .detail("this endpoint needs `Authorization: Bearer <admin token>`");
-        p.0.www_authenticate = true;
+        p.0.header = Some((
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"tally\""),
+        ));
         p
+    }
+
+    /// A body in a content coding (`gzip`, ...): tally reads bodies as
+    /// sent, so it says so rather than parse compressed bytes as JSON, or
+    /// take a body that only claims to be compressed as plain (RFC 9110,
+    /// section 15.5.16: `Accept-Encoding` names what is taken).
+    pub fn content_coding() -> Self {
+        let mut p = Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-content-encoding",
+            "Unsupported content coding",
+        )
+        .detail("request bodies are read as sent: send them without a `Content-Encoding` (or `identity`)");
+        p.0.header = Some((
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        ));
+        p
+    }
+
+    /// A body in a transfer coding other than `chunked` (`gzip, chunked`):
+    /// hyper takes the chunks apart and leaves the rest. RFC 9112 (section
+    /// 6.1) suggests 501; it is 400 here, the answer hyper gives a
+    /// transfer coding whose last is not `chunked`, so that a client's
+    /// choice of framing cannot count as the server's error.
+    pub fn transfer_coding() -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "unsupported-transfer-encoding",
+            "Unsupported transfer coding",
+        )
+        .detail(
+            "a request body may be sent with `Transfer-Encoding: chunked` alone, no other coding",
+        )
     }
 
     pub fn admin_disabled() -> Self {
@@ -345,11 +384,8 @@ impl IntoResponse for Problem {
                 HeaderValue::from(after.as_secs().max(1)),
             );
         }
-        if this.www_authenticate {
-            headers.insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"tally\""),
-            );
+        if let Some((name, value)) = this.header {
+            headers.insert(name, value);
         }
         res
     }

@@ -624,6 +624,113 @@ async fn a_request_needs_exactly_one_host() {
     app.stop().await.unwrap();
 }
 
+/// A body in a content coding, or a transfer coding besides `chunked`, is
+/// refused from the head: tally reads bodies as sent, and would otherwise
+/// parse compressed bytes as JSON, or count a body that only claims to be
+/// compressed. `identity`, and `chunked` alone, are taken.
+#[tokio::test]
+async fn bodies_in_codings_tally_does_not_take_apart_are_refused() {
+    let app = spawn_app().await;
+    app.budget("cb", 5, 5).await;
+    // A request's fields and body: `fields` then a `Content-Length`, or
+    // (`chunked`) the body in one chunk.
+    let request = |path: &str, fields: &str, chunked: bool, body: &str| {
+        let framed = match chunked {
+            true => format!("\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n", body.len()),
+            false => format!("Content-Length: {}\r\n\r\n{body}", body.len()),
+        };
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\n{fields}{framed}"
+        )
+    };
+    let refused = [
+        // Plain JSON that claims to be compressed: counting it would take
+        // the claim for a lie, and parsing real gzip would say the wrong
+        // thing (a 400 for JSON that does not parse).
+        (
+            "Content-Encoding: gzip\r\n",
+            false,
+            "415 ",
+            "unsupported-content-encoding",
+        ),
+        (
+            "Content-Encoding: identity, br\r\n",
+            false,
+            "415 ",
+            "unsupported-content-encoding",
+        ),
+        (
+            "Content-Encoding: gzip\r\nTransfer-Encoding: chunked",
+            true,
+            "415 ",
+            "unsupported-content-encoding",
+        ),
+        // hyper takes the chunks apart and hands over what is left.
+        (
+            "Transfer-Encoding: gzip, chunked",
+            true,
+            "400 ",
+            "unsupported-transfer-encoding",
+        ),
+        (
+            "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked",
+            true,
+            "400 ",
+            "unsupported-transfer-encoding",
+        ),
+    ];
+    for (fields, chunked, status, kind) in refused {
+        for (path, body) in [
+            ("/counters/coded", r#"{"by":5}"#),
+            ("/budgets/cb/check", r#"{"visitor":"v"}"#),
+        ] {
+            let answer = raw(&app, request(path, fields, chunked, body).as_bytes()).await;
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}")),
+                "{fields}: {answer}"
+            );
+            let (head, json) = answer.split_once("\r\n\r\n").unwrap();
+            let p: Value = serde_json::from_str(json).unwrap();
+            assert_eq!(p["type"], format!("/problems/{kind}"), "{fields}: {p}");
+            if status == "415 " {
+                assert!(
+                    head.to_ascii_lowercase()
+                        .contains("accept-encoding: identity"),
+                    "{head}"
+                );
+            }
+            if path.contains("check") {
+                assert_eq!(p["allowed"], false, "a check's refusal denies: {p}");
+            }
+        }
+    }
+    let v: Value = app.get("/counters/coded").await.json().await.unwrap();
+    assert_eq!(v["value"], 0, "no refused body was counted");
+    assert_eq!(app.usage("cb", "").await["global_calls"], 0);
+    // What is taken: `identity`, `chunked` alone, and a coding named on a
+    // request with no body.
+    for (fields, chunked, body) in [
+        ("Content-Encoding: identity\r\n", false, r#"{"by":5}"#),
+        ("Transfer-Encoding: chunked", true, r#"{"by":5}"#),
+        (
+            "Transfer-Encoding: Chunked\r\nContent-Encoding: IDENTITY",
+            true,
+            r#"{"by":5}"#,
+        ),
+        ("Content-Encoding: gzip\r\n", false, ""),
+    ] {
+        let answer = raw(
+            &app,
+            request("/counters/coded", fields, chunked, body).as_bytes(),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{fields}: {answer}");
+    }
+    let v: Value = app.get("/counters/coded").await.json().await.unwrap();
+    assert_eq!(v["value"], 16);
+    app.stop().await.unwrap();
+}
+
 /// A `POST` without a body is valid where the body is optional, whatever
 /// its `Content-Type`; a body that is there must still be JSON.
 #[tokio::test]
