@@ -134,12 +134,18 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
         return Err(not_json());
     }
     // Codings tally does not take apart: refused from the head too. hyper
-    // has taken a `chunked` body apart, and refused one whose last coding
-    // is anything else.
+    // has taken a `chunked` body apart, once, and refused one whose last
+    // coding is anything else; `chunked` may not be applied twice (RFC
+    // 9112, section 6.1).
     let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
-    if codings(req.headers(), header::TRANSFER_ENCODING)
-        .any(|c| !c.eq_ignore_ascii_case(b"chunked"))
-    {
+    let chunked_once = {
+        let mut transfer = codings(req.headers(), header::TRANSFER_ENCODING);
+        transfer
+            .next()
+            .is_none_or(|c| c.eq_ignore_ascii_case(b"chunked"))
+            && transfer.next().is_none()
+    };
+    if !chunked_once {
         return Err(Problem::transfer_coding());
     }
     if (chunked || declared.is_some_and(|n| n > 0))

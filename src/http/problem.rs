@@ -145,7 +145,8 @@ impl Problem {
             "Unsupported transfer coding",
         )
         .detail(
-            "a request body may be sent with `Transfer-Encoding: chunked` alone, no other coding",
+            "a request body may be sent with `Transfer-Encoding: chunked` alone: no other \
+             coding, and chunked once",
         )
     }
 

@@ -678,6 +678,14 @@ async fn bodies_in_codings_tally_does_not_take_apart_are_refused() {
             "400 ",
             "unsupported-transfer-encoding",
         ),
+        // Chunked twice: a proxy that took both apart would read another
+        // body than tally.
+        (
+            "Transfer-Encoding: chunked, chunked",
+            true,
+            "400 ",
+            "unsupported-transfer-encoding",
+        ),
     ];
     for (fields, chunked, status, kind) in refused {
         for (path, body) in [
