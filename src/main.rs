@@ -19,7 +19,10 @@ async fn main() -> ExitCode {
     // could die unnoticed (see `stop_requested`).
     let parent = std::os::unix::process::parent_id();
     let cli = Cli::parse();
-    tally::telemetry::init();
+    if let Err(e) = tally::telemetry::init() {
+        eprintln!("tally: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(cli.settings, parent).await,
         Command::Contention { writers, hold_ms } => {

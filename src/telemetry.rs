@@ -13,20 +13,28 @@ use std::{
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
 /// Installs the global subscriber. The filter comes from `TALLY_LOG`
-/// (`RUST_LOG` syntax, default `info`); the format from `TALLY_LOG_FORMAT`
-/// (`json` or `text`, default by whether stderr is a terminal).
-pub fn init() {
-    let mut filter =
-        EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+/// (default `info`, see [`filter`]); the format from `TALLY_LOG_FORMAT`
+/// (`json` or `text`, default by whether stderr is a terminal). A value
+/// that cannot be used is an error: tally does not start with logs that
+/// are not the ones asked for, or none at all.
+pub fn init() -> Result<(), String> {
+    let mut filter = match std::env::var("TALLY_LOG") {
+        Err(std::env::VarError::NotPresent) => EnvFilter::new("info"),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err("TALLY_LOG is not UTF-8".to_owned());
+        }
+        Ok(spec) => filter(&spec).map_err(|e| format!("TALLY_LOG={spec:?}: {e}"))?,
+    };
     // sqlx warns of a URL parameter it does not know with the parameter's
     // value, which can be a password (`sslpassword=...`).
     if let Ok(quiet) = "sqlx_postgres::options=error".parse() {
         filter = filter.add_directive(quiet);
     }
-    let json = match std::env::var("TALLY_LOG_FORMAT").as_deref() {
-        Ok("json") => true,
-        Ok("text") => false,
-        _ => !std::io::stderr().is_terminal(),
+    let json = match std::env::var("TALLY_LOG_FORMAT") {
+        Err(std::env::VarError::NotPresent) => !std::io::stderr().is_terminal(),
+        Ok(f) if f == "json" => true,
+        Ok(f) if f == "text" => false,
+        _ => return Err("TALLY_LOG_FORMAT must be `json` or `text`".to_owned()),
     };
     // Escape sequences are for a terminal to draw; in a file or a log
     // pipeline they are noise in every line. NO_COLOR (no-color.org) turns
@@ -48,6 +56,52 @@ pub fn init() {
             .with(fmt::layer().with_ansi(colours).with_writer(std::io::stderr))
             .init();
     }
+    Ok(())
+}
+
+/// The levels a filter may name.
+const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+
+/// `TALLY_LOG`, read strictly: comma-separated directives, each a level
+/// (`warn`) or `target=level` (`tally::request=debug`). `RUST_LOG`'s
+/// syntax also takes a bare word as a target to log at every level, which
+/// turns a misspelt level (`warning`) into a filter that writes nothing,
+/// errors included; and an unparsable filter would fall back to another.
+/// Both are refused here.
+pub fn filter(spec: &str) -> Result<EnvFilter, String> {
+    let directives: Vec<&str> = spec
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
+    if directives.is_empty() {
+        return Err("no directive: give a level (`info`), or leave TALLY_LOG unset".to_owned());
+    }
+    for d in &directives {
+        let (target, level) = match d.rsplit_once('=') {
+            Some((target, level)) => (Some(target), level),
+            None => (None, *d),
+        };
+        if !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(level)) {
+            return Err(format!(
+                "`{d}` names no level: each directive is a level ({}) or target=level",
+                LEVELS.join(", ")
+            ));
+        }
+        let target_ok = |t: &str| {
+            !t.is_empty()
+                && t.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_:-.".contains(&b))
+        };
+        if target.is_some_and(|t| !target_ok(t)) {
+            return Err(format!(
+                "`{d}`: a target is a module path such as `tally::request`"
+            ));
+        }
+    }
+    EnvFilter::builder()
+        .parse(directives.join(","))
+        .map_err(|e| e.to_string())
 }
 
 /// At most one log line per period from one place in the code, with how
@@ -122,5 +176,39 @@ mod tests {
         assert_eq!(t.admit_at(25_000), None);
         // The clock as it is: the first line of a new throttle is written.
         assert_eq!(Throttle::new(Duration::from_secs(10)).admit(), Some(0));
+    }
+
+    /// A filter that would log nothing, or something else than asked, is
+    /// refused; what `RUST_LOG` users write for levels and targets is
+    /// taken, white space around directives included.
+    #[test]
+    fn a_log_filter_is_a_level_or_target_level_pairs() {
+        for ok in [
+            "info",
+            "WARN",
+            "off",
+            "debug ",
+            "warn,tally=debug",
+            "info, tally::request=debug ,sqlx=warn",
+            "info,,tally=trace",
+            "tally-bench=info",
+        ] {
+            assert!(filter(ok).is_ok(), "{ok:?}: {:?}", filter(ok).err());
+        }
+        for (bad, why) in [
+            ("", "no directive"),
+            (" , ", "no directive"),
+            ("warning", "names no level"),
+            ("err", "names no level"),
+            ("tally", "names no level"),
+            ("warn,tally=loud", "names no level"),
+            ("info;sqlx=warn", "module path"),
+            ("=info", "module path"),
+            ("a=b=info", "module path"),
+            ("tally[span]=debug", "module path"),
+        ] {
+            let e = filter(bad).err().unwrap_or_else(|| panic!("{bad:?} taken"));
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
     }
 }

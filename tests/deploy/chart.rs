@@ -560,6 +560,9 @@ fn schema_rejects_unknown_keys_and_wrong_types() {
         ("shutdown.drainTimeoutSeconds", "ten"),
         ("metrics.podAnnotations", "maybe"),
         ("config.synchronous", "off"),
+        // Read as a target by RUST_LOG's syntax, it would log nothing.
+        ("config.log", "warning"),
+        ("config.log", "warn;tally=debug"),
         ("replica.forcePathStyle", "1"),
     ] {
         let e = refused(&[BUCKET, (key, value)]);

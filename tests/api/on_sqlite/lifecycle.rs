@@ -53,6 +53,31 @@ async fn a_port_in_use_is_a_clear_startup_failure() {
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
 }
 
+/// A log filter or format tally cannot use stops the start, with the
+/// reason: a misspelt level (`warning`, which `RUST_LOG`'s syntax reads as
+/// a target) used to start tally with no log at all, errors included, and
+/// a misspelt format was ignored.
+#[test]
+fn log_settings_that_cannot_be_used_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    let db = db.to_str().unwrap();
+    for (name, value, said) in [
+        ("TALLY_LOG", "warning", "names no level"),
+        ("TALLY_LOG", "", "no directive"),
+        ("TALLY_LOG", "warn,tally=loud", "names no level"),
+        ("TALLY_LOG_FORMAT", "txt", "`json` or `text`"),
+        ("TALLY_LOG_FORMAT", "JSON", "`json` or `text`"),
+    ] {
+        let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db), (name, value)]);
+        assert!(
+            err.contains(name) && err.contains(said),
+            "{name}={value:?}: {err}"
+        );
+    }
+    assert!(!dir.path().join("t.db").exists(), "nothing was opened");
+}
+
 /// A database a newer tally migrated (a rollback after an upgrade that
 /// brought a migration) is served, with a warning naming what this tally
 /// does not know; before, every start failed on it, and a rollback
