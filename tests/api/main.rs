@@ -12,6 +12,7 @@ mod budgets;
 mod clients;
 mod counters;
 mod deletes;
+mod forwarding;
 mod helpers;
 mod hostile_connections;
 mod idempotency;

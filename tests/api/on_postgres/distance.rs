@@ -27,11 +27,9 @@ use tokio::{
 };
 
 use crate::{
+    forwarding::accept_each,
     helpers::{ADMIN, Binary, problem},
-    on_postgres::{
-        forwarding::accept_each,
-        scale_out::{global_calls, json, metric, processes, put_budget, stop_all},
-    },
+    on_postgres::scale_out::{global_calls, json, metric, processes, put_budget, stop_all},
     postgres,
 };
 

@@ -18,8 +18,8 @@ use sqlx::Connection;
 use tokio::{net::TcpStream, task::JoinHandle};
 
 use crate::{
+    forwarding::accept_each,
     helpers::Binary,
-    on_postgres::forwarding::accept_each,
     postgres::{self, PgServer},
 };
 

@@ -11,6 +11,5 @@
 
 mod distance;
 mod failover;
-mod forwarding;
 mod pg_operations;
 mod scale_out;

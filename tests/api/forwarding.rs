@@ -1,5 +1,6 @@
-//! What the loopback forwarders standing between tally and a PostgreSQL
-//! server share: a listener whose every connection gets a task of its own.
+//! What the loopback forwarders standing between tally (or Litestream) and
+//! a server share: a listener whose every connection gets a task of its
+//! own.
 
 use std::net::SocketAddr;
 
