@@ -87,6 +87,10 @@ pub struct DbOptions {
     /// Whether tally checkpoints the WAL (automatically, and once more when it
     /// closes). Off when Litestream owns checkpointing.
     pub checkpoints: bool,
+    /// SQLite under Litestream: write a row at start (`replica_starts`), so
+    /// that the replica gate waits for an upload even when the database is
+    /// already level with its replica.
+    pub stamp_start: bool,
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,

@@ -69,6 +69,16 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 path: path.to_owned(),
                 source,
             })?;
+        if opts.stamp_start {
+            sqlx::query(
+                "INSERT INTO replica_starts (id, started_at) VALUES (1, ?) \
+                 ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at",
+            )
+            .bind(jiff::Timestamp::now().to_string())
+            .execute(&mut conn)
+            .await
+            .map_err(open_err)?;
+        }
         let readers = open_readers(path, opts.readers.max(1))
             .await
             .map_err(open_err)?;

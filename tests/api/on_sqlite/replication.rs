@@ -5,6 +5,10 @@
 
 use std::{
     collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -14,6 +18,7 @@ use serde_json::{Value, json};
 use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
 use crate::{
+    forwarding::accept_each,
     helpers::sample,
     on_sqlite::replica_env::{Deployment, S3, free_port},
 };
@@ -161,6 +166,126 @@ async fn acknowledged_writes_survive_stop_wipe_and_restore_twice() {
         assert_eq!(calls, expected);
         d.wipe();
     }
+}
+
+/// A loopback forwarder to an S3 server that, while `refusing` is set,
+/// answers every request that writes (`PUT`, `POST`, `DELETE`) `403
+/// AccessDenied` and closes, as a bucket policy or write access revoked
+/// would; reads pass through.
+struct WritesRefused {
+    endpoint: String,
+    refusing: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl WritesRefused {
+    async fn start(upstream: &str) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let target: std::net::SocketAddr = upstream.trim_start_matches("http://").parse().unwrap();
+        let refusing = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&refusing);
+        let (addr, task) = accept_each(move |mut inbound| {
+            let refusing = Arc::clone(&flag);
+            async move {
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut out_read, mut out_write) = outbound.into_split();
+                let (mut in_read, mut in_write) = inbound.split();
+                // Ends with whether it stopped at a write to refuse.
+                let up = async {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n @ 1..) = in_read.read(&mut buf).await {
+                        let writes = [&b"PUT "[..], b"POST ", b"DELETE "]
+                            .iter()
+                            .any(|m| buf[..n].starts_with(m));
+                        if writes && refusing.load(Ordering::SeqCst) {
+                            return true;
+                        }
+                        if out_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    false
+                };
+                let refuse = tokio::select! {
+                    refuse = up => refuse,
+                    _ = tokio::io::copy(&mut out_read, &mut in_write) => false,
+                };
+                if refuse {
+                    let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error>\
+                                <Code>AccessDenied</Code><Message>Access Denied</Message></Error>";
+                    let answer = format!(
+                        "HTTP/1.1 403 Forbidden\r\ncontent-type: application/xml\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = in_write.write_all(answer.as_bytes()).await;
+                }
+            }
+        })
+        .await;
+        WritesRefused {
+            endpoint: format!("http://{addr}"),
+            refusing,
+            task,
+        }
+    }
+}
+
+impl Drop for WritesRefused {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A restart in place (a container restarted in its pod, or a data
+/// directory on a disk of its own) finds its database level with the
+/// replica: the gate must still prove that the object store takes writes,
+/// not only that nothing was left to send. Before, it passed at once while
+/// every upload was refused, and writes acknowledged after it reached no
+/// replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_place_serves_only_once_the_replica_takes_a_write() {
+    let s3 = S3::start().await;
+    s3.create_bucket("inplace").await;
+    let store = WritesRefused::start(&s3.endpoint).await;
+    let d = Deployment::new(&store.endpoint, "inplace");
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    for _ in 0..3 {
+        let r = Client::new()
+            .post(run.url("/counters/kept"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    stop_cleanly(run).await;
+
+    // The same directory, every upload refused: tally must not listen.
+    store.refusing.store(true, Ordering::SeqCst);
+    let run = d.replicate();
+    let held = Instant::now();
+    while held.elapsed() < Duration::from_secs(4) {
+        assert!(
+            tokio::net::TcpStream::connect(run.listen).await.is_err(),
+            "tally listened before the replica took a write: {}",
+            run.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        run.line_of("replica confirmed in sync").is_none(),
+        "{}",
+        run.log_text()
+    );
+    // Uploads taken again: the gate passes, and what was kept is there.
+    store.refusing.store(false, Ordering::SeqCst);
+    run.wait_serving(Duration::from_secs(30)).await;
+    let r = reqwest::get(run.url("/counters/kept")).await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["value"], 3);
+    stop_cleanly(run).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
