@@ -1,6 +1,6 @@
 use std::{process::ExitCode, time::Duration};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use clap::Parser;
 use tally::{
     Application,
@@ -56,6 +56,12 @@ async fn main() -> ExitCode {
 
 async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
+    // One process at a time on a SQLite database, held until tally exits:
+    // not while a restore fills its directory, nor beside another tally.
+    let _lock = match &settings.database {
+        tally::Storage::Sqlite(db) => Some(lock_database(db)?),
+        tally::Storage::Postgres(_) => None,
+    };
     if let tally::Storage::Sqlite(db) = &settings.database
         && let Some(m) = tally::restore::marker(db)
     {
@@ -95,6 +101,26 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
         bail!("the parent process (Litestream, pid {pid}) exited; stopped");
     }
     Ok(())
+}
+
+/// The lock on `db`'s directory ([`tally::restore::lock_database`]).
+fn lock_database(db: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    if let Some(dir) = db.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    }
+    match tally::restore::lock_database(db)? {
+        Some(lock) => Ok(lock),
+        None => bail!(
+            "another process is using the database {} (it holds {}): a tally serving it, or a \
+             restore into its directory (`tally restore-to`, or a `litestream restore` one \
+             started). One process at a time: a second tally would answer reads from values \
+             the other changed, and one started during a restore would have its database \
+             replaced. Stop the other, or wait for the restore to end, and start again",
+            db.display(),
+            tally::restore::lock_path(db).display()
+        ),
+    }
 }
 
 async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {

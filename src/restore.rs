@@ -181,7 +181,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
         .await
         .context("reading the restores recorded in the latest state")?
     {
-        std::fs::rename(&latest, db).context("moving the latest state into place")?;
+        put_in_place(&latest, db).context("moving the latest state into place")?;
         remove_sqlite_files(&latest)?;
         tracing::warn!(
             target = done.target,
@@ -229,7 +229,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     restores::record(&restoring, &restored)
         .await
         .context("recording the restore in the database")?;
-    std::fs::rename(&restoring, db).context("moving the restored database into place")?;
+    put_in_place(&restoring, db).context("moving the restored database into place")?;
     remove_sqlite_files(&restoring)?;
     let marker = Marker {
         target,
@@ -264,13 +264,17 @@ struct PlanFile {
 /// What Litestream says when the replica holds nothing for the database.
 const NO_BACKUPS: &str = "no matching backup files available";
 
-/// The lock file beside `db` that one restore at a time holds, for as
-/// long as it or a Litestream it started runs. Two restores into one
-/// directory would remove each other's files, and one could move the
-/// other's half-restored file into place. The file stays: removed, a
-/// restore that had opened it would hold a lock nobody else takes.
-fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
-    let path = beside(db, "-restore.lock");
+/// The lock file beside `db` that one process at a time holds: `tally
+/// serve` for as long as it runs, and `tally restore-to` for as long as it
+/// or a Litestream it started runs. Two restores into one directory would
+/// remove each other's files, and one could move the other's half-restored
+/// file into place; a tally started during a restore would have its
+/// database replaced underneath it; and two tallies on one file would each
+/// answer reads from the values it committed itself. The file stays:
+/// removed, a process that had opened it would hold a lock nobody else
+/// takes. `None` when another process holds it.
+pub fn lock_database(db: &Path) -> anyhow::Result<Option<std::fs::File>> {
+    let path = lock_path(db);
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -279,17 +283,61 @@ fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => bail!(
-            "another restore is running into {}: a `tally restore-to`, or a `litestream \
-             restore` one started and that outlived it (a tally killed with SIGKILL leaves it \
-             running). Run one restore at a time: wait for it to end, or stop it, and run this \
-             again",
-            db.parent().unwrap_or(db).display()
-        ),
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
         Err(std::fs::TryLockError::Error(e)) => {
             Err(e).with_context(|| format!("locking {}", path.display()))
         }
+    }
+}
+
+/// `tally.db` -> `tally.db.lock`.
+pub fn lock_path(db: &Path) -> PathBuf {
+    beside(db, ".lock")
+}
+
+fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
+    match lock_database(db)? {
+        Some(lock) => Ok(lock),
+        None => bail!(
+            "another process is using {} (it holds {}): a tally serving that database, \
+             another `tally restore-to`, or a `litestream restore` one started and that \
+             outlived it (a tally killed with SIGKILL leaves it running). A restore fills an \
+             empty data directory with no tally running: stop the tally, or wait for the \
+             restore to end, and run this again",
+            db.display(),
+            lock_path(db).display()
+        ),
+    }
+}
+
+/// Moves the file at `from` into place as `db`, unless something has put a
+/// database there since the start of the restore (or left its WAL there):
+/// a process that does not take the lock (an older tally, a tool). A link
+/// fails where a rename would replace.
+fn put_in_place(from: &Path, db: &Path) -> anyhow::Result<()> {
+    let left: Vec<String> = leftovers(db)
+        .into_iter()
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !left.is_empty() {
+        bail!(
+            "{} appeared beside the database during the restore: something else uses this \
+             directory. Nothing was put in place; the restored file is left at {}",
+            left.join(", "),
+            from.display()
+        );
+    }
+    match std::fs::hard_link(from, db) {
+        Ok(()) => remove_file(from),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => bail!(
+            "a database appeared at {} during the restore: something else (a tally started \
+             meanwhile?) uses this directory. It was left as it is; the restored file is at {}",
+            db.display(),
+            from.display()
+        ),
+        Err(e) => Err(e).with_context(|| format!("moving {} into place", from.display())),
     }
 }
 

@@ -283,16 +283,41 @@ pub struct Binary {
 }
 
 /// Runs the binary with `env` (and nothing else of this process's) to
-/// its exit, a start that must fail with status 1; its stderr.
+/// its exit, a start that must fail with status 1 within 30 s; its stderr.
+/// One that is still running then is killed, and the test fails.
 pub fn failed_start(env: &[(&str, &str)]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_tally"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tally"))
         .env_clear()
         .env("TALLY_LISTEN", "127.0.0.1:0")
         .envs(env.iter().copied())
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // Read while it runs: a full pipe would hold it up.
+    let mut pipe = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+        text
+    });
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "tally started instead of failing: {}",
+                reader.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = reader.join().unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
     stderr
 }
 

@@ -326,3 +326,133 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A stand-in for Litestream: a shell script at `dir/litestream`.
+fn fake_litestream(dir: &Path, script: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let fake = dir.join("litestream");
+    std::fs::write(&fake, format!("#!/bin/sh\n{script}")).unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    fake
+}
+
+/// `tally restore-to` into `db` with `litestream` as Litestream.
+fn restore_to_with(db: &Path, litestream: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
+    c.env_clear()
+        .env("TALLY_DATABASE", db)
+        .args([
+            "restore-to",
+            "--timestamp",
+            "2026-05-01T10:04:00Z",
+            "--litestream",
+        ])
+        .arg(litestream);
+    c
+}
+
+/// A tally started while a restore fills its directory is refused (before,
+/// it started on an empty database, which the restore then replaced
+/// underneath it, WAL left beside); and a restore is refused while a tally
+/// serves the database.
+#[tokio::test]
+async fn a_restore_and_a_tally_never_share_a_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("litestream.pid");
+    let fake = fake_litestream(
+        dir.path(),
+        &format!("echo $$ > {}\nexec sleep 120\n", pid_file.display()),
+    );
+    let db = dir.path().join("data").join("tally.db");
+    let mut restore = restore_to_with(&db, &fake)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let waited = std::time::Instant::now();
+    let litestream = loop {
+        if let Ok(pid) = std::fs::read_to_string(&pid_file)
+            && let Ok(pid) = pid.trim().parse::<i32>()
+        {
+            break nix::unistd::Pid::from_raw(pid);
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "litestream never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        err.contains("another process is using the database") && err.contains("tally.db.lock"),
+        "{err}"
+    );
+    assert!(!db.exists(), "the refused start created no database");
+    // Killed with SIGKILL, the restore leaves its Litestream running, and
+    // that holds the lock until it ends too.
+    restore.kill().unwrap();
+    restore.wait().unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        err.contains("another process is using the database"),
+        "{err}"
+    );
+    nix::sys::signal::kill(litestream, Signal::SIGKILL).unwrap();
+    let gone = std::time::Instant::now();
+    while std::fs::read_to_string(format!("/proc/{litestream}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    }) {
+        assert!(
+            gone.elapsed() < Duration::from_secs(5),
+            "litestream left running"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    let out = restore_to_with(&db, &fake).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("a tally serving that database"), "{err}");
+    let second = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        second.contains("another process is using the database"),
+        "{second}"
+    );
+    drop(bin);
+}
+
+/// A database that appears while the restore runs (a process that takes no
+/// lock: an older tally, a tool) is left as it is: the restore fails and
+/// says where the restored file is, instead of renaming it over the other.
+#[tokio::test]
+async fn a_database_that_appears_during_a_restore_is_not_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("data").join("tally.db");
+    // The latest state and the restore: an empty file (an empty SQLite
+    // database); the plan: one file. During the restore to the instant a
+    // database appears in place.
+    let fake = fake_litestream(
+        dir.path(),
+        &format!(
+            r#"out=""; ts=""; prev=""
+for a in "$@"; do
+  case "$prev" in -o) out="$a";; -timestamp) ts="$a";; esac
+  case "$a" in -dry-run) echo '{{"max_txid":"0000000000000003","files":[{{"timestamp":"2026-05-01T10:03:00Z"}}]}}'; exit 0;; esac
+  prev="$a"
+done
+: > "$out"
+if [ -n "$ts" ]; then echo other > {}; fi
+"#,
+            db.display()
+        ),
+    );
+    let out = restore_to_with(&db, &fake).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("a database appeared at"), "{err}");
+    assert_eq!(std::fs::read_to_string(&db).unwrap(), "other\n");
+    assert!(
+        !db.with_file_name("tally.db-restored.json").exists(),
+        "no marker for a restore that was not put in place"
+    );
+}
