@@ -109,11 +109,15 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
             "a request takes one Content-Type, not several".into(),
         )));
     }
+    // The type alone, without its parameters (`; charset=utf-8`): RFC 9110
+    // lets white space stand before each `;` and parameters be empty,
+    // which the `mime` parser refuses, and tally reads no parameter.
     let is_json = req
         .headers()
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<mime::Mime>().ok())
+        .and_then(|v| v.split(';').next())
+        .and_then(|v| v.trim().parse::<mime::Mime>().ok())
         .is_some_and(|m| {
             m.type_() == mime::APPLICATION
                 && (m.subtype() == mime::JSON || m.suffix() == Some(mime::JSON))

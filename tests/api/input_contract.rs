@@ -110,15 +110,31 @@ async fn malformed_bodies_and_media_types() {
     problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
     let r = send(None, "{\"by\": 2}").await.unwrap();
     problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
-    // A JSON body with parameters in its media type is fine; so is an empty one.
-    let r = send(Some("application/json; charset=utf-8"), "{\"by\": 2}")
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
+    // A JSON body with parameters in its media type is fine, however RFC
+    // 9110 lets them be spaced (white space before `;`, empty ones); so is
+    // an empty body.
+    for ct in [
+        "application/json; charset=utf-8",
+        "application/json ; charset=utf-8",
+        "application/json;;charset=utf-8",
+        "Application/JSON;",
+        "application/problem+json ;charset=utf-8",
+    ] {
+        let r = send(Some(ct), "{\"by\": 2}").await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{ct}");
+    }
+    for ct in [
+        "application/jsonx",
+        "application /json",
+        "text/json; x=application/json",
+    ] {
+        let r = send(Some(ct), "{\"by\": 2}").await.unwrap();
+        problem(r, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    }
     let r = send(Some("application/json"), "").await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let r = app.get("/counters/x").await;
-    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 3);
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 11);
     app.stop().await.unwrap();
 }
 
