@@ -22,7 +22,11 @@ use crate::meter::{
 /// before it, at `now`) is kept; usage outside them is deleted at once: days
 /// before a shortened retention, and days after today that moving the time
 /// zone west leaves (they would otherwise count against a day that has not
-/// begun, and no client could read or reset them). What a day holds never
+/// begun, and no client could read or reset them). Nor does a new window
+/// bring back a day the old one had left: such a day may still be stored
+/// (a budget's usage is pruned by the day's first call), and a longer
+/// retention or a time zone moved west would otherwise show its old counts
+/// or none, by whether a call had come since. What a day holds never
 /// depends on whether a prune has run since.
 pub async fn put(
     conn: &mut impl Store,
@@ -30,9 +34,18 @@ pub async fn put(
     spec: &BudgetSpec,
     now: Timestamp,
 ) -> Result<Budget, Error> {
+    // A stored budget tally cannot read (its time zone gone from the
+    // database built in) is being replaced: only the new window counts.
+    let old_oldest = conn
+        .load_budgets(&[name.as_str()])
+        .await?
+        .into_iter()
+        .find_map(|row| from_row(row).ok())
+        .map(|old| old.spec.kept_days(now).oldest);
     conn.put_budget(name.as_str(), spec).await?;
     let kept = spec.kept_days(now);
-    conn.prune(name.as_str(), &kept.oldest.to_string()).await?;
+    let oldest = old_oldest.map_or(kept.oldest, |old| old.max(kept.oldest));
+    conn.prune(name.as_str(), &oldest.to_string()).await?;
     conn.prune_after(name.as_str(), &kept.today.to_string())
         .await?;
     Ok(Budget {

@@ -1328,3 +1328,70 @@ impl FreshPostgres {
             .unwrap();
     }
 }
+
+/// A day the budget's window had left may still be stored: usage is pruned
+/// by a day's first call. A PUT whose window reaches back over it (a longer
+/// retention, a time zone moved west) must not bring its old counts back:
+/// the day reads the same whether or not a call pruned it first.
+#[tokio::test]
+async fn a_new_window_never_brings_back_a_day_the_old_one_had_left() {
+    let name = Name::parse("b").unwrap();
+    let visitor = VisitorId::parse("a").unwrap();
+    let other = VisitorId::parse("other").unwrap();
+    let left = Day::parse("2026-03-09").unwrap();
+    // (old spec, when its calls were made, new spec, when it is put)
+    let cases = [
+        // Retention 1 to 7: 03-09 left the window on 03-11.
+        (
+            BudgetSpec::new(5, 5, Some(1), Some("UTC")).unwrap(),
+            "2026-03-10T12:00:00Z",
+            BudgetSpec::new(5, 5, Some(7), Some("UTC")).unwrap(),
+            "2026-03-12T12:00:00Z",
+        ),
+        // From UTC+14 to UTC: at 10:30 UTC it is 03-11 in Kiritimati
+        // (window 03-10..03-11) and 03-10 in UTC (window 03-09..03-10).
+        (
+            BudgetSpec::new(5, 5, Some(1), Some("Pacific/Kiritimati")).unwrap(),
+            "2026-03-10T09:00:00Z",
+            BudgetSpec::new(5, 5, Some(1), Some("UTC")).unwrap(),
+            "2026-03-10T10:30:00Z",
+        ),
+    ];
+    for (old, calls_at, new, put_at) in cases {
+        let (calls_at, put_at): (Timestamp, Timestamp) =
+            (calls_at.parse().unwrap(), put_at.parse().unwrap());
+        let mut read = Vec::new();
+        for pruned_first in [false, true] {
+            let mut conn = fresh_db().await;
+            budgets::put(&mut conn, &name, &old, calls_at)
+                .await
+                .unwrap();
+            for _ in 0..2 {
+                let item = CheckItem {
+                    budget: &name,
+                    visitor: &visitor,
+                    day: Some(left),
+                };
+                budgets::check(&mut conn, item, calls_at).await.unwrap();
+            }
+            if pruned_first {
+                // Today's first call prunes the day the window left.
+                let item = CheckItem {
+                    budget: &name,
+                    visitor: &other,
+                    day: None,
+                };
+                budgets::check(&mut conn, item, put_at).await.unwrap();
+            }
+            budgets::put(&mut conn, &name, &new, put_at).await.unwrap();
+            let item = CheckItem {
+                budget: &name,
+                visitor: &visitor,
+                day: Some(left),
+            };
+            let d = budgets::check(&mut conn, item, put_at).await.unwrap();
+            read.push((d.visitor_calls, d.global_calls));
+        }
+        assert_eq!(read, [(1, 1), (1, 1)], "{}", new.timezone_name);
+    }
+}
