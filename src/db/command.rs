@@ -415,7 +415,20 @@ impl Command {
                 ..
             } => format!("check {budget} today {visitor}"),
             Command::PutBudget { name, .. } => format!("put_budget {name}"),
-            Command::Reset { budget, .. } => format!("reset {budget}"),
+            // The day and the visitor: a reset of another day, or of one
+            // visitor rather than all, is another request.
+            Command::Reset {
+                budget,
+                day,
+                visitor,
+                ..
+            } => {
+                let day = day.map_or("today".to_owned(), |d| d.to_string());
+                match visitor {
+                    Some(v) => format!("reset {budget} {day} visitor {v}"),
+                    None => format!("reset {budget} {day}"),
+                }
+            }
             Command::DeleteBudget { name, .. } => format!("delete_budget {name}"),
             Command::DeleteCounter { name, .. } => format!("delete_counter {name}"),
         }

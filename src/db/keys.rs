@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{
     Error,
-    command::Deleted,
+    command::{Cleared, Deleted},
     store::{Store, StoredKey},
 };
 use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
@@ -68,8 +68,8 @@ pub async fn give_back(conn: &mut impl Store, keys: &[&str]) -> Result<(), Error
 }
 
 /// An answer an idempotency key keeps: how it is stored with the key and
-/// read back. Counter values, decisions and deletes are: only increments,
-/// checks and deletes take keys.
+/// read back. Counter values, decisions, deletes and resets are: only
+/// increments, checks, deletes and resets take keys.
 pub trait Kept: Sized {
     fn encode(&self) -> String;
     fn decode(stored: &str) -> Result<Self, String>;
@@ -109,6 +109,23 @@ impl Kept for Deleted {
             "deleted" => Ok(Deleted),
             other => Err(format!("`{other}` is no stored delete")),
         }
+    }
+}
+
+/// A reset keeps the day it cleared and how many rows it deleted: its
+/// retry answers the same, and clears nothing counted since.
+impl Kept for Cleared {
+    fn encode(&self) -> String {
+        format!("{} {}", self.day, self.deleted_rows)
+    }
+
+    fn decode(stored: &str) -> Result<Self, String> {
+        let bad = || format!("`{stored}` is no stored reset");
+        let (day, rows) = stored.split_once(' ').ok_or_else(bad)?;
+        Ok(Cleared {
+            day: Day::parse(day).map_err(|_| bad())?,
+            deleted_rows: rows.parse().map_err(|_| bad())?,
+        })
     }
 }
 

@@ -450,15 +450,17 @@ impl Handle {
     }
 
     /// Clears a day's usage of a budget (its today when `None`): every row
-    /// of that day, or one visitor's only. Answers the day and the rows
-    /// deleted.
+    /// of that day, or one visitor's only, under an idempotency key if
+    /// given. Answers the day and the rows deleted, and whether that was
+    /// replayed for its key.
     pub async fn reset(
         &self,
         budget: Name,
         day: Option<Day>,
         visitor: Option<VisitorId>,
+        key: Option<IdempotencyKey>,
         request_id: Option<Arc<str>>,
-    ) -> Result<(Day, u64), Error> {
+    ) -> Result<(Cleared, bool), Error> {
         let (reply, answer) = Reply::new();
         let command = Command::Reset {
             budget,
@@ -466,9 +468,7 @@ impl Handle {
             visitor,
             reply,
         };
-        self.submit(command, None, request_id, answer)
-            .await
-            .map(|(Cleared { day, deleted_rows }, _)| (day, deleted_rows))
+        self.submit(command, key, request_id, answer).await
     }
 
     /// Deletes a budget and all its usage, in one transaction, under an

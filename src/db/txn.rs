@@ -773,7 +773,7 @@ async fn apply(conn: &mut impl Store, command: &mut Command, now: Timestamp) {
 /// Applies a keyed command once: if its key is known, answers what was
 /// stored for it (or refuses a different command reusing the key);
 /// otherwise applies the command and stores its answer under the key, in
-/// the same savepoint. Increments, checks and deletes take keys.
+/// the same savepoint. Increments, checks, deletes and resets take keys.
 async fn apply_once(
     conn: &mut impl Store,
     command: &mut Command,
@@ -798,6 +798,7 @@ async fn apply_once(
         Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
             remember(conn, key, reply).await
         }
+        Command::Reset { reply, .. } => remember(conn, key, reply).await,
         _ => Ok(()),
     };
     if let Err(e) = remembered {
@@ -821,6 +822,7 @@ fn replay(command: &mut Command, stored: &StoredKey, now: Timestamp) {
         Command::DeleteBudget { reply, .. } | Command::DeleteCounter { reply, .. } => {
             reply.set_replayed(keys::replay(stored))
         }
+        Command::Reset { reply, .. } => reply.set_replayed(keys::replay(stored)),
         other => other.fail(Error::Internal(
             format!("{} takes no key, yet one is stored", other.kind()).into(),
         )),

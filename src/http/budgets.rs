@@ -64,16 +64,20 @@ impl From<Budget> for BudgetView {
 
 /// Creates or replaces a budget (admin).
 #[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets",
-    params(("name" = inline(Name), Path)),
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
     request_body(content = BudgetBody, content_type = "application/json"),
     security(("admin" = [])),
     responses((status = 200, description = "Stored", body = BudgetView),
         AdminProblems, WriteProblems, Problems))]
+/// A `PUT` is idempotent by itself (the same request sets the same
+/// budget), so an `Idempotency-Key` is checked as on every write (one
+/// field, a valid key) and not stored.
 pub async fn put(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
     _: Query<NoQuery>,
+    _: IdempotencyKeyHeader,
     JsonBody(body): JsonBody<BudgetBody>,
 ) -> Result<Json<BudgetView>, Problem> {
     let spec = BudgetSpec::new(
@@ -438,30 +442,43 @@ pub struct ResetView {
 
 /// Clears a day's usage of a budget (admin).
 #[utoipa::path(post, path = "/budgets/{name}/reset", operation_id = "resetUsage", tag = "budgets",
-    params(("name" = inline(Name), Path)),
+    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
     request_body(content = Option<ResetBody>, content_type = "application/json"),
     security(("admin" = [])),
-    responses((status = 200, description = "Cleared", body = ResetView),
+    responses((status = 200, description = "Cleared", body = ResetView,
+        headers(("Idempotent-Replayed" = bool, description = "On a reset replayed for its Idempotency-Key"))),
         AdminProblems, WriteProblems, Problems))]
 /// Clears a day's usage of a budget (today in its time zone by default):
-/// every row of that day, or one visitor's only.
+/// every row of that day, or one visitor's only. A retry under the same
+/// `Idempotency-Key` answers the first reset's result and clears nothing
+/// counted since.
 pub async fn reset(
     _: Admin,
     State(state): State<AppState>,
     Path(name): Path<Name>,
     _: Query<NoQuery>,
+    key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<ResetBody>,
-) -> Result<Json<ResetView>, Problem> {
-    let (day, deleted_rows) = state
+) -> Result<(HeaderMap, Json<ResetView>), Problem> {
+    let (cleared, replayed) = state
         .db
-        .reset(name.clone(), body.day, body.visitor.clone(), request_id())
+        .reset(
+            name.clone(),
+            body.day,
+            body.visitor.clone(),
+            key.0,
+            request_id(),
+        )
         .await?;
-    Ok(Json(ResetView {
-        budget: name,
-        day,
-        visitor: body.visitor,
-        deleted_rows,
-    }))
+    Ok((
+        replayed_header(replayed),
+        Json(ResetView {
+            budget: name,
+            day: cleared.day,
+            visitor: body.visitor,
+            deleted_rows: cleared.deleted_rows,
+        }),
+    ))
 }
 
 #[cfg(test)]

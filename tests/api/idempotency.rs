@@ -215,3 +215,66 @@ async fn two_keys_in_one_request_are_refused() {
     assert_eq!(r.json::<Value>().await.unwrap()["value"], 0);
     app.stop().await.unwrap();
 }
+
+/// A reset retried under its key answers the first reset's result and
+/// clears nothing counted since (without the key a retry would hand the
+/// visitor its allowance again); the same key on another reset is `422`.
+/// A `PUT` takes no stored key but checks the field like every write.
+#[tokio::test]
+async fn a_retried_reset_is_answered_not_applied() {
+    let app = spawn_app().await;
+    app.budget("rk", 1, 100).await;
+    let reset = |key: &'static str, body: Value| {
+        app.client
+            .post(app.url("/budgets/rk/reset"))
+            .bearer_auth(crate::helpers::ADMIN)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+    };
+    let allowed = async || {
+        let r = app
+            .post_json("/budgets/rk/check", json!({"visitor": "a"}))
+            .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        r.json::<Value>().await.unwrap()["allowed"] == true
+    };
+    assert!(allowed().await);
+    let first = reset("reset-1", json!({"visitor": "a"})).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(first["deleted_rows"], 1, "{first}");
+    // Counted after the reset, then the reset retried: still counted.
+    assert!(allowed().await);
+    let retried = reset("reset-1", json!({"visitor": "a"})).await.unwrap();
+    assert_eq!(retried.status(), StatusCode::OK);
+    assert_eq!(retried.headers()["idempotent-replayed"], "true");
+    assert_eq!(retried.json::<Value>().await.unwrap(), first);
+    assert!(!allowed().await, "the retry cleared nothing");
+    // The key on another reset: all visitors, or another visitor.
+    for other in [json!({}), json!({"visitor": "b"})] {
+        let r = reset("reset-1", other).await.unwrap();
+        let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+        assert_eq!(p["type"], "/problems/idempotency-key-reused", "{p}");
+    }
+    assert_eq!(app.usage("rk", "visitor=a").await["visitor_calls"], 2);
+    assert_eq!(app.usage("rk", "").await["global_calls"], 2);
+    // Two key fields: 400 on a reset and on a PUT, and nothing done.
+    for (method, path) in [("POST", "/budgets/rk/reset"), ("PUT", "/budgets/rk")] {
+        let r = app
+            .client
+            .request(method.parse().unwrap(), app.url(path))
+            .bearer_auth(crate::helpers::ADMIN)
+            .header("idempotency-key", "k-a")
+            .header("idempotency-key", "k-b")
+            .json(&json!({"visitor_limit": 5, "global_limit": 5}))
+            .send()
+            .await
+            .unwrap();
+        problem(r, StatusCode::BAD_REQUEST).await;
+    }
+    let b: Value = app.get("/budgets/rk").await.json().await.unwrap();
+    assert_eq!(b["visitor_limit"], 1, "the PUT changed nothing");
+    app.stop().await.unwrap();
+}
