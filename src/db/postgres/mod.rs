@@ -396,6 +396,21 @@ pub async fn open(
     let mut conn = connect(&migrating)
         .await
         .map_err(|e| fail(format!("cannot connect: {e}")))?;
+    // Names and visitor ids are UTF-8, and the lists' upper bound is the
+    // last code point: a database in another encoding refuses whatever it
+    // cannot hold, and every list would fail on it. Said at start.
+    let encoding: String = sqlx::query_scalar("SELECT current_setting('server_encoding')")
+        .fetch_one(&mut conn)
+        .await
+        .map_err(|e| fail(format!("cannot read the database's encoding: {e}")))?;
+    if encoding != "UTF8" {
+        return Err(fail(format!(
+            "the database is encoded {encoding}; tally stores names and visitor ids as UTF-8, \
+             which {encoding} cannot hold all of (every list would fail, and checks by many \
+             visitors): create it with ENCODING 'UTF8' (CREATE DATABASE ... ENCODING 'UTF8' \
+             TEMPLATE template0)"
+        )));
+    }
     let schema = schema(&mut conn, opts.schema.as_deref())
         .await
         .map_err(&fail)?;

@@ -158,6 +158,27 @@ async fn a_database_that_turns_read_only_is_unavailable_and_then_writable_again(
     stop_all(bins).await;
 }
 
+/// A database in an encoding other than UTF-8 cannot hold every name and
+/// visitor id, nor the lists' upper bound: on one, every list failed
+/// (`500`) and checks by visitors it cannot spell were denied. tally now
+/// refuses it at start, and says how to create one it can use.
+#[tokio::test]
+async fn a_database_not_in_utf8_is_refused_at_start() {
+    let server = postgres::server_url();
+    let db = unique("tally_latin1");
+    run_sql(
+        &server,
+        format!("CREATE DATABASE {db} ENCODING 'LATIN1' TEMPLATE template0 LOCALE 'C'"),
+    )
+    .await;
+    let url = format!("{}/{db}", server.rsplit_once('/').unwrap().0);
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(
+        e.contains("the database is encoded LATIN1") && e.contains("ENCODING 'UTF8'"),
+        "{e}"
+    );
+}
+
 /// Two processes writing the same counters, one with Idempotency-Keys (its
 /// batches run command by command, in lock order computed in Rust) and one
 /// without (its batches run set-based, ordered in SQL), on a database whose
