@@ -177,7 +177,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
             ));
         }
     }
-    if let Some(done) = restores::find(&latest, &target)
+    if let Some(done) = restores::find(&latest, target_ts)
         .await
         .context("reading the restores recorded in the latest state")?
     {

@@ -24,8 +24,10 @@ pub struct Restored {
 }
 
 /// The restore to `target` recorded in the database at `db`, if any. A
-/// database without the table has none.
-pub async fn find(db: &Path, target: &str) -> Result<Option<Restored>, sqlx::Error> {
+/// database without the table has none. Instants are compared as
+/// instants, not as text: a release that writes them otherwise (more
+/// fractional digits, say) still finds a restore an earlier one recorded.
+pub async fn find(db: &Path, target: jiff::Timestamp) -> Result<Option<Restored>, sqlx::Error> {
     let mut conn = SqliteConnectOptions::new()
         .filename(db)
         .read_only(true)
@@ -40,13 +42,14 @@ pub async fn find(db: &Path, target: &str) -> Result<Option<Restored>, sqlx::Err
         conn.close().await?;
         return Ok(None);
     }
-    let row: Option<(String, String, String)> = sqlx::query_as(
-        "SELECT target, txid, restored_at FROM point_in_time_restores WHERE target = ?",
-    )
-    .bind(target)
-    .fetch_optional(&mut conn)
-    .await?;
+    let rows: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT target, txid, restored_at FROM point_in_time_restores")
+            .fetch_all(&mut conn)
+            .await?;
     conn.close().await?;
+    let row = rows
+        .into_iter()
+        .find(|(t, _, _)| t.parse::<jiff::Timestamp>().is_ok_and(|t| t == target));
     Ok(row.map(|(target, txid, restored_at)| Restored {
         target,
         txid,
@@ -77,4 +80,31 @@ pub async fn record(db: &Path, restored: &Restored) -> Result<(), sqlx::Error> {
     .execute(&mut conn)
     .await?;
     conn.close().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record is found by its instant however the text spells it: with
+    /// the digits another release writes, or none, it is the same restore.
+    #[tokio::test]
+    async fn a_restore_is_found_by_its_instant_not_its_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        // What a restore leaves: a database file (here an empty one).
+        std::fs::File::create(&db).unwrap();
+        let restored = Restored {
+            target: "2026-05-01T10:04:00.500000000Z".to_owned(),
+            txid: "0000000000000007".to_owned(),
+            restored_at: "2026-05-01T11:00:00Z".to_owned(),
+        };
+        record(&db, &restored).await.unwrap();
+        for same in ["2026-05-01T10:04:00.5Z", "2026-05-01T12:04:00.50+02:00"] {
+            let found = find(&db, same.parse().unwrap()).await.unwrap();
+            assert_eq!(found.as_ref(), Some(&restored), "{same}");
+        }
+        let other = find(&db, "2026-05-01T10:04:00Z".parse().unwrap()).await;
+        assert_eq!(other.unwrap(), None);
+    }
 }
