@@ -522,7 +522,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         }
         let e = restore_to(&db, at, &ls).await.unwrap_err();
         assert!(
-            format!("{e:#}").contains("another restore is running"),
+            format!("{e:#}").contains("another process is using"),
             "{e:#}"
         );
         let e = first.await.unwrap().unwrap_err();
@@ -546,7 +546,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
         let e = restore_to(&db, at, &ls).await.unwrap_err();
         assert!(
-            format!("{e:#}").contains("another restore is running"),
+            format!("{e:#}").contains("another process is using"),
             "{e:#}"
         );
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
