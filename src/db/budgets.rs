@@ -37,12 +37,10 @@ pub async fn put(
     // A stored budget tally cannot read (its time zone gone from the
     // database built in) is being replaced: only the new window counts.
     let old_oldest = conn
-        .load_budgets(&[name.as_str()])
+        .put_budget(name.as_str(), spec)
         .await?
-        .into_iter()
-        .find_map(|row| from_row(row).ok())
+        .and_then(|row| from_row(row).ok())
         .map(|old| old.spec.kept_days(now).oldest);
-    conn.put_budget(name.as_str(), spec).await?;
     let kept = spec.kept_days(now);
     let oldest = old_oldest.map_or(kept.oldest, |old| old.max(kept.oldest));
     conn.prune(name.as_str(), &oldest.to_string()).await?;

@@ -103,8 +103,15 @@ pub(super) trait Store {
         }
     }
 
-    /// Creates or replaces a budget's configuration.
-    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error>;
+    /// Creates or replaces a budget's configuration; the one it replaced,
+    /// if any. Read under the row's exclusive lock where other processes
+    /// write (PostgreSQL): two `PUT`s of one budget wait for each other,
+    /// where share locks upgraded to write would deadlock.
+    async fn put_budget(
+        &mut self,
+        name: &str,
+        spec: &BudgetSpec,
+    ) -> Result<Option<BudgetRow>, Error>;
 
     /// The named budgets that exist.
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error>;

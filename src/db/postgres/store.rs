@@ -74,7 +74,19 @@ impl Store for PgConnection {
         }
     }
 
-    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
+    async fn put_budget(
+        &mut self,
+        name: &str,
+        spec: &BudgetSpec,
+    ) -> Result<Option<BudgetRow>, Error> {
+        let replaced: Option<BudgetRow> = sqlx::query_as(
+            "SELECT name, visitor_limit, global_limit, retention_days, timezone
+             FROM budgets WHERE name = $1 FOR UPDATE",
+        )
+        .bind(name)
+        .fetch_optional(&mut *self)
+        .await
+        .map_err(error)?;
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
              VALUES ($1, $2, $3, $4, $5,
@@ -93,7 +105,7 @@ impl Store for PgConnection {
         .bind(&spec.timezone_name)
         .execute(self)
         .await.map_err(error)?;
-        Ok(())
+        Ok(replaced)
     }
 
     /// With a share lock on each budget until COMMIT: a check decides with

@@ -160,7 +160,12 @@ impl Store for SqliteConnection {
         }
     }
 
-    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
+    async fn put_budget(
+        &mut self,
+        name: &str,
+        spec: &BudgetSpec,
+    ) -> Result<Option<BudgetRow>, Error> {
+        let replaced = load_budgets(&mut *self, &[name]).await?.pop();
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)
@@ -179,7 +184,7 @@ impl Store for SqliteConnection {
         .bind(Timestamp::now().to_string())
         .execute(self)
         .await.map_err(error)?;
-        Ok(())
+        Ok(replaced)
     }
 
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
