@@ -60,6 +60,11 @@ impl Application {
     /// Opens the database (running migrations), starts the writer and binds
     /// the listener. Nothing is served until [`Self::run_until_stopped`].
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        // The listeners are bound once the database is open and the
+        // replica gate has passed, which can take minutes; an address that
+        // cannot be listened on is found now, before the database is
+        // touched, not at the end of that wait.
+        try_listen(&settings)?;
         let admin_token = admin_token(&settings);
         let exporter = prometheus::install();
         prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());
@@ -297,6 +302,21 @@ async fn replica_gate(
         db_path,
         REPLICA_WATCH_EVERY,
     )))
+}
+
+/// Binds each fixed address tally will listen on, without listening, and
+/// lets it go at once. A port of 0 is left alone: any free port will do.
+fn try_listen(settings: &Settings) -> anyhow::Result<()> {
+    let fixed = [
+        (Some(settings.listen), ""),
+        (settings.metrics_listen, " for metrics"),
+    ];
+    for (addr, what) in fixed {
+        if let Some(addr) = addr.filter(|a| a.port() != 0) {
+            server::try_bind(addr).with_context(|| format!("cannot listen on {addr}{what}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// Serves `/metrics` on its own listener until `stop` is cancelled.

@@ -120,16 +120,28 @@ const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds a listener at `addr` with a backlog sized for bursts.
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    bound(addr)?.listen(LISTEN_BACKLOG)
+}
+
+/// Whether [`bind`] at `addr` would succeed now (a port in use, or one the
+/// process may not bind, fails), without listening: a client that connects
+/// meanwhile is refused as before, never accepted and then dropped.
+pub fn try_bind(addr: SocketAddr) -> io::Result<()> {
+    bound(addr).map(drop)
+}
+
+fn bound(addr: SocketAddr) -> io::Result<TcpSocket> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
     // As `TcpListener::bind` does: a restarted tally can listen again at
-    // once, without waiting for the old connections' TIME_WAIT.
+    // once, without waiting for the old connections' TIME_WAIT. Another
+    // socket listening at `addr` still makes the bind fail.
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)
+    Ok(socket)
 }
 
 /// Serves `router` on `listener` until `stop` is cancelled, then drains:
@@ -503,5 +515,26 @@ mod tests {
         assert_eq!(v["status"], 503);
         assert_eq!(v["type"], "/problems/too-many-connections");
         assert_eq!(v["allowed"], false, "it may be a check's answer");
+    }
+
+    /// The start's trial of its address finds a port in use, and is never
+    /// seen by a client: while it holds the address, a connection is
+    /// refused (the replica gate's promise: nothing listens before it).
+    #[tokio::test]
+    async fn a_trial_bind_finds_a_port_in_use_and_accepts_nothing() {
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let taken = bind(addr).unwrap();
+        let busy = taken.local_addr().unwrap();
+        let e = try_bind(busy).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse);
+        drop(taken);
+
+        try_bind(busy).unwrap();
+        let held = bound(busy).unwrap();
+        let e = tokio::net::TcpStream::connect(busy).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+        drop(held);
+        // And the real bind follows it at once.
+        bind(busy).unwrap();
     }
 }

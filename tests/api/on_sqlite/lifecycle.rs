@@ -40,17 +40,27 @@ async fn startup_failures_exit_non_zero_with_a_message() {
     }
 }
 
+/// A port in use, for the API or for metrics, stops the start before the
+/// database is opened: the listeners are bound only after the replica gate,
+/// which can take minutes, and the address is tried first.
 #[tokio::test]
 async fn a_port_in_use_is_a_clear_startup_failure() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("t.db");
-    let err = crate::helpers::failed_start(&[
-        ("TALLY_DATABASE", db.to_str().unwrap()),
-        ("TALLY_LISTEN", &addr),
-    ]);
-    assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
+    let db = db.to_str().unwrap();
+    for (name, said) in [
+        ("TALLY_LISTEN", format!("cannot listen on {addr}")),
+        (
+            "TALLY_METRICS_LISTEN",
+            format!("cannot listen on {addr} for metrics"),
+        ),
+    ] {
+        let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db), (name, &addr)]);
+        assert!(err.contains(&said), "{name}: {err}");
+    }
+    assert!(!dir.path().join("t.db").exists(), "nothing was opened");
 }
 
 /// A log filter or format tally cannot use stops the start, with the
