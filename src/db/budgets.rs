@@ -311,11 +311,13 @@ pub async fn reset(
     visitor: Option<&VisitorId>,
     now: Timestamp,
 ) -> Result<(Day, u64), Error> {
-    let rows = conn
-        .load_budgets(&[budget.as_str()])
+    // Its row exclusively, before the day: an operator's transaction may
+    // replace or delete the budget next ([`Store::lock_budget`]).
+    let row = conn
+        .lock_budget(budget.as_str())
         .await
         .map_err(Error::at_budget)?;
-    let day = one(rows, budget)?.day(day, now)?;
+    let day = one(Vec::from_iter(row), budget)?.day(day, now)?;
     let (b, d) = (budget.as_str(), day.to_string());
     conn.lock_days(&[(b, &d)]).await.map_err(Error::at_day)?;
     let deleted = conn

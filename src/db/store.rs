@@ -104,9 +104,9 @@ pub(super) trait Store {
     }
 
     /// Creates or replaces a budget's configuration; the one it replaced,
-    /// if any. Read under the row's exclusive lock where other processes
-    /// write (PostgreSQL): two `PUT`s of one budget wait for each other,
-    /// where share locks upgraded to write would deadlock.
+    /// if any, read as [`Self::lock_budget`] reads it: two `PUT`s of one
+    /// budget wait for each other, where share locks upgraded to write
+    /// would deadlock.
     async fn put_budget(
         &mut self,
         name: &str,
@@ -115,6 +115,16 @@ pub(super) trait Store {
 
     /// The named budgets that exist.
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error>;
+
+    /// A budget, read to change what it holds (a reset of its usage, a
+    /// replacement), if it exists. Where other processes write
+    /// (PostgreSQL) its row is then the transaction's alone until it ends:
+    /// a command after it on the same budget in the same transaction (an
+    /// operator's `PUT` or delete after a reset) never has to upgrade a
+    /// share lock to a write lock, which would deadlock with a check
+    /// elsewhere that holds a share lock and waits for a day this
+    /// transaction locked.
+    async fn lock_budget(&mut self, name: &str) -> Result<Option<BudgetRow>, Error>;
 
     /// Makes every `(budget, day)` the transaction's own until it ends:
     /// whatever a check or reset of that day reads stays true until COMMIT,

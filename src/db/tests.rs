@@ -1395,3 +1395,64 @@ async fn a_new_window_never_brings_back_a_day_the_old_one_had_left() {
         assert_eq!(read, [(1, 1), (1, 1)], "{}", new.timezone_name);
     }
 }
+
+/// On PostgreSQL an operator's transaction that resets a budget's day and
+/// then replaces or deletes the budget (one batch of admin commands, run
+/// command by command) never deadlocks with a check on another process:
+/// the check holds the budget's share lock and waits for the day, which
+/// the reset has locked. Were the reset to read the budget with a share
+/// lock too, the `PUT` or delete after it would wait for the check's, and
+/// each would wait for the other until PostgreSQL broke one.
+#[tokio::test]
+async fn a_reset_then_a_change_of_its_budget_never_deadlocks_with_a_check() {
+    use sqlx::PgConnection;
+
+    use super::store::Store;
+    let name = Name::parse("b").unwrap();
+    let spec = BudgetSpec::new(5, 50, Some(1), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let today = spec.kept_days(now).today.to_string();
+    for delete in [false, true] {
+        let db = FreshPostgres::new("reset_then_change").await;
+        let mut admin = PgConnection::connect(&db.url).await.unwrap();
+        let mut check = PgConnection::connect(&db.url).await.unwrap();
+        budgets::put(&mut admin, &name, &spec, now).await.unwrap();
+
+        // The check, as another process's writer runs it: the budget's
+        // share lock first, then its day.
+        sqlx::raw_sql("BEGIN").execute(&mut check).await.unwrap();
+        assert_eq!(check.load_budgets(&["b"]).await.unwrap().len(), 1);
+        let operator = tokio::spawn({
+            let (name, spec) = (name.clone(), spec.clone());
+            async move {
+                sqlx::raw_sql("BEGIN").execute(&mut admin).await.unwrap();
+                budgets::reset(&mut admin, &name, None, None, now).await?;
+                match delete {
+                    true => budgets::delete(&mut admin, &name).await.map(drop)?,
+                    false => budgets::put(&mut admin, &name, &spec, now)
+                        .await
+                        .map(drop)?,
+                }
+                sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
+                Ok::<_, super::Error>(())
+            }
+        });
+        // Long enough for the operator's transaction to reach its wait.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let day = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            check.lock_days(&[("b", &today)]),
+        )
+        .await
+        .expect("the check waited 20 s for its day");
+        day.expect("the check's day");
+        sqlx::raw_sql("COMMIT").execute(&mut check).await.unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(20), operator)
+            .await
+            .expect("the operator's transaction waited 20 s")
+            .unwrap()
+            .unwrap_or_else(|e| panic!("delete {delete}: {e}"));
+        drop(check);
+        db.drop().await;
+    }
+}

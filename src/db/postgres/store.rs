@@ -79,14 +79,7 @@ impl Store for PgConnection {
         name: &str,
         spec: &BudgetSpec,
     ) -> Result<Option<BudgetRow>, Error> {
-        let replaced: Option<BudgetRow> = sqlx::query_as(
-            "SELECT name, visitor_limit, global_limit, retention_days, timezone
-             FROM budgets WHERE name = $1 FOR UPDATE",
-        )
-        .bind(name)
-        .fetch_optional(&mut *self)
-        .await
-        .map_err(error)?;
+        let replaced = self.lock_budget(name).await?;
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
              VALUES ($1, $2, $3, $4, $5,
@@ -120,6 +113,17 @@ impl Store for PgConnection {
         )
         .bind(names)
         .fetch_all(self)
+        .await
+        .map_err(error)
+    }
+
+    async fn lock_budget(&mut self, name: &str) -> Result<Option<BudgetRow>, Error> {
+        sqlx::query_as(
+            "SELECT name, visitor_limit, global_limit, retention_days, timezone
+             FROM budgets WHERE name = $1 FOR UPDATE",
+        )
+        .bind(name)
+        .fetch_optional(self)
         .await
         .map_err(error)
     }

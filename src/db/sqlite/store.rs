@@ -165,7 +165,7 @@ impl Store for SqliteConnection {
         name: &str,
         spec: &BudgetSpec,
     ) -> Result<Option<BudgetRow>, Error> {
-        let replaced = load_budgets(&mut *self, &[name]).await?.pop();
+        let replaced = self.lock_budget(name).await?;
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)
@@ -189,6 +189,11 @@ impl Store for SqliteConnection {
 
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error> {
         load_budgets(self, names).await
+    }
+
+    /// The writer's connection is the only one that writes: nothing to lock.
+    async fn lock_budget(&mut self, name: &str) -> Result<Option<BudgetRow>, Error> {
+        Ok(load_budgets(self, &[name]).await?.pop())
     }
 
     async fn lock_days(&mut self, _days: &[(&str, &str)]) -> Result<(), Error> {
