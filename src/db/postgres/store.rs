@@ -370,11 +370,14 @@ impl Store for PgConnection {
         keys.iter()
             .map(|(key, _)| match claimed.contains(key) {
                 true => Ok(None),
-                // Gone between the two statements (forgotten as expired by
-                // another process, which only forgets keys a day old): the
-                // caller hears an error and may retry.
+                // Gone between the two statements: forgotten as expired by
+                // another process (keys may be kept for as little as a
+                // second). A race lost, as a deadlock is: the batch runs
+                // again, and this time claims the key.
                 false => stored.remove(*key).map(Some).ok_or_else(|| {
-                    Error::Internal("an idempotency key vanished while claimed".into())
+                    Error::Raced(Arc::new(sqlx::Error::Protocol(
+                        "an idempotency key was forgotten as expired while claimed".into(),
+                    )))
                 }),
             })
             .collect()
