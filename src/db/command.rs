@@ -247,7 +247,7 @@ pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
     ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("put_budget", &["ok", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
-    ("reset", &["ok", "unknown_budget", "day_outside_window", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("reset", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("delete_budget", &["ok", "unknown_budget", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("delete_counter", &["ok", "unknown_counter", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
 ];
@@ -547,6 +547,13 @@ mod tests {
             for r in *results {
                 assert!(kinds.contains(r), "{command}: {r}");
             }
+            // Every write but a budget's PUT stores its Idempotency-Key,
+            // and so can find it reused.
+            assert_eq!(
+                results.contains(&"key_reused"),
+                *command != "put_budget",
+                "{command}"
+            );
         }
     }
 }
