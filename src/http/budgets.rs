@@ -10,7 +10,8 @@ use utoipa::ToSchema;
 use super::{
     AppState, Problem,
     extract::{
-        Admin, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query, replayed_header,
+        Admin, CheckedKeyHeader, IdempotencyKeyHeader, Json as JsonBody, OptionalJson, Path, Query,
+        replayed_header,
     },
     instrument::request_id,
     openapi::{AdminProblems, CheckWriteProblems, Problems, WriteProblems},
@@ -64,7 +65,7 @@ impl From<Budget> for BudgetView {
 
 /// Creates or replaces a budget (admin).
 #[utoipa::path(put, path = "/budgets/{name}", operation_id = "putBudget", tag = "budgets",
-    params(("name" = inline(Name), Path), IdempotencyKeyHeader),
+    params(("name" = inline(Name), Path), CheckedKeyHeader),
     request_body(content = BudgetBody, content_type = "application/json"),
     security(("admin" = [])),
     responses((status = 200, description = "Stored", body = BudgetView),
@@ -77,7 +78,7 @@ pub async fn put(
     State(state): State<AppState>,
     Path(name): Path<Name>,
     _: Query<NoQuery>,
-    _: IdempotencyKeyHeader,
+    _: CheckedKeyHeader,
     JsonBody(body): JsonBody<BudgetBody>,
 ) -> Result<Json<BudgetView>, Problem> {
     let spec = BudgetSpec::new(

@@ -264,10 +264,33 @@ impl FromRequestParts<AppState> for Admin {
 #[derive(utoipa::IntoParams)]
 #[into_params(names("Idempotency-Key"), parameter_in = Header)]
 pub struct IdempotencyKeyHeader(
-    /// Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for 24 h
+    /// Makes a retry safe: a repeat with the same key answers the first result (with Idempotent-Replayed: true) instead of writing again; reusing it for a different request is 422; kept for TALLY_IDEMPOTENCY_KEY_TTL (24 h by default)
     #[param(value_type = Option<String>, pattern = r#"^("[!#-\[\]-~]{1,255}"|[!#-\[\]-~]{1,255})$"#)]
     pub Option<crate::meter::IdempotencyKey>,
 );
+
+/// The `Idempotency-Key` field of a write that is idempotent by itself (a
+/// budget's `PUT`): checked as [`IdempotencyKeyHeader`] checks it, and
+/// not stored. Its own type, so that the API description does not promise
+/// a replay.
+#[derive(utoipa::IntoParams)]
+#[into_params(names("Idempotency-Key"), parameter_in = Header)]
+pub struct CheckedKeyHeader(
+    /// Accepted and checked as on every write (one field, a valid key), but not stored: the same PUT sets the same budget however often it is sent, so a repeat is applied again and answered without Idempotent-Replayed, whatever key it carries
+    #[param(value_type = Option<String>, pattern = r#"^("[!#-\[\]-~]{1,255}"|[!#-\[\]-~]{1,255})$"#)]
+    #[expect(dead_code, reason = "checked, and not stored: nothing reads it")]
+    pub Option<crate::meter::IdempotencyKey>,
+);
+
+impl<S: Send + Sync> FromRequestParts<S> for CheckedKeyHeader {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
+        let IdempotencyKeyHeader(key) =
+            IdempotencyKeyHeader::from_request_parts(parts, state).await?;
+        Ok(CheckedKeyHeader(key))
+    }
+}
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKeyHeader {
     type Rejection = Problem;

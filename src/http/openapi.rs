@@ -295,14 +295,19 @@ mod tests {
     fn stated_patterns_are_the_parsers_rules() {
         agree(NAME_PATTERN, |s| Name::parse(s).is_ok());
         agree(VISITOR_PATTERN, |s| VisitorId::parse(s).is_ok());
-        let param = crate::http::extract::IdempotencyKeyHeader::into_params(|| None).remove(0);
-        let Some(utoipa::openapi::RefOr::T(Schema::Object(o))) = param.schema else {
-            panic!("no schema")
-        };
-        let pattern = o.pattern.unwrap();
-        // White space around a key is the header's syntax, not the key's.
-        agree(&pattern, |s| {
-            s.trim() == s && IdempotencyKey::parse(s).is_ok()
-        });
+        use crate::http::extract::{CheckedKeyHeader, IdempotencyKeyHeader};
+        for param in [
+            IdempotencyKeyHeader::into_params(|| None).remove(0),
+            CheckedKeyHeader::into_params(|| None).remove(0),
+        ] {
+            let Some(utoipa::openapi::RefOr::T(Schema::Object(o))) = param.schema else {
+                panic!("no schema")
+            };
+            let pattern = o.pattern.unwrap();
+            // White space around a key is the header's syntax, not the key's.
+            agree(&pattern, |s| {
+                s.trim() == s && IdempotencyKey::parse(s).is_ok()
+            });
+        }
     }
 }

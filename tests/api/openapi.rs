@@ -89,6 +89,77 @@ async fn the_document_covers_every_route_and_only_real_ones() {
     app.stop().await.unwrap();
 }
 
+/// Every operation that takes an `Idempotency-Key` says what a repeat of
+/// it gets, and the server does that: a replay where the key is stored,
+/// and where it is not (a budget's `PUT`) no promise of one. Each is sent
+/// twice with one key, as a client retrying it would.
+#[tokio::test]
+async fn each_idempotency_key_does_what_the_document_says() {
+    let app = spawn_app().await;
+    let doc: Value = app.get("/openapi.json").await.json().await.unwrap();
+    app.budget("b", 10, 10).await;
+    app.post_json("/counters/gone", serde_json::json!({})).await;
+    app.budget("gone", 1, 1).await;
+    let bodies = [
+        ("POST", "/counter", "{}"),
+        ("POST", "/counters/{name}", r#"{"by":2}"#),
+        ("POST", "/budgets/{name}/check", r#"{"visitor":"v"}"#),
+        ("POST", "/budgets/{name}/reset", "{}"),
+        (
+            "PUT",
+            "/budgets/{name}",
+            r#"{"visitor_limit":3,"global_limit":9}"#,
+        ),
+        ("DELETE", "/counters/{name}", ""),
+        ("DELETE", "/budgets/{name}", ""),
+    ];
+    let mut keyed = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let method = method.to_uppercase();
+            let Some(param) = op["parameters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["name"] == "Idempotency-Key")
+            else {
+                continue;
+            };
+            keyed += 1;
+            let said = param["description"].as_str().unwrap();
+            let promised = said.contains("Idempotent-Replayed: true");
+            let &(_, _, body) = bodies
+                .iter()
+                .find(|(m, p, _)| *m == method && p == path)
+                .unwrap_or_else(|| panic!("{method} {path} takes a key: give it a body here"));
+            let name = if method == "DELETE" { "gone" } else { "b" };
+            let url = app.url(&path.replace("{name}", name));
+            let key = format!("k-{method}-{}", path.replace(['/', '{', '}'], "_"));
+            let mut replayed = Vec::new();
+            for _ in 0..2 {
+                let mut r = app
+                    .client
+                    .request(Method::from_bytes(method.as_bytes()).unwrap(), &url)
+                    .bearer_auth(ADMIN)
+                    .header("idempotency-key", &key);
+                if !body.is_empty() {
+                    r = r.header("content-type", "application/json").body(body);
+                }
+                let r = r.send().await.unwrap();
+                assert!(r.status().is_success(), "{method} {path}: {}", r.status());
+                replayed.push(r.headers().contains_key("idempotent-replayed"));
+            }
+            assert_eq!(
+                replayed,
+                [false, promised],
+                "{method} {path}: the document says {said:?}"
+            );
+        }
+    }
+    assert_eq!(keyed, bodies.len());
+    app.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemathesis_finds_no_server_error_and_no_schema_violation() {
     let st = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/venv/bin/schemathesis");
