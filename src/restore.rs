@@ -136,11 +136,7 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     // What a database leaves beside it belongs to it: SQLite would replay a
     // WAL left there over the restored file (the undo silently undone), and
     // Litestream would take its own state there for the restored file's.
-    let left: Vec<String> = leftovers(db)
-        .into_iter()
-        .filter(|p| p.exists())
-        .map(|p| p.display().to_string())
-        .collect();
+    let left = present_leftovers(db);
     if !left.is_empty() {
         bail!(
             "the database {} is gone but {} of it is still there: a restore beside them would \
@@ -316,11 +312,7 @@ fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
 /// a process that does not take the lock (an older tally, a tool). A link
 /// fails where a rename would replace.
 fn put_in_place(from: &Path, db: &Path) -> anyhow::Result<()> {
-    let left: Vec<String> = leftovers(db)
-        .into_iter()
-        .filter(|p| p.exists())
-        .map(|p| p.display().to_string())
-        .collect();
+    let left = present_leftovers(db);
     if !left.is_empty() {
         bail!(
             "{} appeared beside the database during the restore: something else uses this \
@@ -426,6 +418,15 @@ fn leftovers(db: &Path) -> [PathBuf; 3] {
         beside(db, "-shm"),
         db.with_file_name(state),
     ]
+}
+
+/// Those of [`leftovers`] that are there, by path.
+fn present_leftovers(db: &Path) -> Vec<String> {
+    leftovers(db)
+        .into_iter()
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect()
 }
 
 /// Removes the file at `path`, if there is one.
