@@ -2,7 +2,7 @@
 
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use secrecy::ExposeSecret;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -306,7 +306,19 @@ async fn replica_gate(
 
 /// Binds each fixed address tally will listen on, without listening, and
 /// lets it go at once. A port of 0 is left alone: any free port will do.
+/// Two trial binds do not see each other, so two addresses that would
+/// take one port are refused here too.
 fn try_listen(settings: &Settings) -> anyhow::Result<()> {
+    if let Some(metrics) = settings.metrics_listen
+        && shares_a_port(settings.listen, metrics)
+    {
+        bail!(
+            "TALLY_LISTEN ({}) and TALLY_METRICS_LISTEN ({metrics}) take the same port: \
+             give /metrics a port of its own, or leave TALLY_METRICS_LISTEN unset to serve \
+             it beside the API",
+            settings.listen
+        );
+    }
     let fixed = [
         (Some(settings.listen), ""),
         (settings.metrics_listen, " for metrics"),
@@ -317,6 +329,16 @@ fn try_listen(settings: &Settings) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether listening at `a` and at `b` would take one port: the same
+/// fixed port on the same address, or on a wildcard that covers the other
+/// (`0.0.0.0` every IPv4 address, `[::]` every address, as Linux binds it
+/// by default).
+fn shares_a_port(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers =
+        |w: SocketAddr, x: SocketAddr| w.ip().is_unspecified() && (w.is_ipv6() || x.is_ipv4());
+    a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
 }
 
 /// Serves `/metrics` on its own listener until `stop` is cancelled.
@@ -453,4 +475,29 @@ pub fn first_signal(
     });
     let listening: Vec<_> = listening.collect();
     async move { futures_util::future::select_all(listening).await.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_addresses_share_a_port_when_one_covers_the_other() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        for (a, b, shared) in [
+            ("127.0.0.1:3000", "127.0.0.1:3000", true),
+            ("0.0.0.0:3000", "127.0.0.1:3000", true),
+            ("[::]:3000", "127.0.0.1:3000", true),
+            ("[::]:3000", "[::1]:3000", true),
+            ("[::]:3000", "0.0.0.0:3000", true),
+            ("0.0.0.0:3000", "[::1]:3000", false),
+            ("127.0.0.1:3000", "[::1]:3000", false),
+            ("127.0.0.1:3000", "127.0.0.2:3000", false),
+            ("0.0.0.0:3000", "127.0.0.1:3001", false),
+            ("127.0.0.1:0", "127.0.0.1:0", false),
+        ] {
+            assert_eq!(shares_a_port(at(a), at(b)), shared, "{a} {b}");
+            assert_eq!(shares_a_port(at(b), at(a)), shared, "{b} {a}");
+        }
+    }
 }

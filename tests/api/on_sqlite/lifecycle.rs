@@ -60,6 +60,15 @@ async fn a_port_in_use_is_a_clear_startup_failure() {
         let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db), (name, &addr)]);
         assert!(err.contains(&said), "{name}: {err}");
     }
+    // One port for both, free: each alone could be bound.
+    drop(taken);
+    let wildcard = addr.replace("127.0.0.1", "0.0.0.0");
+    let err = crate::helpers::failed_start(&[
+        ("TALLY_DATABASE", db),
+        ("TALLY_LISTEN", &wildcard),
+        ("TALLY_METRICS_LISTEN", &addr),
+    ]);
+    assert!(err.contains("take the same port"), "{err}");
     assert!(!dir.path().join("t.db").exists(), "nothing was opened");
 }
 
