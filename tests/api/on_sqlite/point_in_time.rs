@@ -248,46 +248,14 @@ async fn a_restore_to_an_instant_before_any_backup_fails_and_leaves_nothing() {
 /// none is left to write into the data directory later.
 #[tokio::test]
 async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let pid_file = dir.path().join("litestream.pid");
-    let fake = dir.path().join("litestream");
-    std::fs::write(
-        &fake,
-        format!(
-            "#!/bin/sh\necho $$ > {}\nexec sleep 120\n",
-            pid_file.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (fake, pid_file) = waiting_litestream(dir.path());
     let db = dir.path().join("data").join("tally.db");
-    let mut restore = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_DATABASE", &db)
-        .args([
-            "restore-to",
-            "--timestamp",
-            "2026-05-01T10:04:00Z",
-            "--litestream",
-        ])
-        .arg(&fake)
+    let mut restore = restore_to_with(&db, &fake)
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let started = std::time::Instant::now();
-    let litestream_pid = loop {
-        if let Ok(pid) = std::fs::read_to_string(&pid_file)
-            && let Ok(pid) = pid.trim().parse::<i32>()
-        {
-            break nix::unistd::Pid::from_raw(pid);
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "litestream never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let litestream_pid = started_litestream(&pid_file).await;
     let tally = nix::unistd::Pid::from_raw(restore.id() as i32);
     nix::sys::signal::kill(tally, Signal::SIGTERM).unwrap();
     let stopped = std::time::Instant::now();
@@ -309,10 +277,39 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
         "{stderr}"
     );
     assert!(!db.exists());
-    // Gone: no such process, or a zombie (dead; its reaping is up to
-    // whichever process inherited it).
+    ended_within_5s(litestream_pid).await;
+}
+
+/// A Litestream that writes its pid to the file given back and waits two
+/// minutes, as one does on an object store that never answers.
+fn waiting_litestream(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let pid_file = dir.join("litestream.pid");
+    let script = format!("echo $$ > {}\nexec sleep 120\n", pid_file.display());
+    (fake_litestream(dir, &script), pid_file)
+}
+
+/// The pid [`waiting_litestream`] wrote, once it runs (within 10 s).
+async fn started_litestream(pid_file: &Path) -> nix::unistd::Pid {
+    let waited = std::time::Instant::now();
+    loop {
+        if let Ok(pid) = std::fs::read_to_string(pid_file)
+            && let Ok(pid) = pid.trim().parse::<i32>()
+        {
+            return nix::unistd::Pid::from_raw(pid);
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "litestream never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `pid` is gone: no such process, or a zombie (dead; its
+/// reaping is up to whichever process inherited it). Fails after 5 s.
+async fn ended_within_5s(pid: nix::unistd::Pid) {
     let running = || {
-        std::fs::read_to_string(format!("/proc/{litestream_pid}/stat")).is_ok_and(|stat| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
             stat.rsplit_once(") ")
                 .is_some_and(|(_, rest)| !rest.starts_with('Z'))
         })
@@ -358,29 +355,13 @@ fn restore_to_with(db: &Path, litestream: &Path) -> std::process::Command {
 #[tokio::test]
 async fn a_restore_and_a_tally_never_share_a_data_directory() {
     let dir = tempfile::tempdir().unwrap();
-    let pid_file = dir.path().join("litestream.pid");
-    let fake = fake_litestream(
-        dir.path(),
-        &format!("echo $$ > {}\nexec sleep 120\n", pid_file.display()),
-    );
+    let (fake, pid_file) = waiting_litestream(dir.path());
     let db = dir.path().join("data").join("tally.db");
     let mut restore = restore_to_with(&db, &fake)
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let waited = std::time::Instant::now();
-    let litestream = loop {
-        if let Ok(pid) = std::fs::read_to_string(&pid_file)
-            && let Ok(pid) = pid.trim().parse::<i32>()
-        {
-            break nix::unistd::Pid::from_raw(pid);
-        }
-        assert!(
-            waited.elapsed() < Duration::from_secs(10),
-            "litestream never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let litestream = started_litestream(&pid_file).await;
     let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
     assert!(
         err.contains("another process is using the database") && err.contains("tally.db.lock"),
@@ -397,17 +378,7 @@ async fn a_restore_and_a_tally_never_share_a_data_directory() {
         "{err}"
     );
     nix::sys::signal::kill(litestream, Signal::SIGKILL).unwrap();
-    let gone = std::time::Instant::now();
-    while std::fs::read_to_string(format!("/proc/{litestream}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(") ")
-            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
-    }) {
-        assert!(
-            gone.elapsed() < Duration::from_secs(5),
-            "litestream left running"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    ended_within_5s(litestream).await;
     let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
     let out = restore_to_with(&db, &fake).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -203,6 +203,20 @@ impl Running {
         panic!("tally did not start serving: {}", self.log_text());
     }
 
+    /// Asserts that nothing listens at tally's address for `held`, tried
+    /// every 20 ms: tally waits at the replica gate for `why`.
+    pub async fn not_listening_for(&self, held: Duration, why: &str) {
+        let started = Instant::now();
+        while started.elapsed() < held {
+            assert!(
+                tokio::net::TcpStream::connect(self.listen).await.is_err(),
+                "tally listened before {why}: {}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn log_text(&self) -> String {
         self.logs
             .lock()

@@ -97,14 +97,8 @@ async fn fresh_start_restores_nothing_and_serves_only_after_the_gate() {
     // wait and not listen.
     s3.pause();
     let run = d.replicate();
-    let held = std::time::Instant::now();
-    while held.elapsed() < Duration::from_secs(2) {
-        assert!(
-            tokio::net::TcpStream::connect(run.listen).await.is_err(),
-            "tally listened before the replica was in sync"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.not_listening_for(Duration::from_secs(2), "the replica was in sync")
+        .await;
     assert!(
         run.line_of("waiting for the first replica sync").is_some(),
         "{}",
@@ -266,15 +260,8 @@ async fn a_restart_in_place_serves_only_once_the_replica_takes_a_write() {
     // The same directory, every upload refused: tally must not listen.
     store.refusing.store(true, Ordering::SeqCst);
     let run = d.replicate();
-    let held = Instant::now();
-    while held.elapsed() < Duration::from_secs(4) {
-        assert!(
-            tokio::net::TcpStream::connect(run.listen).await.is_err(),
-            "tally listened before the replica took a write: {}",
-            run.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.not_listening_for(Duration::from_secs(4), "the replica took a write")
+        .await;
     assert!(
         run.line_of("replica confirmed in sync").is_none(),
         "{}",
