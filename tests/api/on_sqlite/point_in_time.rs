@@ -13,7 +13,7 @@ use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
 use crate::{
     helpers::ADMIN,
-    on_sqlite::replica_env::{Deployment, Running, S3},
+    on_sqlite::replica_env::{Deployment, Running, S3, ended_within},
 };
 
 /// Every counter and every budget usage row: the whole state a mistake can
@@ -277,7 +277,7 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
         "{stderr}"
     );
     assert!(!db.exists());
-    ended_within_5s(litestream_pid).await;
+    ended_within(litestream_pid, Duration::from_secs(5), "litestream").await;
 }
 
 /// A Litestream that writes its pid to the file given back and waits two
@@ -300,25 +300,6 @@ async fn started_litestream(pid_file: &Path) -> nix::unistd::Pid {
         assert!(
             waited.elapsed() < Duration::from_secs(10),
             "litestream never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Waits until `pid` is gone: no such process, or a zombie (dead; its
-/// reaping is up to whichever process inherited it). Fails after 5 s.
-async fn ended_within_5s(pid: nix::unistd::Pid) {
-    let running = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-            stat.rsplit_once(") ")
-                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
-        })
-    };
-    let gone = std::time::Instant::now();
-    while running() {
-        assert!(
-            gone.elapsed() < Duration::from_secs(5),
-            "litestream left running"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -378,7 +359,7 @@ async fn a_restore_and_a_tally_never_share_a_data_directory() {
         "{err}"
     );
     nix::sys::signal::kill(litestream, Signal::SIGKILL).unwrap();
-    ended_within_5s(litestream).await;
+    ended_within(litestream, Duration::from_secs(5), "litestream").await;
     let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
     let out = restore_to_with(&db, &fake).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -280,3 +280,23 @@ impl Drop for Running {
         let _ = self.child.wait();
     }
 }
+
+/// Waits until `pid` is gone: no such process, or a zombie (dead; its
+/// reaping is up to whichever process inherited it). Fails after `limit`,
+/// naming the process `what`.
+pub async fn ended_within(pid: nix::unistd::Pid, limit: Duration, what: &str) {
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+    };
+    let gone = Instant::now();
+    while running() {
+        assert!(
+            gone.elapsed() < limit,
+            "{what} left running after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

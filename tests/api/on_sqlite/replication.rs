@@ -20,7 +20,7 @@ use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 use crate::{
     forwarding::accept_each,
     helpers::sample,
-    on_sqlite::replica_env::{Deployment, S3, free_port},
+    on_sqlite::replica_env::{Deployment, S3, ended_within, free_port},
 };
 
 async fn read_db(path: &std::path::Path) -> (String, HashMap<String, i64>, i64) {
@@ -311,21 +311,24 @@ async fn a_stop_while_waiting_for_the_replica_ends_the_start() {
     d.extra_env
         .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "60".into()));
     let mut run = d.replicate();
-    // Long enough for Litestream to start tally and tally to begin waiting.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        run.child.try_wait().unwrap().is_none(),
-        "{}",
-        run.log_text()
-    );
+    let waiting = std::time::Instant::now();
+    while run.line_of("waiting for the first replica sync").is_none() {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(30),
+            "tally never began waiting: {}",
+            run.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let tally = nix::unistd::Pid::from_raw(run.tally_pid().expect("tally runs under Litestream"));
     run.signal(Signal::SIGTERM);
+    // tally's stop, not Litestream's: Litestream then makes its final sync,
+    // which against this replica gives up at once or, if a sync of its own
+    // was under way, after litestream.yml's shutdown-sync-timeout (20 s).
     let signalled = std::time::Instant::now();
-    run.wait(Duration::from_secs(20)).await;
-    assert!(
-        signalled.elapsed() < Duration::from_secs(10),
-        "stopped {:?} after SIGTERM",
-        signalled.elapsed()
-    );
+    ended_within(tally, Duration::from_secs(10), "tally").await;
+    eprintln!("tally stopped {:?} after SIGTERM", signalled.elapsed());
+    run.wait(Duration::from_secs(40)).await;
     let logs = run.log_text();
     assert!(logs.contains("stopped while starting"), "{logs}");
     assert!(!logs.contains("\"serving\""), "{logs}");
