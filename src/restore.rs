@@ -100,6 +100,34 @@ pub fn marker(db: &Path) -> Option<Marker> {
 /// Restores the database at `db` to `target` if the data directory has no
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
+    restore_into(db, target, ls).await.map_err(|e| {
+        let Some(dir) = db.parent() else { return e };
+        match room_left(dir) {
+            Some(free) if free < FULL_BELOW => e.context(format!(
+                "the file system holding {} is full ({free} bytes free): a restore needs room \
+                 for the database twice while it runs (the latest state, then the restored \
+                 copy). Make room, or give the data directory more (the chart's \
+                 persistence.sizeLimit), and start again",
+                dir.display()
+            )),
+            _ => e,
+        }
+    })
+}
+
+/// Below this much room a failed restore names its file system as full:
+/// SQLite, out of room for the shared-memory file beside the restored
+/// database, says only `disk I/O error`.
+const FULL_BELOW: u64 = 1 << 20;
+
+/// The bytes an unprivileged writer can still put on the file system
+/// holding `dir`.
+fn room_left(dir: &Path) -> Option<u64> {
+    let s = rustix::fs::statvfs(dir).ok()?;
+    Some(s.f_bavail.saturating_mul(s.f_frsize))
+}
+
+async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
     let target_ts = target;
     let target = target.to_string();
     // Litestream restores the latest state for an instant it has not seen

@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, path::Path, time::Duration};
 use nix::sys::signal::Signal;
 use reqwest::{Client, StatusCode};
 use serde_json::json;
-use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
+use sqlx::{ConnectOptions, Connection, sqlite::SqliteConnectOptions};
 
 use crate::{
     helpers::ADMIN,
@@ -407,4 +407,78 @@ if [ -n "$ts" ]; then echo other > {}; fi
         !db.with_file_name("tally.db-restored.json").exists(),
         "no marker for a restore that was not put in place"
     );
+}
+
+/// A restore that runs out of room says so: the file system holding the
+/// data directory is named as full, beside what failed (SQLite, writing
+/// the record into the restored file's WAL, says only `disk I/O error`).
+/// Nothing is put in place, so the next start, with room, restores again.
+#[tokio::test]
+async fn a_restore_on_a_full_disk_says_the_disk_is_full() {
+    let disk = super::storage_faults::Tmpfs::mount("2m");
+    let db = disk.path().join("data").join("tally.db");
+    std::fs::create_dir_all(db.parent().unwrap()).unwrap();
+    let tools = tempfile::tempdir().unwrap();
+    // What Litestream restores: a database in WAL mode with some rows.
+    let template = tools.path().join("restored.db");
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&template)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::query(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+         INSERT INTO counters SELECT 'c' || i, i FROM n",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.unwrap();
+    // The restore to the instant fills the disk once its file is written,
+    // as a database as large as the room left would.
+    let filler = disk.path().join("filler");
+    let full = tools.path().join("full");
+    std::fs::write(&full, "").unwrap();
+    let fake = fake_litestream(
+        tools.path(),
+        &format!(
+            r#"out=""; ts=""; prev=""
+for a in "$@"; do
+  case "$prev" in -o) out="$a";; -timestamp) ts="$a";; esac
+  case "$a" in -dry-run) echo '{{"max_txid":"0000000000000003","files":[{{"timestamp":"2026-05-01T10:03:00Z"}}]}}'; exit 0;; esac
+  prev="$a"
+done
+cp {template} "$out" || exit 1
+if [ -n "$ts" ] && [ -e {full} ]; then cat /dev/zero > {filler} 2>/dev/null; fi
+exit 0
+"#,
+            template = template.display(),
+            full = full.display(),
+            filler = filler.display(),
+        ),
+    );
+    let out = restore_to_with(&db, &fake).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "the file system holding {} is full",
+            db.parent().unwrap().display()
+        )),
+        "{err}"
+    );
+    assert!(!db.exists(), "nothing put in place");
+    // With room again, the same restore goes through.
+    std::fs::remove_file(&full).unwrap();
+    std::fs::remove_file(&filler).unwrap();
+    let out = restore_to_with(&db, &fake).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(db.exists());
 }

@@ -20,12 +20,12 @@ use serde_json::{Value, json};
 use crate::helpers::{ADMIN, Binary, problem};
 
 /// A size-limited tmpfs on a fresh directory, unmounted when dropped.
-struct Tmpfs {
+pub(crate) struct Tmpfs {
     dir: tempfile::TempDir,
 }
 
 impl Tmpfs {
-    fn mount(size: &str) -> Self {
+    pub(crate) fn mount(size: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let out = Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tally-test"])
@@ -40,12 +40,12 @@ impl Tmpfs {
         Tmpfs { dir }
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         self.dir.path()
     }
 
     /// Writes a file until the file system is full; returns its path.
-    fn fill(&self) -> PathBuf {
+    pub(crate) fn fill(&self) -> PathBuf {
         let path = self.path().join("filler");
         let mut f = std::fs::File::create(&path).unwrap();
         for chunk in [1 << 16, 4096, 1] {
