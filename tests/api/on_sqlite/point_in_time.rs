@@ -314,6 +314,24 @@ fn fake_litestream(dir: &Path, script: &str) -> std::path::PathBuf {
     fake
 }
 
+/// A stand-in for Litestream that plans a restore of one file (with
+/// `-dry-run`) and otherwise runs `then`, with `$out` the file to restore
+/// into and `$ts` the instant asked for (empty for the latest state).
+fn planning_litestream(dir: &Path, then: &str) -> std::path::PathBuf {
+    fake_litestream(
+        dir,
+        &format!(
+            r#"out=""; ts=""; prev=""
+for a in "$@"; do
+  case "$prev" in -o) out="$a";; -timestamp) ts="$a";; esac
+  case "$a" in -dry-run) echo '{{"max_txid":"0000000000000003","files":[{{"timestamp":"2026-05-01T10:03:00Z"}}]}}'; exit 0;; esac
+  prev="$a"
+done
+{then}"#
+        ),
+    )
+}
+
 /// `tally restore-to` into `db` with `litestream` as Litestream.
 fn restore_to_with(db: &Path, litestream: &Path) -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
@@ -383,16 +401,10 @@ async fn a_database_that_appears_during_a_restore_is_not_replaced() {
     // The latest state and the restore: an empty file (an empty SQLite
     // database); the plan: one file. During the restore to the instant a
     // database appears in place.
-    let fake = fake_litestream(
+    let fake = planning_litestream(
         dir.path(),
         &format!(
-            r#"out=""; ts=""; prev=""
-for a in "$@"; do
-  case "$prev" in -o) out="$a";; -timestamp) ts="$a";; esac
-  case "$a" in -dry-run) echo '{{"max_txid":"0000000000000003","files":[{{"timestamp":"2026-05-01T10:03:00Z"}}]}}'; exit 0;; esac
-  prev="$a"
-done
-: > "$out"
+            r#": > "$out"
 if [ -n "$ts" ]; then echo other > {}; fi
 "#,
             db.display()
@@ -445,16 +457,10 @@ async fn a_restore_on_a_full_disk_says_the_disk_is_full() {
     let filler = disk.path().join("filler");
     let full = tools.path().join("full");
     std::fs::write(&full, "").unwrap();
-    let fake = fake_litestream(
+    let fake = planning_litestream(
         tools.path(),
         &format!(
-            r#"out=""; ts=""; prev=""
-for a in "$@"; do
-  case "$prev" in -o) out="$a";; -timestamp) ts="$a";; esac
-  case "$a" in -dry-run) echo '{{"max_txid":"0000000000000003","files":[{{"timestamp":"2026-05-01T10:03:00Z"}}]}}'; exit 0;; esac
-  prev="$a"
-done
-cp {template} "$out" || exit 1
+            r#"cp {template} "$out" || exit 1
 if [ -n "$ts" ] && [ -e {full} ]; then cat /dev/zero > {filler} 2>/dev/null; fi
 exit 0
 "#,
