@@ -232,6 +232,9 @@ pub struct Queued {
     pub key: Option<IdempotencyKey>,
     /// The request that queued it, for the writer's log lines.
     pub request_id: Option<Arc<str>>,
+    /// When it was queued: `tally_write_wait_seconds` runs from here to
+    /// its answer.
+    pub queued_at: std::time::Instant,
 }
 
 /// Every `result` label `tally_write_commands_total` can carry, per command
@@ -445,9 +448,9 @@ impl fmt::Display for Command {
                 write!(f, "budget={name}")
             }
             Command::DeleteCounter { name, .. } => write!(f, "counter={name}"),
-            Command::Check {
-                budget, visitor, ..
-            } => write!(f, "budget={budget} visitor={visitor:?}"),
+            // Never a visitor's id: it may be personal data, and the
+            // request id ties the line to the client's request.
+            Command::Check { budget, .. } => write!(f, "budget={budget}"),
             Command::Reset {
                 budget,
                 day,
@@ -455,10 +458,12 @@ impl fmt::Display for Command {
                 ..
             } => {
                 let day = day.map_or("today".to_owned(), |d| d.to_string());
-                write!(f, "budget={budget} day={day}")?;
-                visitor
-                    .as_ref()
-                    .map_or(Ok(()), |v| write!(f, " visitor={v:?}"))
+                let whose = if visitor.is_some() {
+                    "one visitor"
+                } else {
+                    "all"
+                };
+                write!(f, "budget={budget} day={day} ({whose})")
             }
         }
     }

@@ -554,19 +554,26 @@ impl Handle {
 
     /// Queues a command and waits for its answer on `answer`, the other
     /// end of the command's own [`Reply`].
-    async fn submit<T>(
+    async fn submit<T: std::fmt::Debug>(
         &self,
         command: Command,
         key: Option<IdempotencyKey>,
         request_id: Option<Arc<str>>,
         answer: oneshot::Receiver<Answer<T>>,
     ) -> Result<Replayable<T>, Error> {
+        // Whoever stops waiting for the answer (a request timed out, a
+        // client gone) after the writer sent it still has it accounted for.
+        let mut answer = Unread {
+            rx: Some(answer),
+            kind: command.kind(),
+            request_id: request_id.clone(),
+        };
         let queued = Queued {
             command,
             key,
             request_id,
+            queued_at: std::time::Instant::now(),
         };
-        let queued_at = std::time::Instant::now();
         // Never wait for room: a full queue is answered at once, and since
         // the command was not accepted, a retry cannot double-apply it.
         self.0.tx.try_send(queued).map_err(|e| match e {
@@ -594,18 +601,55 @@ impl Handle {
         if self.0.stats.yield_to_writer(self.queue_depth()) {
             std::thread::yield_now();
         }
-        let Ok(answer) = answer.await else {
+        let Some(answer) = answer.read().await else {
             // The writer dropped the reply without answering: it died with
             // our command in hand, before or after committing it.
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
             return Err(Error::OutcomeUnknown);
         };
-        crate::kept!(histogram "tally_write_wait_seconds")
-            .record(queued_at.elapsed().as_secs_f64());
         if let Err(Error::OutcomeUnknown) = &answer.result {
             metrics::counter!("tally_write_outcome_unknown_total").increment(1);
         }
         Ok((answer.result?, answer.replayed))
+    }
+}
+
+/// The caller's end of a command's reply. Dropped unread with an answer
+/// in it (the request timed out or its client left in the instant after
+/// the writer answered), the answer is accounted for as the writer
+/// accounts for one whose caller had gone before it answered
+/// ([`writer::caller_gone`]): neither counts a command the other does.
+struct Unread<T: std::fmt::Debug> {
+    rx: Option<oneshot::Receiver<Answer<T>>>,
+    kind: &'static str,
+    request_id: Option<Arc<str>>,
+}
+
+impl<T: std::fmt::Debug> Unread<T> {
+    /// The answer; `None` if the writer dropped the reply unanswered (or
+    /// it was read already).
+    async fn read(&mut self) -> Option<Answer<T>> {
+        let answer = self.rx.as_mut()?.await.ok();
+        self.rx = None;
+        answer
+    }
+}
+
+impl<T: std::fmt::Debug> Drop for Unread<T> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        let Ok(answer) = rx.try_recv() else { return };
+        let what = match &answer.result {
+            Ok(value) => format!("{:?}", Some(value)),
+            Err(e) => format!("{:?}", Some(e)),
+        };
+        writer::caller_gone(
+            self.kind,
+            None,
+            self.request_id.as_deref(),
+            answer.result.is_ok(),
+            &what,
+        );
     }
 }
 

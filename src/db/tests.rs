@@ -549,6 +549,7 @@ async fn a_delete_in_a_batch_keeps_queue_order_with_checks_and_increments() {
         command,
         key: None,
         request_id: None,
+        queued_at: std::time::Instant::now(),
     };
     let check = |budget: &Name| {
         let (reply, rx) = Reply::new();
@@ -691,6 +692,7 @@ async fn a_key_ties_a_write_to_the_operators_command_before_it() {
         command,
         key,
         request_id: None,
+        queued_at: std::time::Instant::now(),
     };
     let increment = |name: &Name, key| {
         let (reply, rx) = Reply::new();
@@ -868,6 +870,7 @@ async fn a_different_request_beside_a_refused_first_try_reuses_its_key() {
         command,
         key: key(),
         request_id: None,
+        queued_at: std::time::Instant::now(),
     };
     // Keys are claimed in lock order (budgets by name): the check of
     // `none`, which does not exist, is the key's first try; `zz` exists,
@@ -1025,6 +1028,7 @@ async fn keyed_batches_agree<C: super::store::Store>(batched: &mut C, single: &m
                         command,
                         key: key.as_deref().map(|k| IdempotencyKey::parse(k).unwrap()),
                         request_id: None,
+                        queued_at: std::time::Instant::now(),
                     }
                 })
                 .collect();
@@ -1262,6 +1266,7 @@ fn numbered(i: usize, command: super::command::Command, key: Option<u8>) -> supe
         command,
         key: key.map(|k| crate::meter::IdempotencyKey::parse(&format!("k{k}")).unwrap()),
         request_id: Some(i.to_string().into()),
+        queued_at: std::time::Instant::now(),
     }
 }
 
@@ -1455,4 +1460,38 @@ async fn a_reset_then_a_change_of_its_budget_never_deadlocks_with_a_check() {
         drop(check);
         db.drop().await;
     }
+}
+
+/// An answer the writer sent to a request that went away before reading
+/// it (timed out, its client gone, in the same instant) is counted as a
+/// write whose caller had gone, once; one never sent is left to the writer,
+/// which counts it when its send finds no one.
+#[test]
+fn an_answer_sent_and_never_read_is_accounted_for_once() {
+    use super::{Unread, command::Answer};
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let unread = |rx| Unread::<i64> {
+            rx: Some(rx),
+            kind: "increment",
+            request_id: Some("r-1".into()),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let sent = unread(rx);
+        tx.send(Answer {
+            result: Ok(7),
+            replayed: false,
+        })
+        .unwrap();
+        drop(sent);
+        let (tx, rx) = tokio::sync::oneshot::channel::<Answer<i64>>();
+        drop(unread(rx));
+        assert!(tx.is_closed(), "the writer finds no one, and counts it");
+    });
+    let text = handle.render();
+    assert!(
+        text.contains("tally_write_committed_caller_gone_total{command=\"increment\"} 1\n"),
+        "{text}"
+    );
 }

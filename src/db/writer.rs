@@ -499,37 +499,73 @@ impl<E: Engine> WriterLoop<E> {
 
 /// Answers one caller: with its command's result if the batch committed,
 /// or with the commit's error if it did not. A caller that has gone away
-/// after its write committed is logged, so the write can be accounted for.
+/// is counted and logged ([`caller_gone`]), so the write can be accounted
+/// for. How long the command waited, and a check's decision, are recorded
+/// here, whether or not its caller still listens: the slowest writes are
+/// the ones callers give up on.
 fn answer(mut q: Queued, commit: &Result<(), Error>) {
     let kind = q.command.kind();
     crate::prometheus::write_commands(kind, result_label(&q.command, commit)).increment(1);
-    if let (Ok(()), Command::Check { reply, .. }) = (commit, &q.command)
+    crate::kept!(histogram "tally_write_wait_seconds").record(q.queued_at.elapsed().as_secs_f64());
+    if let (Ok(()), Command::Check { reply, budget, .. }) = (commit, &q.command)
         && let Some(d) = reply.value()
-        && d.pruned_rows > 0
     {
-        metrics::counter!("tally_budget_prunes_total").increment(1);
-        metrics::counter!("tally_budget_pruned_rows_total").increment(d.pruned_rows);
+        // Budget names are configured by the operator: a bounded set.
+        crate::prometheus::budget_decisions(budget.as_str(), d.reason.label()).increment(1);
+        if d.pruned_rows > 0 {
+            metrics::counter!("tally_budget_prunes_total").increment(1);
+            metrics::counter!("tally_budget_pruned_rows_total").increment(d.pruned_rows);
+        }
     }
     let Sent::Unheard { committed, what } = q.command.send(commit) else {
         return;
     };
-    let request_id = q.request_id.as_deref();
+    caller_gone(
+        kind,
+        Some(&q.command),
+        q.request_id.as_deref(),
+        committed,
+        &what,
+    );
+}
+
+/// A command whose caller was gone when its answer came: counted, and
+/// logged with what it was applied to (`target`, when known: never a
+/// visitor's id), the request it came from and its result, so that "did my
+/// write land?" has an answer. A client that gives up on every write it
+/// sends would get a line per write: at most one line every 10 ms is
+/// written (of each kind, landed or not), with `held_back`, how many were
+/// not since the last; the counter counts every one.
+pub(crate) fn caller_gone(
+    kind: &'static str,
+    target: Option<&dyn std::fmt::Display>,
+    request_id: Option<&str>,
+    committed: bool,
+    what: &str,
+) {
+    static LANDED: Throttle = Throttle::new(Duration::from_millis(10));
+    static NOT_LANDED: Throttle = Throttle::new(Duration::from_millis(10));
+    let target = target.map(tracing::field::display);
     if committed {
         metrics::counter!("tally_write_committed_caller_gone_total", "command" => kind)
             .increment(1);
-        tracing::warn!(
-            command = kind,
-            target = %q.command,
-            request_id,
-            result = %what,
-            "write committed but its caller had gone; it did land"
-        );
-    } else {
+        if let Some(held_back) = LANDED.admit() {
+            tracing::warn!(
+                command = kind,
+                target,
+                request_id,
+                result = what,
+                held_back,
+                "write committed but its caller had gone; it did land"
+            );
+        }
+    } else if let Some(held_back) = NOT_LANDED.admit() {
         tracing::info!(
             command = kind,
-            target = %q.command,
+            target,
             request_id,
-            error = %what,
+            error = what,
+            held_back,
             "write failed and its caller had gone; it did not land"
         );
     }

@@ -232,10 +232,9 @@ pub async fn check(
         .check(name.clone(), body.visitor, body.day, key.0, request_id())
         .await;
     match checked {
+        // Counted by the writer, which decided it (whether or not this
+        // caller is still here to hear it).
         Ok((decision, replayed)) => {
-            // Budget names are configured by the operator: a bounded set.
-            crate::prometheus::budget_decisions(name.as_str(), reason_label(decision.reason))
-                .increment(1);
             let at = decision.decided_at.unwrap_or_else(Timestamp::now);
             let mut headers = rate_limit_headers(&decision, at);
             headers.extend(replayed_header(replayed));
@@ -359,14 +358,6 @@ fn quota_list(items: [(&str, [(&str, i64); 2]); 2]) -> String {
         }
     }
     out
-}
-
-fn reason_label(r: Reason) -> &'static str {
-    match r {
-        Reason::Ok => "ok",
-        Reason::VisitorLimit => "visitor_limit",
-        Reason::GlobalLimit => "global_limit",
-    }
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

@@ -27,7 +27,7 @@ use std::{
 
 use axum::{
     extract::{MatchedPath, Request},
-    http::HeaderValue,
+    http::{HeaderValue, StatusCode},
     response::{IntoResponse, Response},
 };
 use futures_util::FutureExt;
@@ -118,7 +118,13 @@ where
             timeout,
             check_route,
         } = self.layer;
-        let series = Arc::clone(&self.series);
+        // Counted as 499 if the request is dropped unanswered.
+        let mut unanswered = Unanswered {
+            series: Some(Arc::clone(&self.series)),
+            method,
+            route: route.clone(),
+            started,
+        };
         Box::pin(async move {
             let answer = REQUEST.scope(id, async {
                 if let Some(refused) = refused {
@@ -153,7 +159,9 @@ where
             }
             let label = route.as_ref().map_or("unmatched", MatchedPath::as_str);
             let took = started.elapsed();
-            series.record(method, label, res.status(), took);
+            if let Some(series) = unanswered.series.take() {
+                series.record(method, label, res.status(), took);
+            }
             // One line per request, for whoever turns it on
             // (`TALLY_LOG=info,tally::request=debug`); when off, nothing
             // below is evaluated.
@@ -163,6 +171,33 @@ where
                 "answered");
             Ok(res)
         })
+    }
+}
+
+/// A request on its way to an answer. Dropped before it has one (its
+/// client closed the connection, or the server stopped waiting for it),
+/// it is counted in `tally_http_requests_total` and
+/// `tally_http_request_duration_seconds` with status `499` (nginx's
+/// "client closed request"), so that what the writer did for clients who
+/// left (see `tally_write_committed_caller_gone_total`) is matched by
+/// requests in the HTTP series.
+struct Unanswered {
+    series: Option<Arc<instrument::EndpointSeries>>,
+    method: &'static str,
+    route: Option<MatchedPath>,
+    started: Instant,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let (Some(series), Ok(status)) = (self.series.take(), StatusCode::from_u16(499)) else {
+            return;
+        };
+        let route = self.route.as_ref().map_or("unmatched", MatchedPath::as_str);
+        let took = self.started.elapsed();
+        series.record(self.method, route, status, took);
+        tracing::debug!(target: "tally::request", method = self.method, route,
+            status = 499, micros = took.as_micros() as u64, "dropped unanswered");
     }
 }
 

@@ -366,6 +366,18 @@ pub enum Reason {
     GlobalLimit,
 }
 
+impl Reason {
+    /// As the answer's `reason` and the `reason` label of
+    /// `tally_budget_decisions_total` spell it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Ok => "ok",
+            Reason::VisitorLimit => "visitor_limit",
+            Reason::GlobalLimit => "global_limit",
+        }
+    }
+}
+
 /// The answer to a budget check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {

@@ -345,6 +345,7 @@ mod tests {
             command,
             key: None,
             request_id: None,
+            queued_at: std::time::Instant::now(),
         }
     }
 

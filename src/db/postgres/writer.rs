@@ -398,6 +398,7 @@ mod tests {
             command,
             key: None,
             request_id: None,
+            queued_at: std::time::Instant::now(),
         };
         (q, rx)
     }
