@@ -65,6 +65,11 @@ fn describe() {
         "Commands waiting in the write queue."
     );
     describe_gauge!("tally_write_queue_capacity", "Capacity of the write queue.");
+    describe_gauge!(
+        "tally_write_batch_age_seconds",
+        Unit::Seconds,
+        "How long the writer has been on the batch it holds (0 between batches); sampled at scrape."
+    );
     describe_counter!(
         "tally_write_rejected_total",
         "Writes refused with 429 because the queue was full."
@@ -263,6 +268,7 @@ fn zero_known_series() {
 /// depth, readers, file sizes.
 pub fn sample(db: &Handle, path: Option<&Path>) {
     gauge!("tally_write_queue_depth").set(db.queue_depth() as f64);
+    gauge!("tally_write_batch_age_seconds").set(db.batch_age().as_secs_f64());
     gauge!("tally_write_queue_closed").set(if db.accepts_writes() { 0.0 } else { 1.0 });
     let (open, busy) = db.readers_open_and_busy();
     gauge!("tally_db_readers_open").set(f64::from(open));

@@ -520,6 +520,12 @@ impl Handle {
         !self.0.tx.is_closed()
     }
 
+    /// How long the writer has been on its current batch (zero between
+    /// batches): see [`QueueStats::batch_age`].
+    pub fn batch_age(&self) -> Duration {
+        self.0.stats.batch_age()
+    }
+
     /// Commands waiting in the queue right now.
     pub fn queue_depth(&self) -> usize {
         self.0.tx.max_capacity() - self.0.tx.capacity()

@@ -38,7 +38,13 @@ pub struct QueueStats {
     /// Set by the writer when the core went idle during its last commit
     /// (only when tally runs on one core and commits in this process).
     core_idled: AtomicBool,
+    /// When the writer took the batch it is on, in ms since [`EPOCH`] plus
+    /// one; 0 between batches.
+    batch_taken: AtomicU64,
 }
+
+/// What [`QueueStats::batch_taken`] counts from.
+static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
 
 /// The process's CPU time and the wall clock at a commit's start.
 pub struct CommitClock {
@@ -62,6 +68,29 @@ impl CommitClock {
 }
 
 impl QueueStats {
+    /// The writer took a batch (`true`), or is done with it and its
+    /// clean-up (`false`).
+    pub fn set_on_batch(&self, on: bool) {
+        let at = match on {
+            true => EPOCH.elapsed().as_millis() as u64 + 1,
+            false => 0,
+        };
+        self.batch_taken.store(at, Ordering::Relaxed);
+    }
+
+    /// How long the writer has been on the batch it holds; zero between
+    /// batches. A writer stuck on one (a flush that never returns, a lock
+    /// held elsewhere) shows here while everything else it would update
+    /// stands still.
+    pub fn batch_age(&self) -> Duration {
+        match self.batch_taken.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            at => EPOCH
+                .elapsed()
+                .saturating_sub(Duration::from_millis(at - 1)),
+        }
+    }
+
     /// Folds one batch (its size and how long it took to run and commit)
     /// into the commit rate. Only the writer calls this, so a plain
     /// load-then-store cannot lose an update.

@@ -241,10 +241,13 @@ impl<E: Engine> WriterLoop<E> {
                     continue;
                 }
             }
+            self.stats.set_on_batch(true);
             #[cfg(feature = "test-hooks")]
             self.test_hooks(batch.len()).await;
             self.batches += 1;
-            if let Err(lost) = self.run_parts(&mut batch).await {
+            let ran = self.run_parts(&mut batch).await;
+            self.stats.set_on_batch(false);
+            if let Err(lost) = ran {
                 return Err(self.lose(lost, &mut batch).await);
             }
         }

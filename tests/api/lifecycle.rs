@@ -450,3 +450,41 @@ async fn checks_whose_clients_left_are_counted_once_and_logged_sparingly() {
         .sum();
     assert!(accounted <= N as u64, "{logs}");
 }
+
+/// A writer held on one batch shows in `tally_write_batch_age_seconds`,
+/// which grows at every scrape while nothing else moves (the alert
+/// `TallyWriterStalled` reads it), and is back at 0 once the batch is done.
+#[tokio::test]
+async fn a_writer_held_on_a_batch_shows_its_age_at_every_scrape() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let bin = Binary::start(&[
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_TEST_WRITER_DELAY_MS", "1500"),
+    ]);
+    let client = Client::new();
+    let age = || async {
+        let text = client
+            .get(bin.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        crate::helpers::sample(&text, "tally_write_batch_age_seconds")
+            .unwrap_or_else(|| panic!("no batch age: {text}"))
+    };
+    assert_eq!(age().await, 0.0, "no batch yet");
+    let write = tokio::spawn(client.post(bin.url("/counters/held")).send());
+    bin.writer_holds(1).await;
+    let first = age().await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let second = age().await;
+    assert!(
+        second >= first + 0.35 && second < 1.5,
+        "{first} then {second}"
+    );
+    assert_eq!(write.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(age().await, 0.0, "the batch is done");
+}
