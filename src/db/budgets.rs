@@ -36,16 +36,23 @@ pub async fn put(
 ) -> Result<Budget, Error> {
     // A stored budget tally cannot read (its time zone gone from the
     // database built in) is being replaced: only the new window counts.
-    let old_oldest = conn
+    let old = conn
         .put_budget(name.as_str(), spec)
         .await?
         .and_then(|row| from_row(row).ok())
-        .map(|old| old.spec.kept_days(now).oldest);
+        .map(|old| old.spec.kept_days(now));
     let kept = spec.kept_days(now);
-    let oldest = old_oldest.map_or(kept.oldest, |old| old.max(kept.oldest));
+    let oldest = old.map_or(kept.oldest, |old| old.oldest.max(kept.oldest));
     conn.prune(name.as_str(), &oldest.to_string()).await?;
-    conn.prune_after(name.as_str(), &kept.today.to_string())
-        .await?;
+    // Only when the time zone moved west. `now` may be a moment behind
+    // the checks (on PostgreSQL it is read when the transaction begins,
+    // and the row's lock may be waited for past a midnight): a day after
+    // its today that the same time zone counts on is a day just begun,
+    // not one that has not begun.
+    if old.is_none_or(|old| old.today > kept.today) {
+        conn.prune_after(name.as_str(), &kept.today.to_string())
+            .await?;
+    }
     Ok(Budget {
         name: name.clone(),
         spec: spec.clone(),

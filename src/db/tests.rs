@@ -1495,3 +1495,53 @@ fn an_answer_sent_and_never_read_is_accounted_for_once() {
         "{text}"
     );
 }
+
+/// A `PUT` that changes nothing, decided at an instant just before the
+/// budget's midnight while checks already count on the new day (on
+/// PostgreSQL: a transaction whose time was read before midnight, then
+/// waiting for the row's lock; anywhere: a clock stepped back), keeps what
+/// they counted. It used to delete every day after its today, as if the
+/// time zone had moved west, and the visitor's limit started over.
+#[tokio::test]
+async fn a_put_that_changes_nothing_keeps_what_was_counted_after_midnight() {
+    let mut conn = fresh_db().await;
+    let b = Name::parse("b").unwrap();
+    let spec = BudgetSpec::new(3, 100, None, None).unwrap();
+    let before: Timestamp = "2026-12-03T23:59:59Z".parse().unwrap();
+    let after: Timestamp = "2026-12-04T00:00:01Z".parse().unwrap();
+    budgets::put(&mut conn, &b, &spec, before).await.unwrap();
+    let v = VisitorId::parse("v").unwrap();
+    let item = CheckItem {
+        budget: &b,
+        visitor: &v,
+        day: None,
+    };
+    for _ in 0..3 {
+        assert!(
+            budgets::check(&mut conn, item, after)
+                .await
+                .unwrap()
+                .allowed()
+        );
+    }
+    budgets::put(&mut conn, &b, &spec, before).await.unwrap();
+    let fourth = budgets::check(&mut conn, item, after).await.unwrap();
+    assert_eq!(
+        (fourth.visitor_calls, fourth.allowed()),
+        (4, false),
+        "the visitor's 4th call of 2026-12-04 is denied: {fourth:?}"
+    );
+    // Moving the time zone west still deletes the days it has not begun:
+    // at 00:00:01 UTC it is still 2026-12-03 in New York.
+    let west = BudgetSpec::new(3, 100, None, Some("America/New_York")).unwrap();
+    budgets::put(&mut conn, &b, &west, after).await.unwrap();
+    let usage = budgets::check(&mut conn, item, after).await.unwrap();
+    assert_eq!(usage.day.to_string(), "2026-12-03");
+    assert_eq!(usage.visitor_calls, 1, "{usage:?}");
+    let (later,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM budget_visitor_usage WHERE day > '2026-12-03'")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(later, 0, "the day New York has not begun is gone");
+}
