@@ -190,6 +190,9 @@ impl Application {
             screen: None,
             header_timeout: settings.header_timeout,
             max_connections: self.max_connections,
+            // Behind a Service or an ingress, many clients share a few
+            // addresses.
+            per_peer: None,
             drain_timeout: settings.drain_timeout,
             closing: closing.clone(),
         };
@@ -356,6 +359,9 @@ fn serve_metrics(
         screen: Some(http::limits::screen),
         header_timeout: settings.header_timeout,
         max_connections: server::METRICS_MAX_CONNECTIONS,
+        // No one address takes every place: a client holding connections
+        // open cannot keep Prometheus out.
+        per_peer: Some(server::METRICS_PER_PEER),
         drain_timeout: Duration::from_secs(1),
         // Scrapers keep their connection: the metrics stay up to the end.
         closing: CancellationToken::new(),

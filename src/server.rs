@@ -69,6 +69,10 @@ pub const HARD_HEADER_FIELDS: usize = 100;
 
 /// Connections on the separate metrics listener: scrapers, a handful.
 pub const METRICS_MAX_CONNECTIONS: usize = 16;
+/// Connections one address may hold on the metrics listener: a client
+/// that holds connections open (half-sent heads, reopened as each times
+/// out) takes at most these, and the scraper still finds a place.
+pub const METRICS_PER_PEER: usize = 4;
 
 /// Connections past the cap answered at a client's pace, each for at most
 /// [`REFUSAL_WAIT`] twice; past this many at once, the refusal is written
@@ -93,6 +97,10 @@ pub struct Limits {
     pub screen: Option<Screen>,
     pub header_timeout: Duration,
     pub max_connections: usize,
+    /// At most this many connections from one IP address (`None`: no cap
+    /// but the listener's); past it a connection is refused as past the
+    /// cap.
+    pub per_peer: Option<usize>,
     /// How long requests in flight may take to finish once stopping.
     pub drain_timeout: Duration,
     /// Once cancelled (a stop asked for, before `stop`), every answer
@@ -168,6 +176,7 @@ pub async fn serve(
     let listener_label = limits.name;
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let refusal: Arc<[u8]> = refusal(limits.max_connections).into();
+    let peers = limits.per_peer.map(Peers::new);
     let lingering = Arc::new(Semaphore::new(LINGERING_REFUSALS));
     // Cancelled when the drain timeout passes: drops what is left.
     let force = CancellationToken::new();
@@ -179,16 +188,21 @@ pub async fn serve(
             biased;
             () = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     accept_failed(&e, &mut last_accept_error).await;
                     continue;
                 }
             },
         };
-        match Arc::clone(&slots).try_acquire_owned() {
-            Ok(permit) => {
-                let slot = Slot::new(permit, listener_label);
+        let (stream, peer) = stream;
+        let held = match &peers {
+            Some(peers) => peers.take(peer.ip()).map(Some),
+            None => Some(None),
+        };
+        match held.map(|held| (held, Arc::clone(&slots).try_acquire_owned())) {
+            Some((held, Ok(permit))) => {
+                let slot = Slot::new(permit, listener_label, held);
                 tokio::spawn(connection(
                     stream,
                     router.clone(),
@@ -199,7 +213,7 @@ pub async fn serve(
                     force.clone(),
                 ));
             }
-            Err(_) => {
+            None | Some((_, Err(_))) => {
                 metrics::counter!("tally_http_connections_refused_total", "listener" => listener_label)
                     .increment(1);
                 match Arc::clone(&lingering).try_acquire_owned() {
@@ -321,18 +335,71 @@ async fn connection(
     }
 }
 
-/// A connection's place under the cap, with the open-connections gauge.
+/// A connection's place under the cap, with the open-connections gauge
+/// (and its place among its address's, where they are counted).
 struct Slot {
     _permit: OwnedSemaphorePermit,
+    _peer: Option<PeerHeld>,
     listener: &'static str,
 }
 
 impl Slot {
-    fn new(permit: OwnedSemaphorePermit, listener: &'static str) -> Self {
+    fn new(permit: OwnedSemaphorePermit, listener: &'static str, peer: Option<PeerHeld>) -> Self {
         metrics::gauge!("tally_http_connections_open", "listener" => listener).increment(1.0);
         Self {
             _permit: permit,
+            _peer: peer,
             listener,
+        }
+    }
+}
+
+/// Open connections by client address, each at most `cap`.
+struct Peers {
+    cap: usize,
+    open: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+impl Peers {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            open: Arc::default(),
+        }
+    }
+
+    /// A place for one more connection from `ip`, or `None` if it holds
+    /// its cap already.
+    fn take(&self, ip: std::net::IpAddr) -> Option<PeerHeld> {
+        let mut open = self.open.lock().ok()?;
+        let n = open.entry(ip).or_default();
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(PeerHeld {
+            open: Arc::clone(&self.open),
+            ip,
+        })
+    }
+}
+
+/// One connection's place among its address's; given back when dropped.
+struct PeerHeld {
+    open: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for PeerHeld {
+    fn drop(&mut self) {
+        let Ok(mut open) = self.open.lock() else {
+            return;
+        };
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
         }
     }
 }

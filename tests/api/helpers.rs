@@ -45,6 +45,8 @@ pub async fn database_in(dir: &Path) -> String {
 /// A running in-process tally.
 pub struct TestApp {
     pub addr: SocketAddr,
+    /// The metrics listener's address, when it has one of its own.
+    pub metrics_addr: Option<SocketAddr>,
     pub client: Client,
     /// The SQLite file (a path that does not exist on PostgreSQL).
     pub db_path: PathBuf,
@@ -81,6 +83,7 @@ pub async fn spawn_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         .map_or_else(|| dir.path().join("not-sqlite"), ToOwned::to_owned);
     let app = Application::build(s).await.expect("app builds");
     let addr = app.local_addr();
+    let metrics_addr = app.metrics_addr();
     let db = app.db();
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(app.run_until_stopped(async {
@@ -88,6 +91,7 @@ pub async fn spawn_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     }));
     TestApp {
         addr,
+        metrics_addr,
         client: Client::new(),
         db_path,
         storage,

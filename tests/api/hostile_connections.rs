@@ -355,6 +355,54 @@ async fn past_the_connection_cap_new_connections_get_a_503_and_are_closed() {
     app.stop().await.unwrap();
 }
 
+/// A client holding connections open on the metrics listener (half-sent
+/// heads, as many as it likes) takes at most four of its sixteen places:
+/// the rest are refused with `503` at once, and a scraper from another
+/// address is still answered. Before, sixteen such connections from one
+/// address refused every scrape, and every alert lost its data.
+#[tokio::test]
+async fn one_address_cannot_take_every_place_on_the_metrics_listener() {
+    let app = spawn_with(|s| s.metrics_listen = Some("127.0.0.1:0".parse().unwrap())).await;
+    let metrics = app.metrics_addr.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        let mut s = TcpStream::connect(metrics).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\n").await.unwrap();
+        held.push(s);
+    }
+    let answers = futures_util::future::join_all(held.iter_mut().map(|s| async {
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(1), s.read_to_end(&mut answer)).await;
+        answer
+    }))
+    .await;
+    let refused = answers
+        .iter()
+        .filter(|a| a.starts_with(b"HTTP/1.1 503 "))
+        .count();
+    let waiting = answers.iter().filter(|a| a.is_empty()).count();
+    assert_eq!((refused, waiting), (12, 4), "{answers:?}");
+
+    // Prometheus, from another address.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut scraper = socket.connect(metrics).await.unwrap();
+    scraper
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: tally\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), scraper.read_to_end(&mut answer))
+        .await
+        .expect("the scrape is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.contains("tally_http_connections_refused_total{listener=\"metrics\"} 12"));
+    drop(held);
+    app.stop().await.unwrap();
+}
+
 /// Open descriptors of process `pid`.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
