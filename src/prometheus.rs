@@ -65,6 +65,10 @@ fn describe() {
         "Commands waiting in the write queue."
     );
     describe_gauge!("tally_write_queue_capacity", "Capacity of the write queue.");
+    describe_counter!(
+        "tally_http_connection_errors_total",
+        "Connections ended by a request hyper refused or could not read (malformed, too_large, incomplete, other), by listener: such requests reach no route."
+    );
     describe_gauge!(
         "tally_write_batch_age_seconds",
         Unit::Seconds,

@@ -239,6 +239,10 @@ fn export_listener(limits: &Limits) {
     metrics::gauge!("tally_http_connections_open", "listener" => listener).increment(0.0);
     metrics::counter!("tally_http_connections_refused_total", "listener" => listener).increment(0);
     metrics::counter!("tally_http_header_timeouts_total", "listener" => listener).increment(0);
+    for kind in CONNECTION_ERROR_KINDS {
+        metrics::counter!("tally_http_connection_errors_total", "listener" => listener, "kind" => kind)
+            .increment(0);
+    }
 }
 
 /// Waits for every connection to close, for at most the drain timeout;
@@ -330,8 +334,40 @@ async fn connection(
             metrics::counter!("tally_http_header_timeouts_total", "listener" => slot.listener)
                 .increment(1);
         } else {
-            tracing::debug!(error = %e, "connection ended with an error");
+            let kind = connection_error_kind(&e);
+            metrics::counter!("tally_http_connection_errors_total",
+                "listener" => slot.listener, "kind" => kind)
+            .increment(1);
+            // A client can end every connection so: one line every 10 s.
+            static ENDED: crate::telemetry::Throttle =
+                crate::telemetry::Throttle::new(Duration::from_secs(10));
+            if tracing::enabled!(tracing::Level::DEBUG)
+                && let Some(held_back) = ENDED.admit()
+            {
+                tracing::debug!(error = %e, kind, held_back, "connection ended with an error");
+            }
         }
+    }
+}
+
+/// The `kind` label of `tally_http_connection_errors_total`: how a
+/// connection ended that hyper, not tally, answered or dropped. Such
+/// requests never reach the router, so they are in no request metric.
+const CONNECTION_ERROR_KINDS: [&str; 4] = ["malformed", "too_large", "incomplete", "other"];
+
+fn connection_error_kind(e: &hyper::Error) -> &'static str {
+    if e.is_parse_too_large() {
+        // A head over `HARD_HEAD_BYTES`, or too many fields: a bare `431`.
+        "too_large"
+    } else if e.is_parse() || e.is_parse_status() {
+        // Not HTTP/1.1 as hyper reads it (a bad request line, a control
+        // character in a header, TLS on a plain port): a bare `400`.
+        "malformed"
+    } else if e.is_incomplete_message() {
+        // The client closed in the middle of a request.
+        "incomplete"
+    } else {
+        "other"
     }
 }
 
