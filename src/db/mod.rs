@@ -644,6 +644,10 @@ impl<T: std::fmt::Debug> Unread<T> {
 impl<T: std::fmt::Debug> Drop for Unread<T> {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
+        // Closed first: a send from now on fails, and the writer counts
+        // it; one that came before is here to read. (Read first, a send
+        // between the read and the drop would be counted by neither.)
+        rx.close();
         let Ok(answer) = rx.try_recv() else { return };
         let what = match &answer.result {
             Ok(value) => format!("{:?}", Some(value)),

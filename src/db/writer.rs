@@ -235,7 +235,12 @@ impl<E: Engine> WriterLoop<E> {
                 // Idle: a deleted file would otherwise go unnoticed until the
                 // next write, and tally would look ready all that time.
                 _ = watch.tick() => {
-                    if let Err(lost) = self.engine.check() {
+                    // Timed as a batch is: a check stuck on a hung volume
+                    // holds every write behind it.
+                    self.stats.set_on_batch(true);
+                    let checked = self.engine.check();
+                    self.stats.set_on_batch(false);
+                    if let Err(lost) = checked {
                         return Err(self.lose(lost, &mut batch).await);
                     }
                     continue;
@@ -536,9 +541,9 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
 /// logged with what it was applied to (`target`, when known: never a
 /// visitor's id), the request it came from and its result, so that "did my
 /// write land?" has an answer. A client that gives up on every write it
-/// sends would get a line per write: at most one line every 10 ms is
-/// written (of each kind, landed or not), with `held_back`, how many were
-/// not since the last; the counter counts every one.
+/// sends would get a line per write: at most one line a second is written
+/// (of each kind, landed or not), with `held_back`, how many were not since
+/// the last; the counter counts every one.
 pub(crate) fn caller_gone(
     kind: &'static str,
     target: Option<&dyn std::fmt::Display>,
@@ -546,8 +551,8 @@ pub(crate) fn caller_gone(
     committed: bool,
     what: &str,
 ) {
-    static LANDED: Throttle = Throttle::new(Duration::from_millis(10));
-    static NOT_LANDED: Throttle = Throttle::new(Duration::from_millis(10));
+    static LANDED: Throttle = Throttle::new(Duration::from_secs(1));
+    static NOT_LANDED: Throttle = Throttle::new(Duration::from_secs(1));
     let target = target.map(tracing::field::display);
     if committed {
         metrics::counter!("tally_write_committed_caller_gone_total", "command" => kind)

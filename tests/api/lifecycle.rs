@@ -168,6 +168,17 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
     );
     // Let the writer finish the queue, then stop.
     wait_for_counter(&bin, "late", 20).await;
+    let metrics = reqwest::get(bin.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted = crate::helpers::sample(
+        &metrics,
+        r#"tally_write_committed_caller_gone_total{command="increment"}"#,
+    )
+    .unwrap() as usize;
     bin.sigterm();
     let status = bin.wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "{}", bin.log_text());
@@ -176,15 +187,26 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
         .lines()
         .filter(|l| l.contains("write committed but its caller had gone"))
         .collect();
-    // Every write whose caller gave up is logged. (A client can give up in
-    // the instant after the handler read its answer and before the
+    // Every write whose caller gave up is counted. (A client can give up
+    // in the instant after the handler read its answer and before the
     // response was written; that caller was not gone yet, hence the one.)
+    // The log has a line for the first, then at most one a second, each
+    // saying how many it held back.
     let unanswered = 20 - answered;
     assert!(
-        gone.len() <= unanswered && gone.len() + 1 >= unanswered,
-        "{} logged for {unanswered} unanswered: {logs}",
-        gone.len()
+        counted <= unanswered && counted + 1 >= unanswered,
+        "{counted} counted for {unanswered} unanswered"
     );
+    assert!(!gone.is_empty() && gone.len() <= counted, "{logs}");
+    let held_back: u64 = gone
+        .iter()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["fields"]["held_back"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert!(gone.len() as u64 + held_back <= counted as u64, "{logs}");
     for line in gone {
         let v: Value = serde_json::from_str(line).unwrap();
         assert_eq!(v["level"], "WARN");
