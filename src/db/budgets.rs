@@ -40,16 +40,18 @@ pub async fn put(
         .put_budget(name.as_str(), spec)
         .await?
         .and_then(|row| from_row(row).ok())
-        .map(|old| old.spec.kept_days(now));
+        .map(|old| (old.spec.kept_days(now), old.spec.timezone_name));
     let kept = spec.kept_days(now);
-    let oldest = old.map_or(kept.oldest, |old| old.oldest.max(kept.oldest));
+    let oldest = old
+        .as_ref()
+        .map_or(kept.oldest, |(old, _)| old.oldest.max(kept.oldest));
     conn.prune(name.as_str(), &oldest.to_string()).await?;
-    // Only when the time zone moved west. `now` may be a moment behind
-    // the checks (on PostgreSQL it is read when the transaction begins,
-    // and the row's lock may be waited for past a midnight): a day after
-    // its today that the same time zone counts on is a day just begun,
-    // not one that has not begun.
-    if old.is_none_or(|old| old.today > kept.today) {
+    // Only when the time zone changed. `now` may be a moment behind the
+    // checks (on PostgreSQL it is read when the transaction begins, and
+    // the row's lock may be waited for past a midnight): a day after its
+    // today that the same time zone counts on is a day just begun, not
+    // one that has not begun. Under another zone it may not have begun.
+    if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
         conn.prune_after(name.as_str(), &kept.today.to_string())
             .await?;
     }

@@ -1544,4 +1544,26 @@ async fn a_put_that_changes_nothing_keeps_what_was_counted_after_midnight() {
             .await
             .unwrap();
     assert_eq!(later, 0, "the day New York has not begun is gone");
+
+    // A zone moved west by a PUT decided a moment before midnight (both
+    // zones still on 2026-12-03 by its clock), while checks in the old
+    // zone already counted on 2026-12-04: under the new zone that day has
+    // not begun, and goes.
+    let tokyo = BudgetSpec::new(3, 100, None, Some("Asia/Tokyo")).unwrap();
+    let before_tokyo: Timestamp = "2026-12-03T14:59:59Z".parse().unwrap();
+    let after_tokyo: Timestamp = "2026-12-03T15:00:01Z".parse().unwrap();
+    budgets::put(&mut conn, &b, &tokyo, before_tokyo)
+        .await
+        .unwrap();
+    let counted = budgets::check(&mut conn, item, after_tokyo).await.unwrap();
+    assert_eq!(counted.day.to_string(), "2026-12-04");
+    budgets::put(&mut conn, &b, &spec, before_tokyo)
+        .await
+        .unwrap();
+    let (later,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM budget_visitor_usage WHERE day > '2026-12-03'")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(later, 0, "Tokyo's 2026-12-04 has not begun in UTC");
 }
