@@ -101,13 +101,17 @@ pub fn marker(db: &Path) -> Option<Marker> {
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
     restore_into(db, target, ls).await.map_err(|e| {
-        let Some(dir) = db.parent() else { return e };
+        let dir = match db.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let text = format!("{e:#}");
+        let writing_failed = OUT_OF_ROOM.iter().any(|said| text.contains(said));
         match room_left(dir) {
-            Some(free) if free < FULL_BELOW => e.context(format!(
+            Some(free) if writing_failed && free < FULL_BELOW => e.context(format!(
                 "the file system holding {} is full ({free} bytes free): a restore needs room \
-                 for the database twice while it runs (the latest state, then the restored \
-                 copy). Make room, or give the data directory more (the chart's \
-                 persistence.sizeLimit), and start again",
+                 for a whole copy of the database and its WAL. Make room, or give the data \
+                 directory more (the chart's persistence.sizeLimit), and start again",
                 dir.display()
             )),
             _ => e,
@@ -115,10 +119,19 @@ pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow
     })
 }
 
-/// Below this much room a failed restore names its file system as full:
-/// SQLite, out of room for the shared-memory file beside the restored
-/// database, says only `disk I/O error`.
+/// Below this much room a restore that failed to write names its file
+/// system as full: SQLite, out of room for the shared-memory file beside
+/// the restored database, says only `disk I/O error`.
 const FULL_BELOW: u64 = 1 << 20;
+
+/// What a write that ran out of room says: SQLite's `SQLITE_IOERR` and
+/// `SQLITE_FULL`, and Go's (Litestream's) and Rust's `ENOSPC`.
+const OUT_OF_ROOM: [&str; 4] = [
+    "disk I/O error",
+    "database or disk is full",
+    "no space left on device",
+    "No space left on device",
+];
 
 /// The bytes an unprivileged writer can still put on the file system
 /// holding `dir`.

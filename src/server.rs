@@ -175,7 +175,16 @@ pub async fn serve(
     let http = Arc::new(http);
     let listener_label = limits.name;
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let refusal: Arc<[u8]> = refusal(limits.max_connections).into();
+    let peer_refusal: Arc<[u8]> = refusal(&format!(
+        "your address already has its maximum of {} connections open here",
+        limits.per_peer.unwrap_or(0)
+    ))
+    .into();
+    let refusal: Arc<[u8]> = refusal(&format!(
+        "tally already has its maximum of {} connections open",
+        limits.max_connections
+    ))
+    .into();
     let peers = limits.per_peer.map(Peers::new);
     let lingering = Arc::new(Semaphore::new(LINGERING_REFUSALS));
     // Cancelled when the drain timeout passes: drops what is left.
@@ -200,6 +209,10 @@ pub async fn serve(
             Some(peers) => peers.take(peer.ip()).map(Some),
             None => Some(None),
         };
+        let refusal = match held {
+            Some(_) => &refusal,
+            None => &peer_refusal,
+        };
         match held.map(|held| (held, Arc::clone(&slots).try_acquire_owned())) {
             Some((held, Ok(permit))) => {
                 let slot = Slot::new(permit, listener_label, held);
@@ -218,9 +231,9 @@ pub async fn serve(
                     .increment(1);
                 match Arc::clone(&lingering).try_acquire_owned() {
                     Ok(permit) => {
-                        tokio::spawn(refuse(stream, Arc::clone(&refusal), permit));
+                        tokio::spawn(refuse(stream, Arc::clone(refusal), permit));
                     }
-                    Err(_) => refuse_at_once(stream, &refusal),
+                    Err(_) => refuse_at_once(stream, refusal),
                 }
             }
         }
@@ -407,7 +420,10 @@ impl Peers {
     /// A place for one more connection from `ip`, or `None` if it holds
     /// its cap already.
     fn take(&self, ip: std::net::IpAddr) -> Option<PeerHeld> {
-        let mut open = self.open.lock().ok()?;
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let n = open.entry(ip).or_default();
         if *n >= self.cap {
             return None;
@@ -449,16 +465,13 @@ impl Drop for Slot {
 /// The whole answer to a connection past the cap, built once. It is written
 /// before (or without) reading the request, so it may be a budget check's
 /// answer: it says `"allowed": false`, as every check's refusal does.
-fn refusal(max_connections: usize) -> Vec<u8> {
+fn refusal(why: &str) -> Vec<u8> {
     let body = serde_json::json!({
         "type": "/problems/too-many-connections",
         "title": "Too many connections",
         "status": 503,
         "allowed": false,
-        "detail": format!(
-            "tally already has its maximum of {max_connections} connections open; \
-             nothing was done, retry shortly"
-        ),
+        "detail": format!("{why}; nothing was done, retry shortly"),
     })
     .to_string();
     format!(
@@ -607,7 +620,10 @@ mod tests {
 
     #[test]
     fn the_refusal_is_a_complete_problem_answer() {
-        let r = String::from_utf8(refusal(7)).unwrap();
+        let r = String::from_utf8(refusal(
+            "tally already has its maximum of 7 connections open",
+        ))
+        .unwrap();
         let (head, body) = r.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 503 "));
         assert!(head.contains("content-type: application/problem+json"));

@@ -440,6 +440,13 @@ async fn one_address_cannot_take_every_place_on_the_metrics_listener() {
         .count();
     let waiting = answers.iter().filter(|a| a.is_empty()).count();
     assert_eq!((refused, waiting), (12, 4), "{answers:?}");
+    let refusal = answers.iter().find(|a| !a.is_empty()).unwrap();
+    assert!(
+        String::from_utf8_lossy(refusal)
+            .contains("your address already has its maximum of 4 connections open here"),
+        "{}",
+        String::from_utf8_lossy(refusal)
+    );
 
     // Prometheus, from another address.
     let socket = tokio::net::TcpSocket::new_v4().unwrap();

@@ -480,6 +480,24 @@ exit 0
         "{err}"
     );
     assert!(!db.exists(), "nothing put in place");
+    // A refusal that wrote nothing is not put down to the disk.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .env_clear()
+        .env("TALLY_DATABASE", &db)
+        .args([
+            "restore-to",
+            "--timestamp",
+            "2999-01-01T00:00:00Z",
+            "--litestream",
+        ])
+        .arg(&fake)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is in the future") && !err.contains("is full"),
+        "{err}"
+    );
     // With room again, the same restore goes through.
     std::fs::remove_file(&full).unwrap();
     std::fs::remove_file(&filler).unwrap();
