@@ -405,6 +405,16 @@ impl Binary {
         }
     }
 
+    /// What `/metrics` answers now.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     pub fn log_text(&self) -> String {
         self.logs.lock().unwrap().join("\n")
     }

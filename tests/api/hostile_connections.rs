@@ -368,12 +368,7 @@ async fn requests_refused_before_any_route_are_counted() {
         format!(r#"tally_http_connection_errors_total{{listener="api",kind="{kind}"}}"#)
     };
     let scrape = || async {
-        let text = reqwest::get(app.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = app.metrics().await;
         let count = |kind: &str| sample(&text, &series(kind)).unwrap_or(-1.0);
         (count("malformed"), count("too_large"))
     };

@@ -168,12 +168,7 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
     );
     // Let the writer finish the queue, then stop.
     wait_for_counter(&bin, "late", 20).await;
-    let metrics = reqwest::get(bin.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = bin.metrics().await;
     let counted = crate::helpers::sample(
         &metrics,
         r#"tally_write_committed_caller_gone_total{command="increment"}"#,
@@ -410,14 +405,7 @@ async fn checks_whose_clients_left_are_counted_once_and_logged_sparingly() {
     // All of them commit.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let metrics = loop {
-        let text = client
-            .get(bin.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = bin.metrics().await;
         let decided = crate::helpers::sample(
             &text,
             r#"tally_budget_decisions_total{budget="left",reason="ok"}"#,
@@ -486,14 +474,7 @@ async fn a_writer_held_on_a_batch_shows_its_age_at_every_scrape() {
     ]);
     let client = Client::new();
     let age = || async {
-        let text = client
-            .get(bin.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = bin.metrics().await;
         crate::helpers::sample(&text, "tally_write_batch_age_seconds")
             .unwrap_or_else(|| panic!("no batch age: {text}"))
     };
