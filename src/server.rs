@@ -175,9 +175,10 @@ pub async fn serve(
     let http = Arc::new(http);
     let listener_label = limits.name;
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    // Sent only where there is such a cap.
     let peer_refusal: Arc<[u8]> = refusal(&format!(
         "your address already has its maximum of {} connections open here",
-        limits.per_peer.unwrap_or(0)
+        limits.per_peer.unwrap_or_default()
     ))
     .into();
     let refusal: Arc<[u8]> = refusal(&format!(
@@ -444,9 +445,10 @@ struct PeerHeld {
 
 impl Drop for PeerHeld {
     fn drop(&mut self) {
-        let Ok(mut open) = self.open.lock() else {
-            return;
-        };
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(n) = open.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {

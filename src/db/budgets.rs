@@ -28,8 +28,8 @@ use crate::meter::{
 /// retention or a time zone moved west would otherwise show its old counts
 /// or none, by whether a call had come since. What a day holds never
 /// depends on whether a prune has run since.
-pub async fn put(
-    conn: &mut impl Store,
+pub async fn put<S: Store>(
+    conn: &mut S,
     name: &Name,
     spec: &BudgetSpec,
     now: Timestamp,
@@ -46,14 +46,20 @@ pub async fn put(
         .as_ref()
         .map_or(kept.oldest, |(old, _)| old.oldest.max(kept.oldest));
     conn.prune(name.as_str(), &oldest.to_string()).await?;
-    // Only when the time zone changed. `now` may be a moment behind the
-    // checks (on PostgreSQL it is read when the transaction begins, and
-    // the row's lock may be waited for past a midnight): a day after its
-    // today that the same time zone counts on is a day just begun, not
-    // one that has not begun. Under another zone it may not have begun.
+    // Only when the time zone changed (under the same zone, a day after
+    // today is one just begun: `now` may be a moment behind the checks),
+    // and by the clock as it reads now that the row is locked: on
+    // PostgreSQL `now` is when the transaction began, and the lock may
+    // have been waited for past a midnight, while checks on another
+    // process counted on the new day. A day after the new zone's today at
+    // this moment has not begun in it.
     if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
-        conn.prune_after(name.as_str(), &kept.today.to_string())
-            .await?;
+        let at = match S::NOW_LAGS {
+            true => conn.clock().await?,
+            false => now,
+        };
+        let today = spec.kept_days(at).today;
+        conn.prune_after(name.as_str(), &today.to_string()).await?;
     }
     Ok(Budget {
         name: name.clone(),

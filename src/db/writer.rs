@@ -252,6 +252,9 @@ impl<E: Engine> WriterLoop<E> {
             self.batches += 1;
             let ran = self.run_parts(&mut batch).await;
             self.stats.set_on_batch(false);
+            // Every batch checks the files after its commit: the idle
+            // check is due a whole interval after it, not at once.
+            watch.reset();
             if let Err(lost) = ran {
                 return Err(self.lose(lost, &mut batch).await);
             }

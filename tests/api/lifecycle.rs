@@ -134,76 +134,63 @@ async fn a_shutdown_delay_serves_on_asking_clients_to_reconnect() {
     assert_eq!(read_counter(&db, "d").await, 3);
 }
 
+/// Writes whose clients left while they were queued all commit, are each
+/// counted once in `tally_write_committed_caller_gone_total`, and are
+/// logged (the first, then at most a line a second, each saying how many
+/// it held back) with the counter, the request id and the value.
 #[tokio::test]
 async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
+    use tokio::io::AsyncWriteExt;
+    const N: usize = 20;
     let dir = tempfile::tempdir().unwrap();
     let db = database_in(dir.path()).await;
     let db = db.as_str();
     let mut bin = Binary::start(&[
         ("TALLY_DATABASE", db),
-        ("TALLY_TEST_WRITER_DELAY_MS", "50"),
-        ("TALLY_MAX_BATCH", "1"),
+        ("TALLY_TEST_WRITER_DELAY_MS", "2500"),
     ]);
-    // Clients that give up long before the queue drains.
-    let impatient = Client::builder()
-        .timeout(Duration::from_millis(150))
-        .build()
-        .unwrap();
-    let mut tasks = Vec::new();
-    for _ in 0..20 {
-        let client = impatient.clone();
-        let url = bin.url("/counters/late");
-        tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
+    let client = Client::new();
+    // The writer held by a first write, so that every later one queues.
+    let held = tokio::spawn(client.post(bin.url("/counters/first")).send());
+    bin.writer_holds(1).await;
+    let mut conns = Vec::new();
+    for _ in 0..N {
+        let mut c = tokio::net::TcpStream::connect(bin.addr).await.unwrap();
+        c.write_all(b"POST /counters/late HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        conns.push(c);
     }
-    let mut answered = 0;
-    for t in tasks {
-        if let Ok(r) = t.await.unwrap() {
-            assert_eq!(r.status(), StatusCode::OK);
-            answered += 1;
-        }
+    wait_for_queue_depth(&client, &bin.url(""), N as u64).await;
+    // The clients give up.
+    drop(conns);
+    assert_eq!(held.await.unwrap().unwrap().status(), StatusCode::OK);
+    let series = r#"tally_write_committed_caller_gone_total{command="increment"}"#;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while crate::helpers::sample(&bin.metrics().await, series) != Some(N as f64) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            bin.metrics().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        answered < 20,
-        "the clients should have given up on some writes"
-    );
-    // Let the writer finish the queue, then stop.
-    wait_for_counter(&bin, "late", 20).await;
-    let metrics = bin.metrics().await;
-    let counted = crate::helpers::sample(
-        &metrics,
-        r#"tally_write_committed_caller_gone_total{command="increment"}"#,
-    )
-    .unwrap() as usize;
     bin.sigterm();
     let status = bin.wait(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "{}", bin.log_text());
     let logs = bin.log_text();
-    let gone: Vec<&str> = logs
+    let gone: Vec<Value> = logs
         .lines()
         .filter(|l| l.contains("write committed but its caller had gone"))
+        .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    // Every write whose caller gave up is counted. (A client can give up
-    // in the instant after the handler read its answer and before the
-    // response was written; that caller was not gone yet, hence the one.)
-    // The log has a line for the first, then at most one a second, each
-    // saying how many it held back.
-    let unanswered = 20 - answered;
-    assert!(
-        counted <= unanswered && counted + 1 >= unanswered,
-        "{counted} counted for {unanswered} unanswered"
-    );
-    assert!(!gone.is_empty() && gone.len() <= counted, "{logs}");
+    assert!(!gone.is_empty(), "{logs}");
     let held_back: u64 = gone
         .iter()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["fields"]["held_back"]
-                .as_u64()
-                .unwrap()
-        })
+        .map(|v| v["fields"]["held_back"].as_u64().unwrap())
         .sum();
-    assert!(gone.len() as u64 + held_back <= counted as u64, "{logs}");
-    for line in gone {
-        let v: Value = serde_json::from_str(line).unwrap();
+    assert!(gone.len() as u64 + held_back <= N as u64, "{logs}");
+    for v in gone {
         assert_eq!(v["level"], "WARN");
         assert_eq!(v["fields"]["command"], "increment");
         // Written by the request it came from when the writer's answer
@@ -213,29 +200,9 @@ async fn a_write_whose_caller_gave_up_still_commits_and_is_logged() {
         }
         assert!(v["fields"]["result"].as_str().unwrap().starts_with("Some("));
         // The request it came from, to match with the client's side.
-        assert_eq!(
-            v["fields"]["request_id"].as_str().unwrap().len(),
-            36,
-            "{line}"
-        );
+        assert_eq!(v["fields"]["request_id"].as_str().unwrap().len(), 36, "{v}");
     }
-    assert_eq!(read_counter(db, "late").await, 20);
-}
-
-async fn wait_for_counter(bin: &Binary, name: &str, value: i64) {
-    for _ in 0..500 {
-        let v: Value = reqwest::get(bin.url(&format!("/counters/{name}")))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v["value"] == value {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("counter {name} never reached {value}");
+    assert_eq!(read_counter(db, "late").await, N as i64);
 }
 
 #[tokio::test]
@@ -364,7 +331,7 @@ async fn losing_the_writer_reports_outcome_unknown_and_exits_non_zero() {
 /// commits and is counted where it is decided (`tally_budget_decisions_total`,
 /// `tally_write_wait_seconds`, `tally_write_committed_caller_gone_total`,
 /// one each), each dropped request is counted as `499`, and the log lines
-/// about them are few (at most one per 10 ms) and never name a visitor.
+/// about them are few (at most one a second) and never name a visitor.
 #[tokio::test]
 async fn checks_whose_clients_left_are_counted_once_and_logged_sparingly() {
     use tokio::io::AsyncWriteExt;
@@ -374,7 +341,7 @@ async fn checks_whose_clients_left_are_counted_once_and_logged_sparingly() {
     let bin = Binary::start(&[
         ("TALLY_DATABASE", db.as_str()),
         ("TALLY_ADMIN_TOKEN", crate::helpers::ADMIN),
-        ("TALLY_TEST_WRITER_DELAY_MS", "300"),
+        ("TALLY_TEST_WRITER_DELAY_MS", "2500"),
     ]);
     let client = Client::new();
     let r = client
@@ -406,17 +373,19 @@ async fn checks_whose_clients_left_are_counted_once_and_logged_sparingly() {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let metrics = loop {
         let text = bin.metrics().await;
-        let decided = crate::helpers::sample(
-            &text,
+        // Each counted where it happens: the decisions and the callers
+        // gone by the writer, the dropped requests by the HTTP side.
+        let all = [
             r#"tally_budget_decisions_total{budget="left",reason="ok"}"#,
-        );
-        if decided == Some(N as f64) {
+            r#"tally_write_committed_caller_gone_total{command="check"}"#,
+            r#"tally_http_requests_total{method="POST",route="/budgets/{name}/check",status="499"}"#,
+        ]
+        .iter()
+        .all(|series| crate::helpers::sample(&text, series) == Some(N as f64));
+        if all {
             break text;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{decided:?} decisions counted: {text}"
-        );
+        assert!(std::time::Instant::now() < deadline, "{text}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let get = |series: &str| crate::helpers::sample(&metrics, series).unwrap_or(0.0);
@@ -478,7 +447,9 @@ async fn a_writer_held_on_a_batch_shows_its_age_at_every_scrape() {
         crate::helpers::sample(&text, "tally_write_batch_age_seconds")
             .unwrap_or_else(|| panic!("no batch age: {text}"))
     };
-    assert_eq!(age().await, 0.0, "no batch yet");
+    // (The writer's idle check of its files, every second, counts as a
+    // batch for the few microseconds it takes.)
+    assert!(age().await < 0.05, "no batch yet");
     let write = tokio::spawn(client.post(bin.url("/counters/held")).send());
     bin.writer_holds(1).await;
     let first = age().await;
@@ -489,5 +460,5 @@ async fn a_writer_held_on_a_batch_shows_its_age_at_every_scrape() {
         "{first} then {second}"
     );
     assert_eq!(write.await.unwrap().unwrap().status(), StatusCode::OK);
-    assert_eq!(age().await, 0.0, "the batch is done");
+    assert!(age().await < 0.05, "the batch is done");
 }

@@ -19,6 +19,7 @@ fn column<T, U>(rows: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
 
 impl Store for PgConnection {
     const BEGIN: &'static str = "BEGIN";
+    const NOW_LAGS: bool = true;
 
     /// A row lock is waited for 250 ms at most: past that the batch runs
     /// again command by command, where only the commands on the busy row
@@ -40,6 +41,15 @@ impl Store for PgConnection {
             .fetch_one(self)
             .await
             .map_err(error)?;
+        timestamp(micros)
+    }
+
+    async fn clock(&mut self) -> Result<Timestamp, Error> {
+        let micros: i64 =
+            sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8")
+                .fetch_one(self)
+                .await
+                .map_err(error)?;
         timestamp(micros)
     }
 
