@@ -67,12 +67,12 @@ fn describe() {
     describe_gauge!("tally_write_queue_capacity", "Capacity of the write queue.");
     describe_counter!(
         "tally_http_connection_errors_total",
-        "Connections ended by a request hyper refused or could not read (malformed, too_large, incomplete, other), by listener: such requests reach no route."
+        "Connections that ended with an error of hyper's, by listener and kind (malformed: a bare 400, too_large: a bare 431 or 414, incomplete, other)."
     );
     describe_gauge!(
         "tally_write_batch_age_seconds",
         Unit::Seconds,
-        "How long the writer has been on the batch it holds (0 between batches); sampled at scrape."
+        "How long the writer has been on the batch it holds, or on its idle check of the database's files (0 between them); sampled at scrape."
     );
     describe_counter!(
         "tally_write_rejected_total",

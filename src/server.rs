@@ -206,16 +206,17 @@ pub async fn serve(
             },
         };
         let (stream, peer) = stream;
-        let held = match &peers {
-            Some(peers) => peers.take(peer.ip()).map(Some),
-            None => Some(None),
+        // A place among its address's (where they are counted), then one
+        // under the cap; or the refusal that says which it lacked.
+        let placed = match peers.as_ref().map(|peers| peers.take(peer.ip())) {
+            Some(None) => Err(&peer_refusal),
+            held => Arc::clone(&slots)
+                .try_acquire_owned()
+                .map(|permit| (permit, held.flatten()))
+                .map_err(|_| &refusal),
         };
-        let refusal = match held {
-            Some(_) => &refusal,
-            None => &peer_refusal,
-        };
-        match held.map(|held| (held, Arc::clone(&slots).try_acquire_owned())) {
-            Some((held, Ok(permit))) => {
+        match placed {
+            Ok((permit, held)) => {
                 let slot = Slot::new(permit, listener_label, held);
                 tokio::spawn(connection(
                     stream,
@@ -227,7 +228,7 @@ pub async fn serve(
                     force.clone(),
                 ));
             }
-            None | Some((_, Err(_))) => {
+            Err(refusal) => {
                 metrics::counter!("tally_http_connections_refused_total", "listener" => listener_label)
                     .increment(1);
                 match Arc::clone(&lingering).try_acquire_owned() {
@@ -404,10 +405,13 @@ impl Slot {
     }
 }
 
+/// Open connections by client address.
+type OpenByAddress = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
 /// Open connections by client address, each at most `cap`.
 struct Peers {
     cap: usize,
-    open: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    open: OpenByAddress,
 }
 
 impl Peers {
@@ -439,7 +443,7 @@ impl Peers {
 
 /// One connection's place among its address's; given back when dropped.
 struct PeerHeld {
-    open: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    open: OpenByAddress,
     ip: std::net::IpAddr,
 }
 

@@ -28,8 +28,8 @@ use crate::meter::{
 /// retention or a time zone moved west would otherwise show its old counts
 /// or none, by whether a call had come since. What a day holds never
 /// depends on whether a prune has run since.
-pub async fn put<S: Store>(
-    conn: &mut S,
+pub async fn put(
+    conn: &mut impl Store,
     name: &Name,
     spec: &BudgetSpec,
     now: Timestamp,
@@ -54,10 +54,7 @@ pub async fn put<S: Store>(
     // process counted on the new day. A day after the new zone's today at
     // this moment has not begun in it.
     if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
-        let at = match S::NOW_LAGS {
-            true => conn.clock().await?,
-            false => now,
-        };
+        let at = conn.clock_if_now_lags().await?.unwrap_or(now);
         let today = spec.kept_days(at).today;
         conn.prune_after(name.as_str(), &today.to_string()).await?;
     }

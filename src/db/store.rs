@@ -68,16 +68,15 @@ pub(super) trait Store {
     /// the one clock every process writing the database shares.
     async fn now(&mut self) -> Result<jiff::Timestamp, Error>;
 
-    /// Whether [`Self::now`] can be behind the moment a statement runs:
-    /// PostgreSQL's is when the transaction began, and a lock waited for
-    /// since may have let other processes' transactions pass it. SQLite's
-    /// one writer reads its clock for each batch and waits for no lock.
-    const NOW_LAGS: bool = false;
-
-    /// The clock as it reads at this moment, not when the transaction
-    /// began: for a decision taken after waiting for a lock, where
-    /// [`Self::NOW_LAGS`].
-    async fn clock(&mut self) -> Result<jiff::Timestamp, Error>;
+    /// The clock as it reads at this moment, where [`Self::now`] can be
+    /// behind it: for a decision taken after waiting for a lock. On
+    /// PostgreSQL `now` is when the transaction began, and a lock waited
+    /// for since may have let other processes' transactions pass it;
+    /// `None` on SQLite, whose one writer reads its clock for each batch
+    /// and waits for no lock.
+    async fn clock_if_now_lags(&mut self) -> Result<Option<jiff::Timestamp>, Error> {
+        Ok(None)
+    }
 
     /// A statement without parameters or rows (transaction control).
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error>;

@@ -1538,11 +1538,7 @@ async fn a_put_that_changes_nothing_keeps_what_was_counted_after_midnight() {
     let usage = budgets::check(&mut conn, item, after).await.unwrap();
     assert_eq!(usage.day.to_string(), "2026-12-03");
     assert_eq!(usage.visitor_calls, 1, "{usage:?}");
-    let (later,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM budget_visitor_usage WHERE day > '2026-12-03'")
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+    let later = usage_rows_after(&mut conn, "2026-12-03").await;
     assert_eq!(later, 0, "the day New York has not begun is gone");
 
     // A zone moved west by a PUT decided a moment before midnight (both
@@ -1560,10 +1556,15 @@ async fn a_put_that_changes_nothing_keeps_what_was_counted_after_midnight() {
     budgets::put(&mut conn, &b, &spec, before_tokyo)
         .await
         .unwrap();
-    let (later,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM budget_visitor_usage WHERE day > '2026-12-03'")
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+    let later = usage_rows_after(&mut conn, "2026-12-03").await;
     assert_eq!(later, 0, "Tokyo's 2026-12-04 has not begun in UTC");
+}
+
+/// How many visitors' usage rows are on days after `day`.
+async fn usage_rows_after(conn: &mut SqliteConnection, day: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM budget_visitor_usage WHERE day > ?1")
+        .bind(day)
+        .fetch_one(conn)
+        .await
+        .unwrap()
 }

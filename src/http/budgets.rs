@@ -229,7 +229,7 @@ pub async fn check(
     let JsonBody(body) = body.map_err(deny)?;
     let checked = state
         .db
-        .check(name.clone(), body.visitor, body.day, key.0, request_id())
+        .check(name, body.visitor, body.day, key.0, request_id())
         .await;
     match checked {
         // Counted by the writer, which decided it (whether or not this

@@ -122,10 +122,12 @@ where
         let mut unanswered = Unanswered {
             series: Some(Arc::clone(&self.series)),
             method,
-            route: route.clone(),
+            route,
             started,
         };
         Box::pin(async move {
+            // Borrowed from the guard, which records the request when done.
+            let route = &unanswered.route;
             let answer = REQUEST.scope(id, async {
                 if let Some(refused) = refused {
                     return refused.into_response();

@@ -19,7 +19,6 @@ fn column<T, U>(rows: &[T], f: impl Fn(&T) -> U) -> Vec<U> {
 
 impl Store for PgConnection {
     const BEGIN: &'static str = "BEGIN";
-    const NOW_LAGS: bool = true;
 
     /// A row lock is waited for 250 ms at most: past that the batch runs
     /// again command by command, where only the commands on the busy row
@@ -44,13 +43,13 @@ impl Store for PgConnection {
         timestamp(micros)
     }
 
-    async fn clock(&mut self) -> Result<Timestamp, Error> {
+    async fn clock_if_now_lags(&mut self) -> Result<Option<Timestamp>, Error> {
         let micros: i64 =
             sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8")
                 .fetch_one(self)
                 .await
                 .map_err(error)?;
-        timestamp(micros)
+        timestamp(micros).map(Some)
     }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {

@@ -117,10 +117,6 @@ impl Store for SqliteConnection {
         Ok(Timestamp::now())
     }
 
-    async fn clock(&mut self) -> Result<Timestamp, Error> {
-        Ok(Timestamp::now())
-    }
-
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
         sqlx::raw_sql(sql).execute(self).await.map_err(error)?;
         Ok(())

@@ -334,15 +334,15 @@ done
 
 /// `tally restore-to` into `db` with `litestream` as Litestream.
 fn restore_to_with(db: &Path, litestream: &Path) -> std::process::Command {
+    restore_to_at(db, litestream, "2026-05-01T10:04:00Z")
+}
+
+/// [`restore_to_with`] to the instant `timestamp`.
+fn restore_to_at(db: &Path, litestream: &Path, timestamp: &str) -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tally"));
     c.env_clear()
         .env("TALLY_DATABASE", db)
-        .args([
-            "restore-to",
-            "--timestamp",
-            "2026-05-01T10:04:00Z",
-            "--litestream",
-        ])
+        .args(["restore-to", "--timestamp", timestamp, "--litestream"])
         .arg(litestream);
     c
 }
@@ -481,16 +481,7 @@ exit 0
     );
     assert!(!db.exists(), "nothing put in place");
     // A refusal that wrote nothing is not put down to the disk.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .env_clear()
-        .env("TALLY_DATABASE", &db)
-        .args([
-            "restore-to",
-            "--timestamp",
-            "2999-01-01T00:00:00Z",
-            "--litestream",
-        ])
-        .arg(&fake)
+    let out = restore_to_at(&db, &fake, "2999-01-01T00:00:00Z")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
