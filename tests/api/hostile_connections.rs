@@ -869,10 +869,14 @@ async fn thousands_of_silent_and_slow_connections_leave_writes_working_and_resou
     assert!(fresh < Duration::from_secs(1), "{report}");
     // Descriptors: what tally had at rest (database, listener, runtime, and
     // the writes' connection), one per other connection under the cap, one
-    // per lingering refusal, and the one just accepted and not yet served or
-    // refused. Far from the limit of 1024, so accept never fails.
+    // per lingering refusal, the one just accepted and not yet served or
+    // refused, and the directory the storage sampler lists four times a
+    // second (one at a time, open for a moment: the peak met the bound
+    // exactly in every run, and failed when a listing fell on it). Far from
+    // the limit of 1024, so accept never fails.
+    const SAMPLER_LISTING: usize = 1;
     assert!(
-        max_fds <= base_fds + (CAP - 1) + tally::server::LINGERING_REFUSALS + 1,
+        max_fds <= base_fds + (CAP - 1) + tally::server::LINGERING_REFUSALS + 1 + SAMPLER_LISTING,
         "{report}"
     );
     assert!(!bin.log_text().contains("cannot accept"), "{report}");
