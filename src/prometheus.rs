@@ -132,6 +132,10 @@ fn describe() {
         "tally_budget_pruned_rows_total",
         "Usage rows deleted for being past retention."
     );
+    describe_counter!(
+        "tally_clock_steps_total",
+        "Steps of the wall clock the writer saw, by direction: each holds pruning and key expiry back."
+    );
     describe_gauge!(
         "tally_db_size_bytes",
         Unit::Bytes,
@@ -266,6 +270,9 @@ fn zero_known_series() {
     }
     counter!("tally_budget_decisions_total", "budget" => "", "reason" => "meter_error")
         .increment(0);
+    for direction in ["forward", "backward"] {
+        counter!("tally_clock_steps_total", "direction" => direction).increment(0);
+    }
 }
 
 /// Samples what is cheaper to read when asked than to keep current: queue

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use jiff::Timestamp;
 
 use super::{
-    Error,
+    Error, clock,
     command::Deleted,
     store::{BudgetRow, Store},
 };
@@ -34,14 +34,17 @@ pub async fn put(
     spec: &BudgetSpec,
     now: Timestamp,
 ) -> Result<Budget, Error> {
+    // Days before the window counted from a time no step of the clock has
+    // moved on, days after it from one no step has moved back.
+    let trusted = clock::trusted(now);
     // A stored budget tally cannot read (its time zone gone from the
     // database built in) is being replaced: only the new window counts.
     let old = conn
         .put_budget(name.as_str(), spec)
         .await?
         .and_then(|row| from_row(row).ok())
-        .map(|old| (old.spec.kept_days(now), old.spec.timezone_name));
-    let kept = spec.kept_days(now);
+        .map(|old| (old.spec.kept_days(trusted.earliest), old.spec.timezone_name));
+    let kept = spec.kept_days(trusted.earliest);
     let oldest = old
         .as_ref()
         .map_or(kept.oldest, |(old, _)| old.oldest.max(kept.oldest));
@@ -55,7 +58,7 @@ pub async fn put(
     // this moment has not begun in it.
     if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
         let at = conn.clock_if_now_lags().await?.unwrap_or(now);
-        let today = spec.kept_days(at).today;
+        let today = spec.kept_days(at.max(trusted.latest)).today;
         conn.prune_after(name.as_str(), &today.to_string()).await?;
     }
     Ok(Budget {
@@ -192,6 +195,8 @@ pub async fn check_many(
         .collect();
 
     let mut usage = DayUsage::read(conn, items, &days).await?;
+    // Counted back from a time no step of the clock has moved on.
+    let prune_from = clock::trusted(now).earliest;
     let mut decisions = Vec::with_capacity(items.len());
     let mut prunes: Vec<(usize, Day)> = Vec::new();
     for (i, (item, day)) in items.iter().zip(days).enumerate() {
@@ -206,7 +211,7 @@ pub async fn check_many(
         // Once per budget and batch: in a budget whose visitor limit is 0
         // every new visitor's call is a first of the day.
         if step.first_of_day && !prunes.iter().any(|(j, _)| items[*j].budget == item.budget) {
-            prunes.push((i, budget.spec.kept_days(now).oldest));
+            prunes.push((i, budget.spec.kept_days(prune_from).oldest));
         }
         decisions.push(Ok(Decision::new(budget, day, step, now)));
     }

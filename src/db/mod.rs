@@ -27,11 +27,13 @@
 //!   one, lock order, savepoints, keys); `command`: the commands.
 //! - `counters`, `budgets`, `keys`: the rules, written once against the
 //!   [`store::Store`] trait; `reads`: coalesced reads over a `Reads` trait;
-//!   `list`: pages of names, as key ranges.
+//!   `list`: pages of names, as key ranges; `clock`: the writer's watch
+//!   over steps of the wall clock, which hold pruning and key expiry back.
 //! - `sqlite/`, `postgres/`: each engine's wing: its open, its `Store`,
 //!   its writer engine, its readers, its error classification.
 
 mod budgets;
+mod clock;
 mod command;
 mod committed;
 pub mod contention;

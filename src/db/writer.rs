@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     Error,
+    clock::{self, StepWatch},
     command::{Command, NOT_COMMITTED, Queued, Sent},
     committed::Committed,
     stats::{CommitClock, QueueStats},
@@ -72,6 +73,9 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) keys_forgotten_at: Option<std::time::Instant>,
     /// How long an idempotency key is remembered.
     pub(super) key_ttl: Duration,
+    /// Steps of the wall clock the batches go by, which hold pruning and
+    /// forgetting keys back ([`clock`]).
+    pub(super) clock: Arc<StepWatch>,
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
@@ -381,7 +385,7 @@ impl<E: Engine> WriterLoop<E> {
         let size = batch.len();
         let started = std::time::Instant::now();
         let clock = E::COMMITS_HERE.then(CommitClock::start).flatten();
-        let commit = self.engine.apply(batch).await;
+        let commit = clock::watched(Arc::clone(&self.clock), self.engine.apply(batch)).await;
         if let Some(clock) = clock {
             self.stats.record_commit_cpu(clock);
         }
@@ -496,7 +500,8 @@ impl<E: Engine> WriterLoop<E> {
             return;
         }
         self.keys_forgotten_at = Some(std::time::Instant::now());
-        match self.engine.forget_expired_keys(self.key_ttl).await {
+        let forget = self.engine.forget_expired_keys(self.key_ttl);
+        match clock::watched(Arc::clone(&self.clock), forget).await {
             Ok(n) if n >= super::keys::FORGET_SHARE => {
                 self.keys_forgotten_at = None;
                 tracing::info!(keys = n, "forgot expired idempotency keys; more are due");

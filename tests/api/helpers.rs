@@ -524,3 +524,30 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
 }
+
+/// An answer's JSON body.
+pub async fn json(r: Response) -> Value {
+    r.json().await.unwrap()
+}
+
+/// Creates budget `name` through `bin`'s admin API, asserting success.
+pub async fn put_budget(client: &reqwest::Client, bin: &Binary, name: &str, spec: Value) {
+    let r = client
+        .put(bin.url(&format!("/budgets/{name}")))
+        .bearer_auth(ADMIN)
+        .json(&spec)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+}
+
+/// libfaketime's library, which moves the clock of the program it is
+/// preloaded into.
+pub fn faketime_library() -> PathBuf {
+    std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(|e| Some(e.ok()?.path().join("faketime/libfaketimeMT.so.1")))
+        .find(|p| p.exists())
+        .expect("libfaketime is missing: run ./scripts/install-tools")
+}

@@ -28,8 +28,8 @@ use tokio::{
 
 use crate::{
     forwarding::accept_each,
-    helpers::{ADMIN, Binary, problem},
-    on_postgres::scale_out::{global_calls, json, metric, processes, put_budget, stop_all},
+    helpers::{ADMIN, Binary, json, problem, put_budget},
+    on_postgres::scale_out::{global_calls, metric, processes, stop_all},
     postgres,
 };
 

@@ -6,10 +6,7 @@
 //! process is the real binary; the server is the test command's (a fresh
 //! database per test) or one the test stops and starts itself.
 
-use std::{
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use reqwest::{Client, StatusCode};
@@ -17,8 +14,8 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use crate::{
-    helpers::{ADMIN, Binary, failed_start, problem},
-    on_postgres::scale_out::{json, metric, processes, put_budget, stop_all},
+    helpers::{ADMIN, Binary, failed_start, faketime_library, json, problem, put_budget},
+    on_postgres::scale_out::{metric, processes, stop_all},
     postgres::{self, PgServer},
 };
 
@@ -252,16 +249,6 @@ async fn names_lock_in_byte_order_whatever_the_databases_collation() {
         "{mixed:.0}/s against {control:.0}/s"
     );
     stop_all(bins).await;
-}
-
-/// libfaketime's library, which moves the clock of the program it is
-/// preloaded into.
-fn faketime_library() -> PathBuf {
-    std::fs::read_dir("/usr/lib")
-        .unwrap()
-        .filter_map(|e| Some(e.ok()?.path().join("faketime/libfaketimeMT.so.1")))
-        .find(|p| p.exists())
-        .expect("libfaketime is missing: run ./scripts/install-tools")
 }
 
 /// One process's clock runs 25 hours ahead (a node whose clock drifted):

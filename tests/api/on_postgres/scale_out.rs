@@ -12,10 +12,10 @@ use std::{
 
 use futures_util::future::join_all;
 use reqwest::{Client, StatusCode};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::{
-    helpers::{ADMIN, Binary, problem, wait_for_queue_depth},
+    helpers::{ADMIN, Binary, json, problem, put_budget, wait_for_queue_depth},
     postgres::{self, PgServer},
 };
 
@@ -38,27 +38,11 @@ pub(crate) async fn stop_all(bins: Vec<Binary>) {
     }
 }
 
-pub(crate) async fn json(r: reqwest::Response) -> Value {
-    r.json().await.unwrap()
-}
-
 /// Budget `name`'s calls today, as `bin` reads them.
 pub(crate) async fn global_calls(client: &Client, bin: &Binary, name: &str) -> i64 {
     let url = bin.url(&format!("/budgets/{name}/usage"));
     let usage = json(client.get(url).send().await.unwrap()).await;
     usage["global_calls"].as_i64().unwrap()
-}
-
-/// Creates budget `name` through `bin`'s admin API, asserting success.
-pub(crate) async fn put_budget(client: &Client, bin: &Binary, name: &str, spec: Value) {
-    let r = client
-        .put(bin.url(&format!("/budgets/{name}")))
-        .bearer_auth(ADMIN)
-        .json(&spec)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
 }
 
 /// One series of `bin`'s `/metrics`.

@@ -9,6 +9,7 @@
 //! in (`on_sqlite::budgets` beside `budgets`), using that module's helpers.
 
 mod budgets;
+mod clock;
 mod contention;
 mod idempotency;
 mod input_contract;

@@ -1,0 +1,245 @@
+//! Steps of the wall clock, seen against the process's monotonic clock.
+//!
+//! Days, retention and idempotency keys' ages go by the wall clock (the
+//! host's on SQLite, the database server's on PostgreSQL), and two things
+//! done by it cannot be undone: pruning a budget's usage older than its
+//! retention, and forgetting expired keys. A clock stepped forward by more
+//! than a budget's retention would prune the real days' usage (their calls
+//! allowed again once the clock is set right), and one stepped past the
+//! keys' lifetime would forget keys a retry still needs.
+//!
+//! So the writer reads every wall time its batches go by against its
+//! monotonic clock, which no step moves: a reading more than [`STEP`] away
+//! from where the last one, run on by the monotonic clock, says the wall
+//! clock should be is a step. For [`HOLD`] after a step, or until the
+//! clock is back in step, pruning counts back from the earlier of the two
+//! times (the clock as it reads, and where it would be without the step),
+//! a time zone's change deletes only days after the later of them, and
+//! keys are not forgotten: what is kept meanwhile is only kept longer.
+//! A clock that stays where it stepped to is trusted after [`HOLD`]. A
+//! step before the process started, it cannot see.
+
+use std::{
+    future::Future,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use jiff::{SignedDuration, Timestamp};
+
+/// How far a reading may be from where the last one says the clock should
+/// be before it counts as a step. Above what a PostgreSQL batch can lag
+/// between reading the server's clock (at its transaction's start) and
+/// deciding by it, and what a clock kept by NTP drifts from the monotonic
+/// clock between two readings hours apart.
+pub const STEP: Duration = Duration::from_secs(120);
+
+/// How long pruning and forgetting keys wait after a step: time for NTP,
+/// or an operator paged by `TallyClockStepped`, to set a wrong clock right.
+pub const HOLD: Duration = Duration::from_secs(6 * 3600);
+
+/// The times a batch's pruning may count by, read at `now`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Trusted {
+    /// What days before retention count back from: never later than the
+    /// clock without a step.
+    pub earliest: Timestamp,
+    /// What a day after today is counted from: never earlier than the
+    /// clock without a step.
+    pub latest: Timestamp,
+    /// Whether a step holds clean-ups back: no key is forgotten.
+    pub held: bool,
+}
+
+impl Trusted {
+    fn plain(now: Timestamp) -> Self {
+        Trusted {
+            earliest: now,
+            latest: now,
+            held: false,
+        }
+    }
+}
+
+/// The writer's watch over its wall clock.
+#[derive(Default)]
+pub struct StepWatch(Mutex<Watched>);
+
+#[derive(Default)]
+struct Watched {
+    /// The last reading in step: the wall clock then, and the monotonic.
+    anchor: Option<(Timestamp, Instant)>,
+    /// Since a step: until when it holds clean-ups back.
+    held_until: Option<Instant>,
+}
+
+impl StepWatch {
+    /// Reads `now` against the monotonic clock.
+    pub fn read(&self, now: Timestamp) -> Trusted {
+        self.read_at(now, Instant::now())
+    }
+
+    fn read_at(&self, now: Timestamp, mono: Instant) -> Trusted {
+        // Poisoned only by a panic in here, with nothing half-changed.
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((wall, at)) = w.anchor else {
+            w.anchor = Some((now, mono));
+            return Trusted::plain(now);
+        };
+        let expected = SignedDuration::try_from(mono.saturating_duration_since(at))
+            .ok()
+            .and_then(|run| wall.checked_add(run).ok())
+            .unwrap_or(now);
+        let off = now.duration_since(expected);
+        let in_step = off.unsigned_abs() < STEP;
+        match w.held_until {
+            None if in_step => {}
+            Some(_) if in_step => {
+                tracing::warn!("the wall clock is back in step: pruning and key expiry resume");
+                w.held_until = None;
+            }
+            Some(until) if mono >= until => {
+                tracing::warn!(
+                    hours = HOLD.as_secs() / 3600,
+                    "the wall clock stayed where it stepped: pruning and key expiry go by it again"
+                );
+                w.held_until = None;
+            }
+            held => {
+                if held.is_none() {
+                    let direction = if off.is_negative() {
+                        "backward"
+                    } else {
+                        "forward"
+                    };
+                    metrics::counter!("tally_clock_steps_total", "direction" => direction)
+                        .increment(1);
+                    tracing::warn!(
+                        direction,
+                        seconds = off.as_secs(),
+                        hold_hours = HOLD.as_secs() / 3600,
+                        "the wall clock stepped: usage past retention and expired idempotency keys \
+                         are kept until it is back in step or the hold ends"
+                    );
+                    w.held_until = Some(mono + HOLD);
+                }
+                return Trusted {
+                    earliest: now.min(expected),
+                    latest: now.max(expected),
+                    held: true,
+                };
+            }
+        }
+        w.anchor = Some((now, mono));
+        Trusted::plain(now)
+    }
+}
+
+tokio::task_local! {
+    /// The writer's watch, set around its batches and clean-ups: the rules
+    /// (`budgets`, `keys`) read through [`trusted`] without every caller
+    /// passing it down.
+    static WATCH: Arc<StepWatch>;
+}
+
+/// Runs `f` with `watch` as the clock's watch.
+pub fn watched<F: Future>(watch: Arc<StepWatch>, f: F) -> impl Future<Output = F::Output> {
+    WATCH.scope(watch, f)
+}
+
+/// `now` read by the writer's watch; outside the writer (tests of the
+/// rules, with times of their own) `now` as it is.
+pub fn trusted(now: Timestamp) -> Trusted {
+    WATCH
+        .try_with(|w| w.read(now))
+        .unwrap_or_else(|_| Trusted::plain(now))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    fn at(t0: Timestamp, secs: i64) -> Timestamp {
+        t0 + SignedDuration::from_secs(secs)
+    }
+
+    #[test]
+    fn a_clock_in_step_is_trusted_as_it_reads() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        // Each within a step of the last run on: 100 s ahead, then back.
+        for (wall, mono) in [(0, 0), (60, 60), (3700, 3600), (7200, 7200)] {
+            let r = w.read_at(at(t0, wall), m0 + Duration::from_secs(mono as u64));
+            assert_eq!(r, Trusted::plain(at(t0, wall)), "at {wall} s by the wall");
+        }
+    }
+
+    #[test]
+    fn a_step_forward_holds_pruning_back_until_the_clock_is_back_in_step() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.read_at(t0, m0);
+        // Ten days ahead, a minute later.
+        let ahead = at(t0, 10 * 86_400 + 60);
+        let r = w.read_at(ahead, m0 + MINUTE);
+        assert_eq!((r.earliest, r.latest, r.held), (at(t0, 60), ahead, true));
+        // Still ahead an hour later: the earliest time runs on with it.
+        let r = w.read_at(at(ahead, 3600), m0 + MINUTE * 61);
+        assert_eq!((r.earliest, r.held), (at(t0, 3660), true));
+        // Set right: trusted again, and a step again if it jumps.
+        let r = w.read_at(at(t0, 3720), m0 + MINUTE * 62);
+        assert_eq!(r, Trusted::plain(at(t0, 3720)));
+        assert!(w.read_at(at(t0, 7200), m0 + MINUTE * 63).held);
+    }
+
+    #[test]
+    fn a_step_back_holds_for_the_days_after_today() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.read_at(t0, m0);
+        let behind = at(t0, -86_400);
+        let r = w.read_at(behind, m0 + MINUTE);
+        assert_eq!((r.earliest, r.latest, r.held), (behind, at(t0, 60), true));
+    }
+
+    #[test]
+    fn a_clock_that_stays_where_it_stepped_is_trusted_after_the_hold() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.read_at(t0, m0);
+        let step = 30 * 86_400;
+        assert!(w.read_at(at(t0, step), m0).held);
+        let hold = HOLD.as_secs() as i64;
+        assert!(
+            w.read_at(at(t0, step + hold - 1), m0 + HOLD - Duration::from_secs(1))
+                .held
+        );
+        let r = w.read_at(at(t0, step + hold), m0 + HOLD);
+        assert_eq!(r, Trusted::plain(at(t0, step + hold)));
+        // The new clock is the anchor now.
+        assert!(!w.read_at(at(t0, step + hold + 60), m0 + HOLD + MINUTE).held);
+    }
+
+    #[test]
+    fn small_steps_and_slow_drift_are_no_step() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.read_at(t0, m0);
+        let under = STEP.as_secs() as i64 - 1;
+        // Just under a step ahead, then, an hour on, just under one back.
+        assert!(!w.read_at(at(t0, 60 + under), m0 + MINUTE).held);
+        let hour_on = at(t0, 60 + under + 3600 - under);
+        assert!(!w.read_at(hour_on, m0 + MINUTE * 61).held);
+    }
+
+    #[tokio::test]
+    async fn the_rules_read_the_writers_watch_only_inside_its_scope() {
+        let t0 = Timestamp::now();
+        let watch = Arc::new(StepWatch::default());
+        let ahead = at(t0, 86_400);
+        let held = watched(Arc::clone(&watch), async move {
+            trusted(t0);
+            trusted(ahead).held
+        })
+        .await;
+        assert!(held);
+        assert_eq!(trusted(ahead), Trusted::plain(ahead));
+    }
+}

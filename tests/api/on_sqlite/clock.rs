@@ -1,0 +1,156 @@
+//! The wall clock stepped under a running tally and set right again:
+//! libfaketime moves the binary's clock (read from a file, so the test
+//! steps it while tally runs) and leaves its monotonic clock alone, as a
+//! step of the host's clock does. On SQLite the host's clock is the one
+//! days and keys' ages go by.
+
+use std::{path::Path, time::Duration};
+
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+
+use crate::helpers::{ADMIN, Binary, faketime_library, json, put_budget, sample};
+
+/// tally with its clock read from `clock` (libfaketime's offset, as
+/// `+10d`), which starts in step.
+fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
+    std::fs::write(clock, "+0\n").unwrap();
+    let library = faketime_library();
+    let db = dir.join("tally.db");
+    let mut env = vec![
+        ("TALLY_DATABASE", db.to_str().unwrap()),
+        ("TALLY_ADMIN_TOKEN", ADMIN),
+        ("LD_PRELOAD", library.to_str().unwrap()),
+        ("FAKETIME_TIMESTAMP_FILE", clock.to_str().unwrap()),
+        // Read at every call: the step lands at once.
+        ("FAKETIME_NO_CACHE", "1"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ];
+    env.extend_from_slice(extra);
+    // The environment holds borrowed strings: start before they go.
+    Binary::start(&env)
+}
+
+async fn check(client: &Client, bin: &Binary, visitor: &str) -> Value {
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": visitor}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    json(r).await
+}
+
+/// A clock stepped ten days ahead and set right: the first call of the
+/// stepped day would prune every day before its retention, the real today
+/// among them, and a visitor at its limit would be allowed again. The
+/// step holds pruning back; the visitor stays denied, and the step is
+/// counted and logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let mut bin = stepped_binary(dir.path(), &clock, &[]);
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bin,
+        "b",
+        json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1}),
+    )
+    .await;
+    for _ in 0..2 {
+        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
+    }
+    let today = check(&client, &bin, "v").await;
+    assert_eq!(today["allowed"], false, "{today}");
+
+    std::fs::write(&clock, "+10d\n").unwrap();
+    let stepped = check(&client, &bin, "w").await;
+    assert_ne!(
+        stepped["day"], today["day"],
+        "the step moved the day: {stepped}"
+    );
+    std::fs::write(&clock, "+0\n").unwrap();
+
+    let after = check(&client, &bin, "v").await;
+    assert_eq!(after["day"], today["day"]);
+    assert_eq!(
+        after["allowed"], false,
+        "today's calls were pruned: {after}"
+    );
+    let usage = json(
+        client
+            .get(bin.url("/budgets/b/usage"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    // The two allowed (a denied call counts nothing).
+    assert_eq!(usage["global_calls"], 2, "{usage}");
+
+    let metrics = bin.metrics().await;
+    let steps = |direction: &str| {
+        sample(
+            &metrics,
+            &format!("tally_clock_steps_total{{direction=\"{direction}\"}}"),
+        )
+    };
+    assert_eq!(steps("forward"), Some(1.0), "{metrics}");
+    assert_eq!(steps("backward"), Some(0.0));
+    assert_eq!(sample(&metrics, "tally_budget_prunes_total"), Some(0.0));
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+    let logs = bin.log_text();
+    assert!(logs.contains("the wall clock stepped"), "{logs}");
+    assert!(logs.contains("the wall clock is back in step"), "{logs}");
+}
+
+/// A clock stepped past the keys' lifetime and set right: the writer's
+/// clean-up would forget a key stored a moment before, and its retry
+/// would run again. The step holds the clean-up back; the retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
+    const TTL: Duration = Duration::from_secs(10);
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let mut bin = stepped_binary(dir.path(), &clock, &[("TALLY_IDEMPOTENCY_KEY_TTL", "10s")]);
+    let client = Client::new();
+    let increment = |name: &'static str, key: &'static str| {
+        client
+            .post(bin.url(&format!("/counters/{name}")))
+            .header("Idempotency-Key", key)
+            .json(&json!({"by": 1}))
+            .send()
+    };
+    // The clean-up runs after a keyed batch, at most once per lifetime:
+    // the first runs now, the next is due a lifetime later.
+    let first = std::time::Instant::now();
+    assert_eq!(increment("a", "k0").await.unwrap().status(), StatusCode::OK);
+    tokio::time::sleep(TTL - Duration::from_secs(2)).await;
+    assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
+    std::fs::write(&clock, "+1h\n").unwrap();
+    let due = first + TTL + Duration::from_secs(1);
+    tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
+    // Due now: the clean-up runs after this batch, by the stepped clock.
+    assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
+    std::fs::write(&clock, "+0\n").unwrap();
+
+    let retry = increment("b", "k1").await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    // k1 is a few seconds old by the real clock, within its lifetime.
+    assert_eq!(
+        retry
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "the key was forgotten"
+    );
+    let value = json(client.get(bin.url("/counters/b")).send().await.unwrap()).await;
+    assert_eq!(value["value"], 1, "{value}");
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+}
