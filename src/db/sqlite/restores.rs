@@ -57,10 +57,15 @@ pub async fn find(db: &Path, target: jiff::Timestamp) -> Result<Option<Restored>
     }))
 }
 
-/// Records `restored` in the database at `db`. Closing the connection
-/// checkpoints the write into the database file, so Litestream finds one
-/// file, as a restore leaves it.
-pub async fn record(db: &Path, restored: &Restored) -> Result<(), sqlx::Error> {
+/// Records `restored` in the database at `db`, and checkpoints the write
+/// into the database file, so that the file is whole on its own, as a
+/// restore leaves it: one file to put in place, for Litestream to find.
+/// An error unless it is: a checkpoint that cannot finish (out of room,
+/// say) leaves part of the record only in the WAL, which SQLite's own
+/// checkpoint on closing would fail silently to move, and a file without
+/// its WAL is damaged. So is one Litestream left damaged, which the check
+/// after the checkpoint finds too.
+pub async fn record(db: &Path, restored: &Restored) -> anyhow::Result<()> {
     let mut conn = SqliteConnectOptions::new().filename(db).connect().await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS point_in_time_restores (
@@ -79,7 +84,25 @@ pub async fn record(db: &Path, restored: &Restored) -> Result<(), sqlx::Error> {
     .bind(&restored.restored_at)
     .execute(&mut conn)
     .await?;
-    conn.close().await
+    let (busy, _, _): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+        .fetch_one(&mut conn)
+        .await?;
+    if busy != 0 {
+        anyhow::bail!("another connection kept the record from being checkpointed");
+    }
+    let check: Vec<String> = sqlx::query_scalar("PRAGMA quick_check(3)")
+        .fetch_all(&mut conn)
+        .await?;
+    if check != ["ok"] {
+        anyhow::bail!("the restored database is damaged: {}", check.join("; "));
+    }
+    conn.close().await?;
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    match std::fs::metadata(&wal) {
+        Ok(m) if m.len() > 0 => anyhow::bail!("the record is still in the WAL after closing"),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -431,27 +431,7 @@ async fn a_restore_on_a_full_disk_says_the_disk_is_full() {
     let db = disk.path().join("data").join("tally.db");
     std::fs::create_dir_all(db.parent().unwrap()).unwrap();
     let tools = tempfile::tempdir().unwrap();
-    // What Litestream restores: a database in WAL mode with some rows.
-    let template = tools.path().join("restored.db");
-    let mut conn = SqliteConnectOptions::new()
-        .filename(&template)
-        .create_if_missing(true)
-        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::query("CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    sqlx::query(
-        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
-         INSERT INTO counters SELECT 'c' || i, i FROM n",
-    )
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    conn.close().await.unwrap();
+    let template = restored_template(tools.path()).await;
     // The restore to the instant fills the disk once its file is written,
     // as a database as large as the room left would.
     let filler = disk.path().join("filler");
@@ -496,4 +476,103 @@ exit 0
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(db.exists());
+}
+
+/// However little room a restore leaves, what it puts in place is whole:
+/// one that runs out of room while recording itself fails and puts
+/// nothing in place. Before, with a few pages free, the checkpoint of the
+/// record failed unseen as the connection closed, the WAL holding the rest
+/// of it was deleted, and a damaged database was put in place with exit
+/// 0: every start failed on it, and `restore-to` again, finding a
+/// database, did nothing.
+#[tokio::test]
+async fn a_restore_short_of_room_never_puts_a_damaged_database_in_place() {
+    let disk = super::storage_faults::Tmpfs::mount("2m");
+    let data = disk.path().join("data");
+    let db = data.join("tally.db");
+    let tools = tempfile::tempdir().unwrap();
+    let template = restored_template(tools.path()).await;
+    // The restore to the instant leaves `room` bytes free.
+    let (filler, room) = (disk.path().join("filler"), tools.path().join("room"));
+    let fake = planning_litestream(
+        tools.path(),
+        &format!(
+            r#"cp {template} "$out" || exit 1
+if [ -n "$ts" ]; then cat /dev/zero > {filler} 2>/dev/null; truncate -s -"$(cat {room})" {filler}; fi
+exit 0
+"#,
+            template = template.display(),
+            filler = filler.display(),
+            room = room.display(),
+        ),
+    );
+    let mut restored = Vec::new();
+    for kib in (0..=128).step_by(4) {
+        std::fs::create_dir_all(&data).unwrap();
+        std::fs::write(&room, (kib * 1024).to_string()).unwrap();
+        let out = restore_to_with(&db, &fake).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => {
+                let mut conn = SqliteConnectOptions::new()
+                    .filename(&db)
+                    .connect()
+                    .await
+                    .unwrap();
+                let check: String = sqlx::query_scalar("PRAGMA integrity_check")
+                    .fetch_one(&mut conn)
+                    .await
+                    .unwrap_or_else(|e| panic!("{kib} KiB free: {e}; {err}"));
+                assert_eq!(check, "ok", "{kib} KiB free: {err}");
+                let records: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM point_in_time_restores")
+                        .fetch_one(&mut conn)
+                        .await
+                        .unwrap();
+                assert_eq!(records, 1, "{kib} KiB free");
+                conn.close().await.unwrap();
+            }
+            // Named as what it is, whichever write found no room.
+            Some(1) => assert!(
+                !db.exists() && err.contains("is full"),
+                "{kib} KiB free: {err}"
+            ),
+            other => panic!("{kib} KiB free: exit {other:?}: {err}"),
+        }
+        restored.push(out.status.success());
+        std::fs::remove_dir_all(&data).unwrap();
+        std::fs::remove_file(&filler).unwrap();
+    }
+    // The sweep crosses the edge: from too little room to enough.
+    assert_eq!(
+        (restored.first(), restored.last()),
+        (Some(&false), Some(&true)),
+        "{restored:?}"
+    );
+}
+
+/// What Litestream restores, in `dir`: a database in WAL mode with some
+/// rows.
+async fn restored_template(dir: &Path) -> std::path::PathBuf {
+    let template = dir.join("restored.db");
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&template)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::query(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+         INSERT INTO counters SELECT 'c' || i, i FROM n",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.unwrap();
+    template
 }
