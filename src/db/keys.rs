@@ -20,7 +20,7 @@ pub const DEFAULT_KEY_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// Most keys one clean-up deletes (both engines' statements take this
 /// share): one statement stays short however large the backlog, and the
-/// writer runs the next share after its next keyed batch.
+/// writer runs the next share after its next batch.
 pub const FORGET_SHARE: u64 = 10_000;
 
 /// What is stored for `key`, or `None`: then the key is the transaction's

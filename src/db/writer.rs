@@ -326,12 +326,13 @@ impl<E: Engine> WriterLoop<E> {
     /// database files turned out to be gone.
     async fn run_parts(&mut self, batch: &mut Vec<Queued>) -> Result<(), Lost> {
         self.engine.begin_batch(batch.len());
-        let keyed = batch.iter().any(|q| q.key.is_some());
         self.run_split(batch).await?;
         // After the answers, and after the batch's last transaction: nobody
-        // waits for the clean-up. Not when the server could not be reached:
-        // the next batch would wait for it.
-        if keyed && self.engine.stopped().is_none() {
+        // waits for the clean-up. After any batch, keyed or not: past the
+        // storage limit, the writes refused may carry no key, and only
+        // forgetting expired keys makes room for them. Not when the server
+        // could not be reached: the next batch would wait for it.
+        if self.engine.stopped().is_none() {
             self.forget_expired_keys().await;
         }
         Ok(())
@@ -487,10 +488,10 @@ impl<E: Engine> WriterLoop<E> {
     }
 
     /// Forgets expired idempotency keys, a bounded share at a time, in a
-    /// statement of its own after a batch that used keys: at most once a
-    /// minute (or once per key lifetime, when that is shorter), and after
-    /// every keyed batch while a backlog lasts (a full share), so that
-    /// deletion keeps up with any rate of new keys.
+    /// statement of its own after a batch: at most once a minute (or once
+    /// per key lifetime, when that is shorter), and after every batch while
+    /// a backlog lasts (a full share), so that deletion keeps up with any
+    /// rate of new keys.
     async fn forget_expired_keys(&mut self) {
         let every = self.key_ttl.min(Duration::from_secs(60));
         let due = self

@@ -366,7 +366,7 @@ impl Store for SqliteConnection {
     async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
         let cutoff = keys::unix_now() - i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
         // A bounded share, found by the age index: the writer runs
-        // the next one after its next keyed batch (see `keys::FORGET_SHARE`).
+        // the next one after its next batch (see `keys::FORGET_SHARE`).
         Ok(sqlx::query(
             "DELETE FROM idempotency_keys WHERE key IN
                (SELECT key FROM idempotency_keys WHERE created_at < ?1 LIMIT ?2)",
