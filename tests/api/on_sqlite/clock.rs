@@ -14,7 +14,7 @@ use crate::helpers::{ADMIN, Binary, faketime_library, json, put_budget, sample};
 /// tally with its clock read from `clock` (libfaketime's offset, as
 /// `+10d`), which starts in step.
 fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
-    std::fs::write(clock, "+0\n").unwrap();
+    set_clock(clock, "+0");
     let library = faketime_library();
     let db = dir.join("tally.db");
     let mut env = vec![
@@ -29,6 +29,14 @@ fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
     env.extend_from_slice(extra);
     // The environment holds borrowed strings: start before they go.
     Binary::start(&env)
+}
+
+/// Moves the clock read from `clock` to `offset` at once: a new file put in
+/// place, so that tally never reads one half written.
+fn set_clock(clock: &Path, offset: &str) {
+    let next = clock.with_extension("next");
+    std::fs::write(&next, format!("{offset}\n")).unwrap();
+    std::fs::rename(&next, clock).unwrap();
 }
 
 async fn check(client: &Client, bin: &Binary, visitor: &str) -> Value {
@@ -66,13 +74,13 @@ async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
     let today = check(&client, &bin, "v").await;
     assert_eq!(today["allowed"], false, "{today}");
 
-    std::fs::write(&clock, "+10d\n").unwrap();
+    set_clock(&clock, "+10d");
     let stepped = check(&client, &bin, "w").await;
     assert_ne!(
         stepped["day"], today["day"],
         "the step moved the day: {stepped}"
     );
-    std::fs::write(&clock, "+0\n").unwrap();
+    set_clock(&clock, "+0");
 
     let after = check(&client, &bin, "v").await;
     assert_eq!(after["day"], today["day"]);
@@ -131,12 +139,12 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     assert_eq!(increment("a", "k0").await.unwrap().status(), StatusCode::OK);
     tokio::time::sleep(TTL - Duration::from_secs(2)).await;
     assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
-    std::fs::write(&clock, "+1h\n").unwrap();
+    set_clock(&clock, "+1h");
     let due = first + TTL + Duration::from_secs(1);
     tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
     // Due now: the clean-up runs after this batch, by the stepped clock.
     assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
-    std::fs::write(&clock, "+0\n").unwrap();
+    set_clock(&clock, "+0");
 
     let retry = increment("b", "k1").await.unwrap();
     assert_eq!(retry.status(), StatusCode::OK);
