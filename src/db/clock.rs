@@ -38,17 +38,15 @@ pub const STEP: Duration = Duration::from_secs(120);
 /// or an operator paged by `TallyClockStepped`, to set a wrong clock right.
 pub const HOLD: Duration = Duration::from_secs(6 * 3600);
 
-/// The times a batch's pruning may count by, read at `now`.
+/// The times a batch's clean-ups may count by, read at `now`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Trusted {
-    /// What days before retention count back from: never later than the
-    /// clock without a step.
+    /// What days before retention, and keys' ages, count back from: never
+    /// later than the clock without a step.
     pub earliest: Timestamp,
     /// What a day after today is counted from: never earlier than the
     /// clock without a step.
     pub latest: Timestamp,
-    /// Whether a step holds clean-ups back: no key is forgotten.
-    pub held: bool,
 }
 
 impl Trusted {
@@ -56,7 +54,6 @@ impl Trusted {
         Trusted {
             earliest: now,
             latest: now,
-            held: false,
         }
     }
 }
@@ -69,8 +66,25 @@ pub struct StepWatch(Mutex<Watched>);
 struct Watched {
     /// The last reading in step: the wall clock then, and the monotonic.
     anchor: Option<(Timestamp, Instant)>,
+    /// The last reading of all, in step or not: a second step during a
+    /// hold is one from here.
+    last: Option<(Timestamp, Instant)>,
     /// Since a step: until when it holds clean-ups back.
     held_until: Option<Instant>,
+}
+
+/// Where the wall clock read as `wall` at `at` should be at `mono`, run on
+/// by the monotonic clock.
+fn run_on((wall, at): (Timestamp, Instant), mono: Instant) -> Option<Timestamp> {
+    let run = SignedDuration::try_from(mono.saturating_duration_since(at)).ok()?;
+    wall.checked_add(run).ok()
+}
+
+/// How far `now` is from where the reading `from` says it should be, if
+/// that is a step.
+fn step_from(from: (Timestamp, Instant), now: Timestamp, mono: Instant) -> Option<SignedDuration> {
+    let off = now.duration_since(run_on(from, mono).unwrap_or(now));
+    (off.unsigned_abs() >= STEP).then_some(off)
 }
 
 impl StepWatch {
@@ -82,56 +96,73 @@ impl StepWatch {
     fn read_at(&self, now: Timestamp, mono: Instant) -> Trusted {
         // Poisoned only by a panic in here, with nothing half-changed.
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((wall, at)) = w.anchor else {
+        let Some(anchor) = w.anchor else {
             w.anchor = Some((now, mono));
+            w.last = w.anchor;
             return Trusted::plain(now);
         };
-        let expected = SignedDuration::try_from(mono.saturating_duration_since(at))
-            .ok()
-            .and_then(|run| wall.checked_add(run).ok())
-            .unwrap_or(now);
-        let off = now.duration_since(expected);
-        let in_step = off.unsigned_abs() < STEP;
-        match w.held_until {
-            None if in_step => {}
-            Some(_) if in_step => {
+        let last = w.last.unwrap_or(anchor);
+        w.last = Some((now, mono));
+        match (w.held_until, step_from(anchor, now, mono)) {
+            (None, None) => {}
+            (Some(_), None) => {
                 tracing::warn!("the wall clock is back in step: pruning and key expiry resume");
                 w.held_until = None;
             }
-            Some(until) if mono >= until => {
-                tracing::warn!(
-                    hours = HOLD.as_secs() / 3600,
-                    "the wall clock stayed where it stepped: pruning and key expiry go by it again"
-                );
-                w.held_until = None;
-            }
-            held => {
-                if held.is_none() {
-                    let direction = if off.is_negative() {
-                        "backward"
-                    } else {
-                        "forward"
-                    };
-                    metrics::counter!("tally_clock_steps_total", "direction" => direction)
-                        .increment(1);
+            (None, Some(off)) => return w.step(off, anchor, now, mono),
+            // Held: a second step (from the last reading) holds again.
+            (Some(until), Some(_)) => match step_from(last, now, mono) {
+                Some(off) => return w.step(off, anchor, now, mono),
+                None if mono < until => return held(anchor, now, mono),
+                None => {
                     tracing::warn!(
-                        direction,
-                        seconds = off.as_secs(),
-                        hold_hours = HOLD.as_secs() / 3600,
-                        "the wall clock stepped: usage past retention and expired idempotency keys \
-                         are kept until it is back in step or the hold ends"
+                        hours = HOLD.as_secs() / 3600,
+                        "the wall clock stayed where it stepped: pruning and key expiry go by \
+                         it again"
                     );
-                    w.held_until = Some(mono + HOLD);
+                    w.held_until = None;
                 }
-                return Trusted {
-                    earliest: now.min(expected),
-                    latest: now.max(expected),
-                    held: true,
-                };
-            }
+            },
         }
         w.anchor = Some((now, mono));
         Trusted::plain(now)
+    }
+}
+
+impl Watched {
+    /// A step of `off` seen at `now`: counted, logged, and held from here.
+    fn step(
+        &mut self,
+        off: SignedDuration,
+        anchor: (Timestamp, Instant),
+        now: Timestamp,
+        mono: Instant,
+    ) -> Trusted {
+        let direction = if off.is_negative() {
+            "backward"
+        } else {
+            "forward"
+        };
+        metrics::counter!("tally_clock_steps_total", "direction" => direction).increment(1);
+        tracing::warn!(
+            direction,
+            seconds = off.as_secs(),
+            hold_hours = HOLD.as_secs() / 3600,
+            "the wall clock stepped: pruning and key expiry count from the earlier of it and \
+             where it would be without the step, until it is back in step or the hold ends"
+        );
+        self.held_until = Some(mono + HOLD);
+        held(anchor, now, mono)
+    }
+}
+
+/// The times a reading `now` during a hold may count by: it and where the
+/// last reading in step says the clock should be.
+fn held(anchor: (Timestamp, Instant), now: Timestamp, mono: Instant) -> Trusted {
+    let expected = run_on(anchor, mono).unwrap_or(now);
+    Trusted {
+        earliest: now.min(expected),
+        latest: now.max(expected),
     }
 }
 
@@ -165,6 +196,10 @@ mod tests {
         t0 + SignedDuration::from_secs(secs)
     }
 
+    fn plain(r: Trusted) -> bool {
+        r.earliest == r.latest
+    }
+
     #[test]
     fn a_clock_in_step_is_trusted_as_it_reads() {
         let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
@@ -182,14 +217,14 @@ mod tests {
         // Ten days ahead, a minute later.
         let ahead = at(t0, 10 * 86_400 + 60);
         let r = w.read_at(ahead, m0 + MINUTE);
-        assert_eq!((r.earliest, r.latest, r.held), (at(t0, 60), ahead, true));
+        assert_eq!((r.earliest, r.latest), (at(t0, 60), ahead));
         // Still ahead an hour later: the earliest time runs on with it.
         let r = w.read_at(at(ahead, 3600), m0 + MINUTE * 61);
-        assert_eq!((r.earliest, r.held), (at(t0, 3660), true));
+        assert_eq!((r.earliest, r.latest), (at(t0, 3660), at(ahead, 3600)));
         // Set right: trusted again, and a step again if it jumps.
         let r = w.read_at(at(t0, 3720), m0 + MINUTE * 62);
         assert_eq!(r, Trusted::plain(at(t0, 3720)));
-        assert!(w.read_at(at(t0, 7200), m0 + MINUTE * 63).held);
+        assert!(!plain(w.read_at(at(t0, 7200), m0 + MINUTE * 63)));
     }
 
     #[test]
@@ -198,7 +233,7 @@ mod tests {
         w.read_at(t0, m0);
         let behind = at(t0, -86_400);
         let r = w.read_at(behind, m0 + MINUTE);
-        assert_eq!((r.earliest, r.latest, r.held), (behind, at(t0, 60), true));
+        assert_eq!((r.earliest, r.latest), (behind, at(t0, 60)));
     }
 
     #[test]
@@ -206,16 +241,37 @@ mod tests {
         let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
         w.read_at(t0, m0);
         let step = 30 * 86_400;
-        assert!(w.read_at(at(t0, step), m0).held);
+        assert!(!plain(w.read_at(at(t0, step), m0)));
         let hold = HOLD.as_secs() as i64;
-        assert!(
-            w.read_at(at(t0, step + hold - 1), m0 + HOLD - Duration::from_secs(1))
-                .held
-        );
+        let second = Duration::from_secs(1);
+        assert!(!plain(
+            w.read_at(at(t0, step + hold - 1), m0 + HOLD - second)
+        ));
         let r = w.read_at(at(t0, step + hold), m0 + HOLD);
         assert_eq!(r, Trusted::plain(at(t0, step + hold)));
         // The new clock is the anchor now.
-        assert!(!w.read_at(at(t0, step + hold + 60), m0 + HOLD + MINUTE).held);
+        assert!(plain(
+            w.read_at(at(t0, step + hold + 60), m0 + HOLD + MINUTE)
+        ));
+    }
+
+    /// A step a hold is already on (a host resumed five minutes late,
+    /// then a wrong time source ten days ahead) holds again from itself:
+    /// before, the first step's hold ran out and the second was trusted.
+    #[test]
+    fn a_second_step_during_a_hold_holds_again() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.read_at(t0, m0);
+        assert!(!plain(w.read_at(at(t0, 300), m0)));
+        let later = HOLD - MINUTE;
+        let hold = later.as_secs() as i64;
+        assert!(!plain(w.read_at(at(t0, 300 + hold), m0 + later)));
+        let wrong = at(t0, 300 + hold + 10 * 86_400);
+        let r = w.read_at(wrong, m0 + later);
+        assert_eq!((r.earliest, r.latest), (at(t0, hold), wrong));
+        // Past the first step's hold, the second's still holds.
+        let r = w.read_at(at(wrong, 120), m0 + later + MINUTE * 2);
+        assert_eq!(r.earliest, at(t0, hold + 120));
     }
 
     #[test]
@@ -224,9 +280,9 @@ mod tests {
         w.read_at(t0, m0);
         let under = STEP.as_secs() as i64 - 1;
         // Just under a step ahead, then, an hour on, just under one back.
-        assert!(!w.read_at(at(t0, 60 + under), m0 + MINUTE).held);
+        assert!(plain(w.read_at(at(t0, 60 + under), m0 + MINUTE)));
         let hour_on = at(t0, 60 + under + 3600 - under);
-        assert!(!w.read_at(hour_on, m0 + MINUTE * 61).held);
+        assert!(plain(w.read_at(hour_on, m0 + MINUTE * 61)));
     }
 
     #[tokio::test]
@@ -234,12 +290,12 @@ mod tests {
         let t0 = Timestamp::now();
         let watch = Arc::new(StepWatch::default());
         let ahead = at(t0, 86_400);
-        let held = watched(Arc::clone(&watch), async move {
+        let r = watched(Arc::clone(&watch), async move {
             trusted(t0);
-            trusted(ahead).held
+            trusted(ahead)
         })
         .await;
-        assert!(held);
+        assert!(r.earliest < ahead);
         assert_eq!(trusted(ahead), Trusted::plain(ahead));
     }
 }

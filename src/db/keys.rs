@@ -146,14 +146,14 @@ pub fn replay<T: Kept>(stored: &StoredKey) -> Result<T, Error> {
 }
 
 /// Forgets one share of the keys older than `ttl` (how long a key is
-/// remembered, `TALLY_IDEMPOTENCY_KEY_TTL`); returns how many.
-/// None while a step of the clock holds clean-ups back ([`clock`]): a
-/// clock stepped past `ttl` would forget keys a retry still needs.
+/// remembered, `TALLY_IDEMPOTENCY_KEY_TTL`); returns how many. Their age
+/// is counted from a time no step of the clock has moved on ([`clock`]):
+/// a clock stepped past `ttl` would forget keys a retry still needs.
 pub async fn forget_expired(conn: &mut impl Store, ttl: Duration) -> Result<u64, Error> {
-    if clock::trusted(conn.now().await?).held {
-        return Ok(0);
-    }
-    conn.forget_keys_older_than(ttl).await
+    let from = clock::trusted(conn.now().await?).earliest;
+    let ttl = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
+    conn.forget_keys_stored_before(from.as_second().saturating_sub(ttl))
+        .await
 }
 
 /// This process's clock in unix seconds: the keys' clock on SQLite, where

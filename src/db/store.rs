@@ -197,7 +197,8 @@ pub(super) trait Store {
     /// Deletes keys this transaction claimed and will store no answer for.
     async fn unclaim_keys(&mut self, keys: &[&str]) -> Result<(), Error>;
 
-    /// Forgets keys stored longer ago than `age` by [`Self::now`]'s clock
-    /// (some of them, if there are very many); returns how many.
-    async fn forget_keys_older_than(&mut self, age: std::time::Duration) -> Result<u64, Error>;
+    /// Forgets keys stored before `cutoff`, in seconds since the epoch by
+    /// [`Self::now`]'s clock (a share of them, if there are very many:
+    /// [`super::keys::FORGET_SHARE`]); returns how many.
+    async fn forget_keys_stored_before(&mut self, cutoff: i64) -> Result<u64, Error>;
 }

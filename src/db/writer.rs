@@ -115,6 +115,10 @@ pub(super) trait Engine: Send + 'static {
     /// idempotency keys older than `ttl`; returns how many.
     async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error>;
 
+    /// The clock the batches go by (the host's; on PostgreSQL the
+    /// server's), as [`super::store::Store::now`] reads it.
+    async fn now(&mut self) -> Result<jiff::Timestamp, Error>;
+
     /// Closes the connection once every accepted command has been
     /// answered: what fails here is logged, since nothing is left to
     /// answer (see [`Writer::run`]).
@@ -216,6 +220,11 @@ impl<E: Engine> WriterLoop<E> {
     /// answer, and every commit is already in the WAL. It returns an error
     /// only if the database files were lost (see `sqlite::files`).
     pub async fn run(mut self) -> Result<(), WriterFailed> {
+        // The clock's first reading, before any batch: a step after the
+        // start is a step from here (one before it cannot be seen).
+        if let Ok(now) = self.engine.now().await {
+            self.clock.read(now);
+        }
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut closing = false;
         let mut watch = tokio::time::interval(FILES_CHECK_INTERVAL);

@@ -417,17 +417,16 @@ impl Store for PgConnection {
 
     /// By the server's clock: a process whose own clock runs a day ahead
     /// must not forget a key another process has just stored.
-    async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
+    async fn forget_keys_stored_before(&mut self, cutoff: i64) -> Result<u64, Error> {
         Ok(
             // A bounded share at a time, so that a backlog of millions
             // never runs into the statement timeout; the rest goes next
             // time (once a minute).
             sqlx::query(
                 "DELETE FROM idempotency_keys WHERE key IN
-                   (SELECT key FROM idempotency_keys
-                    WHERE created_at < extract(epoch FROM now())::int8 - $1 LIMIT 10000)",
+                   (SELECT key FROM idempotency_keys WHERE created_at < $1 LIMIT 10000)",
             )
-            .bind(i64::try_from(age.as_secs()).unwrap_or(i64::MAX))
+            .bind(cutoff)
             .execute(self)
             .await
             .map_err(error)?

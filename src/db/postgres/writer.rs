@@ -64,6 +64,10 @@ impl Engine for WriterConn {
         WriterConn::forget_expired_keys(self, ttl).await
     }
 
+    async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
+        WriterConn::now(self).await
+    }
+
     async fn close(self) {
         WriterConn::close(self).await
     }
@@ -322,6 +326,20 @@ impl WriterConn {
         let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn, ttl))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        self.keep_if_sound(r)
+    }
+
+    /// The server's clock, outside any batch.
+    pub async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
+        let conn = self.conn().await?;
+        let r = tokio::time::timeout(BATCH_TIMEOUT, Store::now(conn))
+            .await
+            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        self.keep_if_sound(r)
+    }
+
+    /// `r`, having dropped the connection if its error calls for a new one.
+    fn keep_if_sound<T>(&mut self, r: Result<T, Error>) -> Result<T, Error> {
         if let Err(e) = &r
             && needs_new_connection(e)
         {

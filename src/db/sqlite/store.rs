@@ -1,8 +1,6 @@
 //! The SQLite engine's statements: the writer's ([`Store`]) and the
 //! readers'.
 
-use std::time::Duration;
-
 use jiff::Timestamp;
 use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
@@ -363,8 +361,7 @@ impl Store for SqliteConnection {
         Ok(())
     }
 
-    async fn forget_keys_older_than(&mut self, age: Duration) -> Result<u64, Error> {
-        let cutoff = keys::unix_now() - i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
+    async fn forget_keys_stored_before(&mut self, cutoff: i64) -> Result<u64, Error> {
         // A bounded share, found by the age index: the writer runs
         // the next one after its next batch (see `keys::FORGET_SHARE`).
         Ok(sqlx::query(

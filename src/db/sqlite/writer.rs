@@ -72,6 +72,10 @@ impl Engine for SqliteWriter {
         keys::forget_expired(&mut self.conn, ttl).await
     }
 
+    async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
+        self.conn.now().await
+    }
+
     /// Checkpoints (unless Litestream owns that) and closes the database.
     /// Every accepted command has been answered by now and every commit is
     /// in the WAL, which the next open replays: a failure here (a full disk

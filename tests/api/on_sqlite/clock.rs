@@ -54,7 +54,8 @@ async fn check(client: &Client, bin: &Binary, visitor: &str) -> Value {
 /// stepped day would prune every day before its retention, the real today
 /// among them, and a visitor at its limit would be allowed again. The
 /// step holds pruning back; the visitor stays denied, and the step is
-/// counted and logged.
+/// counted and logged. The same after a restart, with the step before the
+/// first write: the writer reads the clock as it starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
     let dir = tempfile::tempdir().unwrap();
@@ -114,11 +115,30 @@ async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
     let logs = bin.log_text();
     assert!(logs.contains("the wall clock stepped"), "{logs}");
     assert!(logs.contains("the wall clock is back in step"), "{logs}");
+
+    // A day of its own: the first call of the day above pruned already.
+    let mut bin = stepped_binary(dir.path(), &clock, &[]);
+    set_clock(&clock, "+20d");
+    let stepped = check(&client, &bin, "w").await;
+    assert_ne!(stepped["day"], today["day"]);
+    set_clock(&clock, "+0");
+    let after = check(&client, &bin, "v").await;
+    assert_eq!(
+        after["allowed"], false,
+        "after a restart, today's calls were pruned: {after}"
+    );
+    let metrics = bin.metrics().await;
+    assert_eq!(sample(&metrics, "tally_budget_prunes_total"), Some(0.0));
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
 }
 
 /// A clock stepped past the keys' lifetime and set right: the writer's
 /// clean-up would forget a key stored a moment before, and its retry
-/// would run again. The step holds the clean-up back; the retry replays.
+/// would run again. During the step the clean-up counts keys' ages from
+/// the clock without the step: the retry replays, and a key expired by
+/// that clock too is forgotten all the same (it may make room past the
+/// storage limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     const TTL: Duration = Duration::from_secs(10);
@@ -133,17 +153,26 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
             .json(&json!({"by": 1}))
             .send()
     };
-    // The clean-up runs after a keyed batch, at most once per lifetime:
-    // the first runs now, the next is due a lifetime later.
-    let first = std::time::Instant::now();
+    // The writer cleans up after a batch, once its answers are sent, and
+    // before it takes the next: a write answered after it has cleaned up.
+    let cleaned_up = || async {
+        let r = client.post(bin.url("/counters/d")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    };
+    // The clean-up runs at most once per lifetime: the first runs now,
+    // the next is due a lifetime later.
     assert_eq!(increment("a", "k0").await.unwrap().status(), StatusCode::OK);
+    cleaned_up().await;
+    let first = std::time::Instant::now();
     tokio::time::sleep(TTL - Duration::from_secs(2)).await;
     assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
     set_clock(&clock, "+1h");
-    let due = first + TTL + Duration::from_secs(1);
+    // Ages are counted in whole seconds: k0 a second past its lifetime.
+    let due = first + TTL + Duration::from_millis(1500);
     tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
     // Due now: the clean-up runs after this batch, by the stepped clock.
     assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
+    cleaned_up().await;
     set_clock(&clock, "+0");
 
     let retry = increment("b", "k1").await.unwrap();
@@ -159,6 +188,12 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     );
     let value = json(client.get(bin.url("/counters/b")).send().await.unwrap()).await;
     assert_eq!(value["value"], 1, "{value}");
+    // k0 was stored before the last clean-up but one, over its lifetime
+    // ago by the real clock: forgotten, its retry runs again.
+    let retry = increment("a", "k0").await.unwrap();
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    let value = json(client.get(bin.url("/counters/a")).send().await.unwrap()).await;
+    assert_eq!(value["value"], 2, "{value}");
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
 }
