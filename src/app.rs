@@ -92,6 +92,10 @@ impl Application {
                 .map(std::time::Duration::from_millis),
             #[cfg(feature = "test-hooks")]
             writer_panic_after: settings.test_writer_panic_after,
+            #[cfg(feature = "test-hooks")]
+            publish_delay: settings
+                .test_publish_delay_ms
+                .map(std::time::Duration::from_millis),
         };
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;

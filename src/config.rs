@@ -208,6 +208,13 @@ pub struct Settings {
     #[cfg(feature = "test-hooks")]
     #[arg(long, env = "TALLY_TEST_WRITER_PANIC_AFTER", hide = true)]
     pub test_writer_panic_after: Option<u64>,
+
+    /// Pause the writer this many milliseconds between a batch's COMMIT and
+    /// the publication of its counter values, for tests of reads in that
+    /// window only (the `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
+    #[arg(long, env = "TALLY_TEST_PUBLISH_DELAY_MS", hide = true)]
+    pub test_publish_delay_ms: Option<u64>,
 }
 
 /// Where the data lives.

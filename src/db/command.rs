@@ -282,6 +282,17 @@ impl Command {
         }
     }
 
+    /// The counter this command may change, if it is one that can, for
+    /// [`super::committed::Committed::begin`].
+    pub fn counter_changed(&self) -> Option<&str> {
+        match self {
+            Command::Increment { name, .. } | Command::DeleteCounter { name, .. } => {
+                Some(name.as_str())
+            }
+            _ => None,
+        }
+    }
+
     /// The counter value this command committed, for
     /// [`super::committed::Committed::publish`]: an increment's new value,
     /// 0 for a deleted counter; nothing for a command replayed for an

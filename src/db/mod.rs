@@ -110,6 +110,10 @@ pub struct DbOptions {
     /// Test hook: the writer panics on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub writer_panic_after: Option<u64>,
+    /// Test hook: the writer sleeps this long between a batch's COMMIT and
+    /// the publication of its counter values.
+    #[cfg(feature = "test-hooks")]
+    pub publish_delay: Option<Duration>,
 }
 
 /// Why the database could not be opened.

@@ -84,6 +84,8 @@ fn assemble(
         key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]
         panic_after: opts.writer_panic_after,
+        #[cfg(feature = "test-hooks")]
+        publish_delay: opts.publish_delay,
         batches: 0,
         failing_since: None,
     };

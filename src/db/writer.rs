@@ -79,6 +79,10 @@ pub(super) struct WriterLoop<E: Engine> {
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
+    /// Test hook: sleep between a batch's COMMIT and the publication of
+    /// its counter values.
+    #[cfg(feature = "test-hooks")]
+    pub(super) publish_delay: Option<Duration>,
     /// Batches taken so far.
     pub(super) batches: u64,
     /// Since when commits fail for a full disk or an unreachable database,
@@ -395,6 +399,9 @@ impl<E: Engine> WriterLoop<E> {
         let size = batch.len();
         let started = std::time::Instant::now();
         let clock = E::COMMITS_HERE.then(CommitClock::start).flatten();
+        if let Some(committed) = &self.committed {
+            committed.begin(batch.iter().filter_map(|q| q.command.counter_changed()));
+        }
         let commit = clock::watched(Arc::clone(&self.clock), self.engine.apply(batch)).await;
         if let Some(clock) = clock {
             self.stats.record_commit_cpu(clock);
@@ -421,9 +428,20 @@ impl<E: Engine> WriterLoop<E> {
         crate::kept!(histogram "tally_commit_batch_size").record(size as f64);
         metrics::gauge!("tally_write_queue_depth").set(self.rx.len() as f64);
         tracing::debug!(batch = size, elapsed = ?took, "batch done");
-        // Before the answers: a read after a 200 sees its write.
-        if let (Ok(()), Some(committed)) = (&commit, &self.committed) {
-            committed.publish(batch.iter().filter_map(|q| q.command.committed_counter()));
+        #[cfg(feature = "test-hooks")]
+        if let Some(delay) = self.publish_delay {
+            tokio::time::sleep(delay).await;
+        }
+        // Before the answers: a read after a 200 sees its write. Whether it
+        // committed or not: the batch has ended.
+        if let Some(committed) = &self.committed {
+            let values = commit.is_ok().then_some(batch.iter());
+            committed.publish(
+                values
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|q| q.command.committed_counter()),
+            );
         }
         for q in batch.drain(..) {
             answer(q, &commit);

@@ -11,6 +11,7 @@
 mod budgets;
 mod clock;
 mod contention;
+mod counters;
 mod idempotency;
 mod input_contract;
 mod lifecycle;
