@@ -460,5 +460,14 @@ async fn a_writer_held_on_a_batch_shows_its_age_at_every_scrape() {
         "{first} then {second}"
     );
     assert_eq!(write.await.unwrap().unwrap().status(), StatusCode::OK);
-    assert!(age().await < 0.05, "the batch is done");
+    // After its answers the writer cleans up (expired keys: on PostgreSQL
+    // two round trips), then takes nothing more.
+    let started = std::time::Instant::now();
+    while age().await >= 0.05 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the batch is done"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -9,15 +9,15 @@ use crate::{helpers::spawn_app, idempotency::post_keyed};
 async fn keys_are_forgotten_after_a_day() {
     let app = spawn_app().await;
     // A key stored two days ago, behind the API (as an earlier run of
-    // tally would have left it), for an increment of `old`.
-    app.post_json("/counters/old", json!({})).await;
+    // tally would have left it), for an increment of `old`, before any
+    // write: the writer cleans up after its first batch, with a key or not.
     app.sql_behind(
-        "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
+        "INSERT INTO counters (name, value) VALUES ('old', 1);
+         INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
              VALUES ('stale', 'increment old 1', '1', unixepoch() - 2 * 86400)",
     )
     .await;
-    // The first keyed batch of this writer forgets expired keys after it
-    // has answered.
+    // The writer's first batch forgets expired keys after it has answered.
     post_keyed(&app, "/counters/other", "fresh", json!({})).await;
     let mut left: Vec<String> = Vec::new();
     for _ in 0..100 {
