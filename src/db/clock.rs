@@ -88,6 +88,12 @@ fn step_from(from: (Timestamp, Instant), now: Timestamp, mono: Instant) -> Optio
 }
 
 impl StepWatch {
+    /// Where the clock should be now, by the last reading in step.
+    fn expected(&self) -> Option<Timestamp> {
+        let w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        run_on(w.anchor?, Instant::now())
+    }
+
     /// Reads `now` against the monotonic clock.
     pub fn read(&self, now: Timestamp) -> Trusted {
         self.read_at(now, Instant::now())
@@ -176,6 +182,13 @@ tokio::task_local! {
 /// Runs `f` with `watch` as the clock's watch.
 pub fn watched<F: Future>(watch: Arc<StepWatch>, f: F) -> impl Future<Output = F::Output> {
     WATCH.scope(watch, f)
+}
+
+/// Where the writer's watch says the clock should be now: the last reading
+/// in step, run on by the monotonic clock. `None` outside the writer, or
+/// before its first reading.
+pub fn expected() -> Option<Timestamp> {
+    WATCH.try_with(|w| w.expected()).ok().flatten()
 }
 
 /// `now` read by the writer's watch; outside the writer (tests of the

@@ -41,7 +41,13 @@ pub async fn claim_all(
     conn: &mut impl Store,
     keys: &[(&str, &str)],
 ) -> Result<Vec<Option<StoredKey>>, Error> {
-    let stored = conn.claim_keys(keys).await.map_err(Error::at_key)?;
+    // Never stamped earlier than the clock without a step: a key stored
+    // while the clock is behind would expire early once it is set right.
+    let not_before = clock::expected().map_or(i64::MIN, |t| t.as_second());
+    let stored = conn
+        .claim_keys(keys, not_before)
+        .await
+        .map_err(Error::at_key)?;
     match stored.len() == keys.len() {
         true => Ok(stored),
         false => Err(Error::Internal(

@@ -187,8 +187,13 @@ pub(super) trait Store {
     /// transaction claiming the same key waits for this one and then sees
     /// its answer. Keys are claimed in byte order, the order every
     /// process takes them in. A key is stamped with the time of
-    /// [`Self::now`]'s clock.
-    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error>;
+    /// [`Self::now`]'s clock, in seconds since the epoch, or with
+    /// `not_before` if that is later.
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&str, &str)],
+        not_before: i64,
+    ) -> Result<Vec<Option<StoredKey>>, Error>;
 
     /// Stores the answers `(key, answer)` for keys this transaction
     /// claimed.

@@ -226,8 +226,15 @@ impl<E: Engine> WriterLoop<E> {
     pub async fn run(mut self) -> Result<(), WriterFailed> {
         // The clock's first reading, before any batch: a step after the
         // start is a step from here (one before it cannot be seen).
-        if let Ok(now) = self.engine.now().await {
-            self.clock.read(now);
+        match self.engine.now().await {
+            Ok(now) => {
+                self.clock.read(now);
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "could not read the clock as the writer starts: a step of it before the first \
+                 batch will not be seen"
+            ),
         }
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut closing = false;

@@ -335,10 +335,14 @@ impl Store for PgConnection {
     /// the same key uncommitted, the insert waits for it; if the key is
     /// there (committed, or claimed earlier in this transaction), nothing is
     /// inserted and its row is read instead.
-    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error> {
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&str, &str)],
+        not_before: i64,
+    ) -> Result<Vec<Option<StoredKey>>, Error> {
         let claimed: Vec<String> = sqlx::query_scalar(
             "INSERT INTO idempotency_keys (key, fingerprint, result, created_at)
-             SELECT key, fingerprint, '', extract(epoch FROM now())::int8
+             SELECT key, fingerprint, '', greatest(extract(epoch FROM now())::int8, $3)
              FROM unnest($1::text[], $2::text[]) AS t (key, fingerprint)
              ORDER BY key COLLATE \"C\"
              ON CONFLICT (key) DO NOTHING
@@ -346,6 +350,7 @@ impl Store for PgConnection {
         )
         .bind(column(keys, |k| k.0))
         .bind(column(keys, |k| k.1))
+        .bind(not_before)
         .fetch_all(&mut *self)
         .await
         .map_err(error)?;

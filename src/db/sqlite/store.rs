@@ -311,7 +311,11 @@ impl Store for SqliteConnection {
     /// JSON. As on PostgreSQL, though here the one writer serialises every
     /// write: no other transaction holds a key meanwhile, and nothing comes
     /// between the two statements.
-    async fn claim_keys(&mut self, keys: &[(&str, &str)]) -> Result<Vec<Option<StoredKey>>, Error> {
+    async fn claim_keys(
+        &mut self,
+        keys: &[(&str, &str)],
+        not_before: i64,
+    ) -> Result<Vec<Option<StoredKey>>, Error> {
         let rows = sqlx::query_scalar(
             "SELECT json_group_array(json_array(key, fingerprint, result))
              FROM idempotency_keys WHERE key IN (SELECT value ->> 0 FROM json_each(?1));
@@ -320,7 +324,7 @@ impl Store for SqliteConnection {
              ON CONFLICT (key) DO NOTHING;",
         )
         .bind(to_json(keys))
-        .bind(keys::unix_now())
+        .bind(keys::unix_now().max(not_before))
         .fetch_all(&mut *self)
         .await
         .map_err(error)?;

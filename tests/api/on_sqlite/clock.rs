@@ -197,3 +197,55 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
 }
+
+/// A clock stepped back and set right: a key stored while it was behind
+/// was stamped with its time, so once it was set right the clean-up took
+/// the key for as old as the step and forgot it, and its retry ran again.
+/// A key is stamped no earlier than where the clock would be without the
+/// step: the retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_stored_while_the_clock_is_behind_is_kept_its_lifetime() {
+    const TTL: Duration = Duration::from_secs(10);
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let mut bin = stepped_binary(dir.path(), &clock, &[("TALLY_IDEMPOTENCY_KEY_TTL", "10s")]);
+    let client = Client::new();
+    let increment = |name: &'static str, key: &'static str| {
+        client
+            .post(bin.url(&format!("/counters/{name}")))
+            .header("Idempotency-Key", key)
+            .json(&json!({"by": 1}))
+            .send()
+    };
+    let cleaned_up = || async {
+        let r = client.post(bin.url("/counters/d")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    };
+    assert_eq!(increment("a", "k0").await.unwrap().status(), StatusCode::OK);
+    cleaned_up().await;
+    let first = std::time::Instant::now();
+    tokio::time::sleep(TTL - Duration::from_secs(2)).await;
+    set_clock(&clock, "-1h");
+    assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
+    set_clock(&clock, "+0");
+    let due = first + TTL + Duration::from_millis(1500);
+    tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
+    // Due now: the clean-up runs after this batch, by the clock set right.
+    assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
+    cleaned_up().await;
+
+    let retry = increment("b", "k1").await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    assert_eq!(
+        retry
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "the key was forgotten"
+    );
+    let value = json(client.get(bin.url("/counters/b")).send().await.unwrap()).await;
+    assert_eq!(value["value"], 1, "{value}");
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+}
