@@ -141,6 +141,24 @@ async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
 /// storage limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
+    keys_across_a_step("+0", "+1h").await;
+}
+
+/// A clock stepped back and set right: a key stored while it was behind
+/// was stamped with its time, so once it was set right the clean-up took
+/// the key for as old as the step and forgot it, and its retry ran again.
+/// A key is stamped no earlier than where the clock would be without the
+/// step: the retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_stored_while_the_clock_is_behind_is_kept_its_lifetime() {
+    keys_across_a_step("-1h", "+0").await;
+}
+
+/// Key `k0` stored, then `k1` nearly a lifetime later with the clock at
+/// `for_k1`, then the clean-up a lifetime after `k0` with the clock at
+/// `for_clean_up`, then the clock set right: `k1`, a few seconds old by
+/// the real clock, replays; `k0`, past its lifetime, runs again.
+async fn keys_across_a_step(for_k1: &str, for_clean_up: &str) {
     const TTL: Duration = Duration::from_secs(10);
     let dir = tempfile::tempdir().unwrap();
     let clock = dir.path().join("clock");
@@ -165,19 +183,19 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     cleaned_up().await;
     let first = std::time::Instant::now();
     tokio::time::sleep(TTL - Duration::from_secs(2)).await;
+    set_clock(&clock, for_k1);
     assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
-    set_clock(&clock, "+1h");
+    set_clock(&clock, for_clean_up);
     // Ages are counted in whole seconds: k0 a second past its lifetime.
     let due = first + TTL + Duration::from_millis(1500);
     tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
-    // Due now: the clean-up runs after this batch, by the stepped clock.
+    // Due now: the clean-up runs after this batch.
     assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
     cleaned_up().await;
     set_clock(&clock, "+0");
 
     let retry = increment("b", "k1").await.unwrap();
     assert_eq!(retry.status(), StatusCode::OK);
-    // k1 is a few seconds old by the real clock, within its lifetime.
     assert_eq!(
         retry
             .headers()
@@ -188,64 +206,10 @@ async fn a_clock_stepped_past_the_keys_lifetime_forgets_no_key() {
     );
     let value = json(client.get(bin.url("/counters/b")).send().await.unwrap()).await;
     assert_eq!(value["value"], 1, "{value}");
-    // k0 was stored before the last clean-up but one, over its lifetime
-    // ago by the real clock: forgotten, its retry runs again.
     let retry = increment("a", "k0").await.unwrap();
     assert!(retry.headers().get("idempotent-replayed").is_none());
     let value = json(client.get(bin.url("/counters/a")).send().await.unwrap()).await;
     assert_eq!(value["value"], 2, "{value}");
-    bin.sigterm();
-    bin.wait(Duration::from_secs(20)).await;
-}
-
-/// A clock stepped back and set right: a key stored while it was behind
-/// was stamped with its time, so once it was set right the clean-up took
-/// the key for as old as the step and forgot it, and its retry ran again.
-/// A key is stamped no earlier than where the clock would be without the
-/// step: the retry replays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_stored_while_the_clock_is_behind_is_kept_its_lifetime() {
-    const TTL: Duration = Duration::from_secs(10);
-    let dir = tempfile::tempdir().unwrap();
-    let clock = dir.path().join("clock");
-    let mut bin = stepped_binary(dir.path(), &clock, &[("TALLY_IDEMPOTENCY_KEY_TTL", "10s")]);
-    let client = Client::new();
-    let increment = |name: &'static str, key: &'static str| {
-        client
-            .post(bin.url(&format!("/counters/{name}")))
-            .header("Idempotency-Key", key)
-            .json(&json!({"by": 1}))
-            .send()
-    };
-    let cleaned_up = || async {
-        let r = client.post(bin.url("/counters/d")).send().await.unwrap();
-        assert_eq!(r.status(), StatusCode::OK);
-    };
-    assert_eq!(increment("a", "k0").await.unwrap().status(), StatusCode::OK);
-    cleaned_up().await;
-    let first = std::time::Instant::now();
-    tokio::time::sleep(TTL - Duration::from_secs(2)).await;
-    set_clock(&clock, "-1h");
-    assert_eq!(increment("b", "k1").await.unwrap().status(), StatusCode::OK);
-    set_clock(&clock, "+0");
-    let due = first + TTL + Duration::from_millis(1500);
-    tokio::time::sleep(due.saturating_duration_since(std::time::Instant::now())).await;
-    // Due now: the clean-up runs after this batch, by the clock set right.
-    assert_eq!(increment("c", "k2").await.unwrap().status(), StatusCode::OK);
-    cleaned_up().await;
-
-    let retry = increment("b", "k1").await.unwrap();
-    assert_eq!(retry.status(), StatusCode::OK);
-    assert_eq!(
-        retry
-            .headers()
-            .get("idempotent-replayed")
-            .map(|v| v.to_str().unwrap()),
-        Some("true"),
-        "the key was forgotten"
-    );
-    let value = json(client.get(bin.url("/counters/b")).send().await.unwrap()).await;
-    assert_eq!(value["value"], 1, "{value}");
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
 }
