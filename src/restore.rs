@@ -266,6 +266,13 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     restores::record(&restoring, &restored)
         .await
         .context("recording the restore in the database")?;
+    // SQLite keeps a WAL it could not checkpoint as it closed: without it
+    // the file is not whole.
+    if std::fs::metadata(beside(&restoring, "-wal")).is_ok_and(|m| m.len() > 0) {
+        bail!(
+            "recording the restore in the database: the record is still in the WAL after closing"
+        );
+    }
     put_in_place(&restoring, db).context("moving the restored database into place")?;
     remove_sqlite_files(&restoring)?;
     let marker = Marker {

@@ -12,12 +12,15 @@
 //! monotonic clock, which no step moves: a reading more than [`STEP`] away
 //! from where the last one, run on by the monotonic clock, says the wall
 //! clock should be is a step. For [`HOLD`] after a step, or until the
-//! clock is back in step, pruning counts back from the earlier of the two
-//! times (the clock as it reads, and where it would be without the step),
-//! a time zone's change deletes only days after the later of them, and
-//! keys are not forgotten: what is kept meanwhile is only kept longer.
-//! A clock that stays where it stepped to is trusted after [`HOLD`]. A
-//! step before the process started, it cannot see.
+//! clock is back in step, pruning and keys' ages count back from the
+//! earlier of the two times (the clock as it reads, and where it would be
+//! without the step), and a time zone's change deletes only days after the
+//! later of them: what is kept meanwhile is only kept longer. A key is
+//! never stamped earlier than where the clock would be without a step
+//! ([`expected`]), so one stored while the clock is behind does not expire
+//! early once it is set right. A clock that stays where it stepped to is
+//! trusted after [`HOLD`]. A step before the process started, it cannot
+//! see.
 
 use std::{
     future::Future,

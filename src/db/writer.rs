@@ -442,13 +442,9 @@ impl<E: Engine> WriterLoop<E> {
         // Before the answers: a read after a 200 sees its write. Whether it
         // committed or not: the batch has ended.
         if let Some(committed) = &self.committed {
-            let values = commit.is_ok().then_some(batch.iter());
-            committed.publish(
-                values
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|q| q.command.committed_counter()),
-            );
+            let ok = commit.is_ok();
+            let values = batch.iter().filter(|_| ok);
+            committed.publish(values.filter_map(|q| q.command.committed_counter()));
         }
         for q in batch.drain(..) {
             answer(q, &commit);

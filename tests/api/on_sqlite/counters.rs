@@ -19,15 +19,11 @@ async fn a_read_while_a_batch_publishes_answers_what_the_file_holds() {
     let app = spawn_with(|s| s.test_publish_delay_ms = Some(3_000)).await;
     let r = app.post_json("/counters/x", json!({"by": 1})).await;
     assert_eq!(r.status(), StatusCode::OK);
-    let read = |app: &crate::helpers::TestApp| {
-        let url = app.url("/counters/x");
-        let client = app.client.clone();
-        async move {
-            let v: Value = client.get(url).send().await.unwrap().json().await.unwrap();
-            v["value"].as_i64().unwrap()
-        }
+    let read = || async {
+        let v: Value = app.get("/counters/x").await.json().await.unwrap();
+        v["value"].as_i64().unwrap()
     };
-    assert_eq!(read(&app).await, 1, "kept in memory after the write");
+    assert_eq!(read().await, 1, "kept in memory after the write");
 
     let write = tokio::spawn({
         let (client, url) = (app.client.clone(), app.url("/counters/x"));
@@ -54,9 +50,9 @@ async fn a_read_while_a_batch_publishes_answers_what_the_file_holds() {
         assert!(started.elapsed() < Duration::from_secs(20), "no commit");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(read(&app).await, 2, "an older value than the file's");
+    assert_eq!(read().await, 2, "an older value than the file's");
     let r = write.await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    assert_eq!(read(&app).await, 2);
+    assert_eq!(read().await, 2);
     app.stop().await.unwrap();
 }
