@@ -169,6 +169,41 @@ fn day_of<'b>(
     Ok((b, b.day(item.day, now)?))
 }
 
+/// Most visitors' rows one prune deletes: a day of a million visitors is
+/// pruned in shares, the first in the batch whose call began the day, the
+/// rest by the writer after its next batches ([`prune_more`]), so that no
+/// batch waits seconds on it (or, on PostgreSQL, runs past its statement
+/// timeout and fails, again at every call of the day). A check whose
+/// `pruned_rows` reaches it tells the writer that more may be left.
+pub const PRUNE_SHARE: u64 = 10_000;
+
+/// Prunes the next share ([`PRUNE_SHARE`]) of a budget's usage older than
+/// its retention, in a transaction of its own that holds the budget's row
+/// (so that its window cannot change meanwhile); returns the rows deleted
+/// and whether more may be left. Counted back, as a check's prune is, from
+/// a time no step of the clock has moved on. A budget deleted meanwhile
+/// has nothing left to prune.
+pub async fn prune_more<S: Store>(conn: &mut S, name: &str) -> Result<(u64, bool), Error> {
+    conn.exec(S::BEGIN_SET_BASED).await?;
+    let pruned = async {
+        let now = conn.now().await?;
+        let Some(budget) = from_rows(conn.load_budgets(&[name]).await?)?.remove(name) else {
+            return Ok((0, false));
+        };
+        let cutoff = budget.spec.kept_days(clock::trusted(now).earliest).oldest;
+        conn.prune_share(name, &cutoff.to_string(), PRUNE_SHARE)
+            .await
+    }
+    .await;
+    match pruned {
+        Ok(pruned) => conn.exec("COMMIT").await.map(|()| pruned),
+        Err(e) => {
+            let _ = conn.exec("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
 /// Runs the checks in order, as if each ran alone at its place in the
 /// queue: each decided by [`meter::decide`] from the counts the checks
 /// before it left. A check naming an unknown budget or a day its budget
@@ -220,7 +255,7 @@ pub async fn check_many(
     }
     for (i, cutoff) in prunes {
         let (budget, cutoff) = (items[i].budget.as_str(), cutoff.to_string());
-        let pruned = conn.prune(budget, &cutoff).await?;
+        let (pruned, _) = conn.prune_share(budget, &cutoff, PRUNE_SHARE).await?;
         if let Some(Ok(d)) = decisions.get_mut(i) {
             d.pruned_rows = pruned;
         }

@@ -80,6 +80,7 @@ fn assemble(
         #[cfg(feature = "test-hooks")]
         delay: opts.writer_delay,
         keys_forgotten_at: None,
+        prunes_due: Default::default(),
         clock: Default::default(),
         key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]

@@ -159,6 +159,17 @@ pub(super) trait Store {
     /// Deletes a budget's usage on days before `before`; returns the rows.
     async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error>;
 
+    /// [`Self::prune`] a share at a time: every global row before `before`
+    /// (one a day) and at most `share` visitors' rows, so that the
+    /// statement stays short however many visitors a day held. Returns the
+    /// rows deleted, and whether the share was full (more may be left).
+    async fn prune_share(
+        &mut self,
+        budget: &str,
+        before: &str,
+        share: u64,
+    ) -> Result<(u64, bool), Error>;
+
     /// Deletes a budget's usage on days after `after` (days a time zone
     /// moved west leaves ahead of today); returns the rows deleted.
     async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error>;

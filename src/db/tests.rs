@@ -1568,3 +1568,87 @@ async fn usage_rows_after(conn: &mut SqliteConnection, day: &str) -> i64 {
         .await
         .unwrap()
 }
+
+/// A day of more visitors than a prune's share is pruned a share at a
+/// time: the day's first call deletes one share (every global row before
+/// the window, and [`budgets::PRUNE_SHARE`] visitors' rows), the writer's
+/// next shares ([`budgets::prune_more`]) the rest, each saying whether
+/// more may be left; the days the budget keeps lose nothing, and a budget
+/// deleted meanwhile has nothing left to prune.
+#[tokio::test]
+async fn a_day_of_many_visitors_is_pruned_a_share_at_a_time() {
+    let share = i64::try_from(budgets::PRUNE_SHARE).unwrap();
+    let name = Name::parse("big").unwrap();
+    let spec = BudgetSpec::new(5, 1_000_000, Some(1), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let kept = spec.kept_days(now);
+    let mut conn = fresh_db().await;
+    budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    // Yesterday, which the budget keeps, and a day it has left holding
+    // two shares and a half of visitors.
+    let yesterday = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("kept").unwrap(),
+        day: Some(kept.oldest),
+    };
+    budgets::check(&mut conn, yesterday, now).await.unwrap();
+    let left = share * 5 / 2;
+    sqlx::query(
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < ?1)
+         INSERT INTO budget_visitor_usage SELECT 'big', '2000-01-01', 'v' || i, 1 FROM g",
+    )
+    .bind(left)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql("INSERT INTO budget_global_usage VALUES ('big', '2000-01-01', 1)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let cutoff = kept.oldest.to_string();
+    // Today's first call: one share and the global row.
+    let today = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("a").unwrap(),
+        day: None,
+    };
+    let d = budgets::check(&mut conn, today, now).await.unwrap();
+    assert_eq!(d.pruned_rows, budgets::PRUNE_SHARE + 1);
+    assert_eq!(old_rows(&mut conn, &cutoff).await, left - share);
+
+    // The writer's shares: full, then the rest, then nothing.
+    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    assert_eq!(more, (budgets::PRUNE_SHARE, true));
+    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    assert_eq!(more, (u64::try_from(left - 2 * share).unwrap(), false));
+    assert_eq!(old_rows(&mut conn, &cutoff).await, 0);
+    assert_eq!(
+        budgets::prune_more(&mut conn, "big").await.unwrap(),
+        (0, false)
+    );
+    // Yesterday's call and today's are still counted.
+    let kept_rows: Vec<Row> = dump(&mut conn).await;
+    assert_eq!(kept_rows.len(), 4, "{kept_rows:?}");
+
+    // A budget deleted with a prune under way: nothing left to prune.
+    sqlx::raw_sql("INSERT INTO budget_visitor_usage VALUES ('gone', '2000-01-01', 'v', 1)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        budgets::prune_more(&mut conn, "gone").await.unwrap(),
+        (0, false)
+    );
+}
+
+/// Usage rows stored for days before `cutoff`.
+async fn old_rows(conn: &mut SqliteConnection, cutoff: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM budget_visitor_usage WHERE day < ?1)
+              + (SELECT count(*) FROM budget_global_usage WHERE day < ?1)",
+    )
+    .bind(cutoff)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Error,
+    Error, budgets,
     clock::{self, StepWatch},
     command::{Command, NOT_COMMITTED, Queued, Sent},
     committed::Committed,
@@ -73,6 +73,10 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) keys_forgotten_at: Option<std::time::Instant>,
     /// How long an idempotency key is remembered.
     pub(super) key_ttl: Duration,
+    /// Budgets whose usage older than their retention may not all be
+    /// pruned yet (a day of more visitors than [`budgets::PRUNE_SHARE`]),
+    /// and when the next share may be tried after one failed.
+    pub(super) prunes_due: PrunesDue,
     /// Steps of the wall clock the batches go by, which hold pruning and
     /// forgetting keys back ([`clock`]).
     pub(super) clock: Arc<StepWatch>,
@@ -118,6 +122,11 @@ pub(super) trait Engine: Send + 'static {
     /// Forgets one share (at most [`super::keys::FORGET_SHARE`]) of the
     /// idempotency keys older than `ttl`; returns how many.
     async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error>;
+
+    /// Prunes the next share of a budget's usage older than its retention
+    /// ([`budgets::prune_more`]): the rows deleted, and whether more may be
+    /// left.
+    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error>;
 
     /// The clock the batches go by (the host's; on PostgreSQL the
     /// server's), as [`super::store::Store::now`] reads it.
@@ -263,6 +272,17 @@ impl<E: Engine> WriterLoop<E> {
                     // holds every write behind it.
                     self.stats.set_on_batch(true);
                     let checked = self.engine.check();
+                    // A prune left part done goes on with no batch to
+                    // follow (a day's first call, then quiet): shares
+                    // for a tenth of the interval, while nothing is
+                    // queued.
+                    if checked.is_ok() {
+                        let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 10;
+                        while self.prune_more().await
+                            && self.rx.is_empty()
+                            && std::time::Instant::now() < until
+                        {}
+                    }
                     self.stats.set_on_batch(false);
                     if let Err(lost) = checked {
                         return Err(self.lose(lost, &mut batch).await);
@@ -354,6 +374,7 @@ impl<E: Engine> WriterLoop<E> {
         // could not be reached: the next batch would wait for it.
         if self.engine.stopped().is_none() {
             self.forget_expired_keys().await;
+            let _ = self.prune_more().await;
         }
         Ok(())
     }
@@ -445,6 +466,9 @@ impl<E: Engine> WriterLoop<E> {
             let ok = commit.is_ok();
             let values = batch.iter().filter(|_| ok);
             committed.publish(values.filter_map(|q| q.command.committed_counter()));
+        }
+        if commit.is_ok() {
+            self.prunes_due.note(batch);
         }
         for q in batch.drain(..) {
             answer(q, &commit);
@@ -540,6 +564,84 @@ impl<E: Engine> WriterLoop<E> {
             Ok(n) if n > 0 => tracing::info!(keys = n, "forgot expired idempotency keys"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),
+        }
+    }
+}
+
+/// Budgets whose prune a check left part done, for the writer to go on
+/// with a share at a time ([`budgets::prune_more`]) after each batch and
+/// when idle. Kept in memory only: what a restart forgets is pruned by
+/// the next day's first call, and a day the window has left is never read
+/// meanwhile.
+#[derive(Debug, Default)]
+pub(super) struct PrunesDue {
+    budgets: Vec<String>,
+    /// After a failed share: not before then.
+    not_before: Option<std::time::Instant>,
+}
+
+impl PrunesDue {
+    /// How long after a failed share the next is tried.
+    const AFTER_FAILURE: Duration = Duration::from_secs(10);
+
+    /// The budgets whose check in a committed batch pruned a full share.
+    fn note(&mut self, batch: &[Queued]) {
+        for q in batch {
+            if let Command::Check { reply, budget, .. } = &q.command
+                && reply
+                    .value()
+                    .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
+                && !self.budgets.iter().any(|b| b == budget.as_str())
+            {
+                self.budgets.push(budget.as_str().to_owned());
+            }
+        }
+    }
+
+    /// The budget whose share is next, if one is due now.
+    fn next(&self) -> Option<&str> {
+        if self
+            .not_before
+            .is_some_and(|t| std::time::Instant::now() < t)
+        {
+            return None;
+        }
+        self.budgets.first().map(String::as_str)
+    }
+}
+
+impl<E: Engine> WriterLoop<E> {
+    /// Prunes one share of the first budget a prune left part done (see
+    /// [`PrunesDue`]), in a transaction of its own; the budget stays due
+    /// while its shares come back full. Whether a share ran and more are
+    /// due.
+    async fn prune_more(&mut self) -> bool {
+        let Some(budget) = self.prunes_due.next().map(str::to_owned) else {
+            return false;
+        };
+        let prune = self.engine.prune_more(&budget);
+        match clock::watched(Arc::clone(&self.clock), prune).await {
+            Ok((rows, more)) => {
+                self.prunes_due.not_before = None;
+                if rows > 0 {
+                    metrics::counter!("tally_budget_pruned_rows_total").increment(rows);
+                }
+                if !more {
+                    self.prunes_due.budgets.retain(|b| *b != budget);
+                    tracing::info!(
+                        budget,
+                        rows,
+                        "pruned the last of a budget's usage past its retention"
+                    );
+                }
+                !self.prunes_due.budgets.is_empty()
+            }
+            Err(e) => {
+                self.prunes_due.not_before =
+                    Some(std::time::Instant::now() + PrunesDue::AFTER_FAILURE);
+                tracing::warn!(budget, error = %e, "could not prune a budget's usage past its retention; trying again in 10 s");
+                false
+            }
         }
     }
 }

@@ -3,7 +3,9 @@ use std::{collections::HashSet, sync::LazyLock};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, problem, spawn_app};
+use crate::helpers::{
+    ADMIN, Binary, database_in, on_postgres, problem, put_budget, sample, spawn_app,
+};
 
 /// The day these tests count on: today in UTC (their budgets' zone) when
 /// first asked. A check may name only a day its budget keeps; should a test
@@ -422,4 +424,114 @@ async fn a_put_keeps_only_the_usage_of_the_days_it_keeps() {
     let u = app.usage("kept", &format!("day={}&visitor=v", *DAY)).await;
     assert_eq!(u["visitor_calls"], 1, "{u}");
     app.stop().await.unwrap();
+}
+
+/// A day the window has left that holds more visitors than one prune
+/// deletes (`PRUNE_SHARE`, 10,000) is pruned a share at a time: the day's
+/// first call takes one, the writer the rest, with no call after it (a
+/// first call at midnight, then quiet), down to the last row. The days
+/// the budget keeps lose nothing, and every row pruned is counted.
+#[tokio::test]
+async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let bin = Binary::start(&[("TALLY_DATABASE", &db), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let client = reqwest::Client::new();
+    let spec = json!({"visitor_limit": 5, "global_limit": 1_000_000, "retention_days": 1, "timezone": "UTC"});
+    put_budget(&client, &bin, "big", spec).await;
+    let check = |day: Option<&str>| {
+        let body = match day {
+            Some(day) => json!({"visitor": "kept", "day": day}),
+            None => json!({"visitor": "today"}),
+        };
+        client
+            .post(bin.url("/budgets/big/check"))
+            .json(&body)
+            .send()
+    };
+    // A kept day's call, made before the old day is there to prune.
+    let yesterday = today_in("UTC", -1);
+    assert_eq!(
+        check(Some(&yesterday)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // 25,000 visitors on a day long gone, and its global row.
+    behind(
+        &db,
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 25000)
+         INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT 'big', '2000-01-01', 'v' || i, 1 FROM g;
+         INSERT INTO budget_global_usage (budget, day, calls) VALUES ('big', '2000-01-01', 25000);",
+    )
+    .await;
+
+    assert_eq!(check(None).await.unwrap().status(), StatusCode::OK);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let pruned = sample(&bin.metrics().await, "tally_budget_pruned_rows_total");
+        if pruned == Some(25_001.0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pruned {pruned:?} of 25,001 rows in 30 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        count_behind(
+            &db,
+            "SELECT count(*) FROM budget_visitor_usage WHERE day = '2000-01-01'"
+        )
+        .await,
+        0
+    );
+    let log = bin.log_text();
+    assert!(
+        log.contains("pruned the last of a budget's usage past its retention"),
+        "{log}"
+    );
+    let usage: Value = client
+        .get(bin.url(&format!("/budgets/big/usage?day={yesterday}&visitor=kept")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&usage["visitor_calls"], &usage["global_calls"]),
+        (&json!(1), &json!(1)),
+        "{usage}"
+    );
+}
+
+/// Runs `sql` on the database `db` (a SQLite file or a PostgreSQL URL)
+/// from outside tally.
+async fn behind(db: &str, sql: &'static str) {
+    use sqlx::ConnectOptions;
+    if on_postgres() {
+        return crate::postgres::sql(db, sql).await;
+    }
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+}
+
+/// What a query of one number answers on the database `db`.
+async fn count_behind(db: &str, sql: &'static str) -> i64 {
+    use sqlx::{ConnectOptions, Connection};
+    if on_postgres() {
+        let mut conn = sqlx::PgConnection::connect(db).await.unwrap();
+        return sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap();
+    }
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap()
 }

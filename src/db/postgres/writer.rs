@@ -5,6 +5,7 @@
 use tokio::time::Instant;
 
 use super::{held::HeldRows, *};
+use crate::db::budgets;
 
 /// The writer's connection: opened when a batch needs one, dropped when it
 /// breaks.
@@ -62,6 +63,10 @@ impl Engine for WriterConn {
 
     async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
         WriterConn::forget_expired_keys(self, ttl).await
+    }
+
+    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
+        WriterConn::prune_more(self, budget).await
     }
 
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
@@ -324,6 +329,16 @@ impl WriterConn {
     pub async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
         let conn = self.conn().await?;
         let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn, ttl))
+            .await
+            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        self.keep_if_sound(r)
+    }
+
+    /// The next share of a budget's prune ([`budgets::prune_more`]), in
+    /// the time a batch has.
+    pub async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
+        let conn = self.conn().await?;
+        let r = tokio::time::timeout(BATCH_TIMEOUT, budgets::prune_more(conn, budget))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         self.keep_if_sound(r)

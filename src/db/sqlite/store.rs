@@ -241,6 +241,35 @@ impl Store for SqliteConnection {
         Ok(deleted.rows_affected())
     }
 
+    async fn prune_share(
+        &mut self,
+        budget: &str,
+        before: &str,
+        share: u64,
+    ) -> Result<(u64, bool), Error> {
+        // The share found by the primary key's range, then deleted by it.
+        let visitors = sqlx::query(
+            "DELETE FROM budget_visitor_usage WHERE (budget, day, visitor) IN
+               (SELECT budget, day, visitor FROM budget_visitor_usage
+                WHERE budget = ?1 AND day < ?2 LIMIT ?3)",
+        )
+        .bind(budget)
+        .bind(before)
+        .bind(i64::try_from(share).unwrap_or(i64::MAX))
+        .execute(&mut *self)
+        .await
+        .map_err(error)?
+        .rows_affected();
+        let globals = sqlx::query("DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2")
+            .bind(budget)
+            .bind(before)
+            .execute(self)
+            .await
+            .map_err(error)?
+            .rows_affected();
+        Ok((visitors + globals, visitors >= share))
+    }
+
     async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error> {
         let deleted = sqlx::query(
             "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day > ?2;

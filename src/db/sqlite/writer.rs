@@ -72,6 +72,10 @@ impl Engine for SqliteWriter {
         keys::forget_expired(&mut self.conn, ttl).await
     }
 
+    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
+        budgets::prune_more(&mut self.conn, budget).await
+    }
+
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
         self.conn.now().await
     }
