@@ -37,6 +37,11 @@ pub async fn put(
     // Days before the window counted from a time no step of the clock has
     // moved on, days after it from one no step has moved back.
     let trusted = clock::trusted(now);
+    // Created (again): first what a deleted budget of the name may have
+    // left (see [`delete`]), before the budget exists for any check.
+    if conn.lock_budget(name.as_str()).await?.is_none() {
+        purge(conn, name.as_str(), None).await?;
+    }
     // A stored budget tally cannot read (its time zone gone from the
     // database built in) is being replaced: only the new window counts.
     let old = conn
@@ -48,7 +53,7 @@ pub async fn put(
     let oldest = old
         .as_ref()
         .map_or(kept.oldest, |(old, _)| old.oldest.max(kept.oldest));
-    conn.prune(name.as_str(), &oldest.to_string()).await?;
+    delete_share(conn, name.as_str(), &oldest.to_string(), None, false).await?;
     // Only when the time zone changed (under the same zone, a day after
     // today is one just begun: `now` may be a moment behind the checks),
     // and by the clock as it reads now that the row is locked: on
@@ -181,18 +186,18 @@ pub const PRUNE_SHARE: u64 = 10_000;
 /// its retention, in a transaction of its own that holds the budget's row
 /// (so that its window cannot change meanwhile); returns the rows deleted
 /// and whether more may be left. Counted back, as a check's prune is, from
-/// a time no step of the clock has moved on. A budget deleted meanwhile
-/// has nothing left to prune.
+/// a time no step of the clock has moved on. Of a budget that does not
+/// exist (deleted), the next share of all its usage.
 pub async fn prune_more<S: Store>(conn: &mut S, name: &str) -> Result<(u64, bool), Error> {
     conn.exec(S::BEGIN_SET_BASED).await?;
     let pruned = async {
         let now = conn.now().await?;
         let Some(budget) = from_rows(conn.load_budgets(&[name]).await?)?.remove(name) else {
-            return Ok((0, false));
+            return purge(conn, name, Some(PRUNE_SHARE)).await;
         };
         let cutoff = budget.spec.kept_days(clock::trusted(now).earliest).oldest;
-        conn.prune_share(name, &cutoff.to_string(), PRUNE_SHARE)
-            .await
+        let cutoff = cutoff.to_string();
+        delete_share(conn, name, &cutoff, Some(PRUNE_SHARE), false).await
     }
     .await;
     match pruned {
@@ -255,7 +260,7 @@ pub async fn check_many(
     }
     for (i, cutoff) in prunes {
         let (budget, cutoff) = (items[i].budget.as_str(), cutoff.to_string());
-        let (pruned, _) = conn.prune_share(budget, &cutoff, PRUNE_SHARE).await?;
+        let (pruned, _) = delete_share(conn, budget, &cutoff, Some(PRUNE_SHARE), false).await?;
         if let Some(Ok(d)) = decisions.get_mut(i) {
             d.pruned_rows = pruned;
         }
@@ -378,13 +383,68 @@ pub async fn reset(
     Ok((day, deleted))
 }
 
-/// Deletes a budget and all its usage, or refuses with
+/// Deletes a budget and its usage, or refuses with
 /// [`Refusal::UnknownBudget`] (and deletes nothing). A check of the same
 /// budget earlier in the queue was counted, and its calls go with the
-/// budget; one later in the queue finds no budget.
+/// budget; one later in the queue finds no budget. The usage goes a share
+/// at a time, as a prune's does ([`PRUNE_SHARE`]): the first here, the
+/// rest by the writer after this batch ([`prune_more`]); a `PUT` that
+/// creates the budget again first deletes whatever is left.
 pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error> {
-    match conn.delete_budget(name.as_str()).await? {
-        true => Ok(Deleted),
-        false => Err(Refusal::UnknownBudget(name.clone()).into()),
+    if !conn.delete_budget(name.as_str()).await? {
+        return Err(Refusal::UnknownBudget(name.clone()).into());
     }
+    purge(conn, name.as_str(), Some(PRUNE_SHARE)).await?;
+    Ok(Deleted)
+}
+
+/// Sorts after every day (days are written `YYYY-MM-DD`): "before" it is
+/// every day.
+const AFTER_EVERY_DAY: &str = "~";
+
+/// Deletes the usage of a budget that does not exist (a deleted one's):
+/// every global row and `share` visitors' rows at most, or all of them.
+/// Whether the budget exists is judged by each statement itself, so that
+/// on PostgreSQL a budget created meanwhile by another process keeps what
+/// it has counted since: its `PUT` purged what was left before any check
+/// could count ([`put`]), and what those checks write is not in the
+/// statements' snapshot. Returns the rows deleted and whether more may be
+/// left.
+pub async fn purge(
+    conn: &mut impl Store,
+    name: &str,
+    share: Option<u64>,
+) -> Result<(u64, bool), Error> {
+    delete_share(conn, name, AFTER_EVERY_DAY, share, true).await
+}
+
+/// Deletes a budget's usage on days before `before`: every global row and
+/// `share` visitors' rows at most (the first in key order, a range of the
+/// primary key however many there are), or all of them. With
+/// `only_if_gone`, only while the budget does not exist ([`purge`]).
+/// Returns the rows deleted and whether more may be left (a full share).
+async fn delete_share(
+    conn: &mut impl Store,
+    budget: &str,
+    before: &str,
+    share: Option<u64>,
+    only_if_gone: bool,
+) -> Result<(u64, bool), Error> {
+    let through = match share {
+        Some(n) => Some(
+            conn.nth_visitor_row(budget, before, n.saturating_sub(1))
+                .await?,
+        ),
+        None => None,
+    };
+    // A share that did not find its last row is the rest.
+    let through = through.flatten();
+    let last = through.as_ref().map(|(d, v)| (d.as_str(), v.as_str()));
+    let visitors = conn
+        .delete_visitor_usage(budget, before, last, only_if_gone)
+        .await?;
+    let globals = conn
+        .delete_global_usage(budget, before, only_if_gone)
+        .await?;
+    Ok((visitors + globals, through.is_some() && visitors > 0))
 }

@@ -156,19 +156,39 @@ pub(super) trait Store {
         globals: &[(&str, &str, i64)],
     ) -> Result<(), Error>;
 
-    /// Deletes a budget's usage on days before `before`; returns the rows.
-    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error>;
-
-    /// [`Self::prune`] a share at a time: every global row before `before`
-    /// (one a day) and at most `share` visitors' rows, so that the
-    /// statement stays short however many visitors a day held. Returns the
-    /// rows deleted, and whether the share was full (more may be left).
-    async fn prune_share(
+    /// The day and visitor of the budget's visitors' row number `n`
+    /// (from 0), in key order, among those on days before `before`: where
+    /// a share of [`Self::delete_visitor_usage`] ends. `None` if there are
+    /// no more rows than `n`.
+    async fn nth_visitor_row(
         &mut self,
         budget: &str,
         before: &str,
-        share: u64,
-    ) -> Result<(u64, bool), Error>;
+        n: u64,
+    ) -> Result<Option<(String, String)>, Error>;
+
+    /// Deletes the budget's visitors' rows on days before `before`, or only
+    /// those up to the row `through` (a day and a visitor, in key order):
+    /// a range of the primary key. With `only_if_gone`, only while no
+    /// budget of that name exists, as the statement itself sees the
+    /// budgets (see [`super::budgets::purge`]). Returns the rows deleted.
+    async fn delete_visitor_usage(
+        &mut self,
+        budget: &str,
+        before: &str,
+        through: Option<(&str, &str)>,
+        only_if_gone: bool,
+    ) -> Result<u64, Error>;
+
+    /// Deletes the budget's global rows on days before `before` (one a
+    /// day), with `only_if_gone` as [`Self::delete_visitor_usage`] has it.
+    /// Returns the rows deleted.
+    async fn delete_global_usage(
+        &mut self,
+        budget: &str,
+        before: &str,
+        only_if_gone: bool,
+    ) -> Result<u64, Error>;
 
     /// Deletes a budget's usage on days after `after` (days a time zone
     /// moved west leaves ahead of today); returns the rows deleted.
@@ -183,11 +203,15 @@ pub(super) trait Store {
         visitor: Option<&str>,
     ) -> Result<u64, Error>;
 
-    /// Deletes a budget and every day of its usage: the budget's row
-    /// first, so that on PostgreSQL its lock is taken before the days',
-    /// in the order a check takes them. Whether the budget existed; if
-    /// not, nothing was deleted.
+    /// Deletes a budget's row; whether it existed. Its usage is left to
+    /// [`super::budgets::purge`], which deletes only a budget's that does
+    /// not exist: on PostgreSQL the row's lock is thus taken before the
+    /// days', in the order a check takes them.
     async fn delete_budget(&mut self, name: &str) -> Result<bool, Error>;
+
+    /// The budgets that do not exist but have usage stored: a delete's
+    /// purge that a restart cut short.
+    async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error>;
 
     /// Deletes a counter; whether it existed.
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error>;

@@ -1630,14 +1630,17 @@ async fn a_day_of_many_visitors_is_pruned_a_share_at_a_time() {
     let kept_rows: Vec<Row> = dump(&mut conn).await;
     assert_eq!(kept_rows.len(), 4, "{kept_rows:?}");
 
-    // A budget deleted with a prune under way: nothing left to prune.
-    sqlx::raw_sql("INSERT INTO budget_visitor_usage VALUES ('gone', '2000-01-01', 'v', 1)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    // A budget deleted with a prune under way: all its usage goes, kept
+    // days and all (a deleted budget's purge).
+    sqlx::raw_sql(
+        "INSERT INTO budget_visitor_usage VALUES ('gone', '2000-01-01', 'v', 1), ('gone', '2999-01-01', 'v', 1)",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
     assert_eq!(
         budgets::prune_more(&mut conn, "gone").await.unwrap(),
-        (0, false)
+        (2, false)
     );
 }
 
@@ -1651,4 +1654,78 @@ async fn old_rows(conn: &mut SqliteConnection, cutoff: &str) -> i64 {
     .fetch_one(conn)
     .await
     .unwrap()
+}
+
+/// A deleted budget's usage goes a share at a time: the delete takes one
+/// (and every global row), the writer's next shares the rest; while some
+/// is left it is found as a deleted budget's, and a `PUT` that creates the
+/// budget again first deletes what is left, so the new budget starts
+/// empty. A budget that exists is never purged.
+#[tokio::test]
+async fn a_deleted_budgets_usage_goes_a_share_at_a_time() {
+    use super::store::Store;
+    let share = i64::try_from(budgets::PRUNE_SHARE).unwrap();
+    let name = Name::parse("big").unwrap();
+    let spec = BudgetSpec::new(5, 1_000_000, Some(7), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let today = spec.kept_days(now).today.to_string();
+    let mut conn = fresh_db().await;
+    for other in ["a", "z"] {
+        let other = Name::parse(other).unwrap();
+        budgets::put(&mut conn, &other, &spec, now).await.unwrap();
+    }
+    let many = |n: i64, budget: &'static str| {
+        sqlx::query(
+            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < ?1)
+             INSERT INTO budget_visitor_usage SELECT ?2, ?3, 'v' || i, 1 FROM g;
+             INSERT INTO budget_global_usage VALUES (?2, ?3, ?1);",
+        )
+        .bind(n)
+        .bind(budget)
+        .bind(today.clone())
+    };
+    let rows_of = async |conn: &mut SqliteConnection, budget: &str| -> i64 {
+        sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM budget_visitor_usage WHERE budget = ?1)
+                  + (SELECT count(*) FROM budget_global_usage WHERE budget = ?1)",
+        )
+        .bind(budget)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+    };
+    budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    let left = share * 5 / 2;
+    many(left, "big").execute(&mut conn).await.unwrap();
+    many(3, "a").execute(&mut conn).await.unwrap();
+    many(3, "z").execute(&mut conn).await.unwrap();
+
+    // An existing budget's usage is not a deleted one's.
+    assert_eq!(
+        budgets::purge(&mut conn, "big", None).await.unwrap(),
+        (0, false)
+    );
+    assert!(conn.orphaned_usage().await.unwrap().is_empty());
+
+    budgets::delete(&mut conn, &name).await.unwrap();
+    assert_eq!(rows_of(&mut conn, "big").await, left - share);
+    assert_eq!(conn.orphaned_usage().await.unwrap(), ["big"]);
+    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    assert_eq!(more, (budgets::PRUNE_SHARE, true));
+    assert_eq!(rows_of(&mut conn, "big").await, left - 2 * share);
+
+    // Created again with some left: it starts empty.
+    budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    assert_eq!(rows_of(&mut conn, "big").await, 0);
+    assert!(conn.orphaned_usage().await.unwrap().is_empty());
+    let check = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("v1").unwrap(),
+        day: None,
+    };
+    let d = budgets::check(&mut conn, check, now).await.unwrap();
+    assert_eq!((d.visitor_calls, d.global_calls), (1, 1));
+    // The other budgets lost nothing.
+    assert_eq!(rows_of(&mut conn, "a").await, 4);
+    assert_eq!(rows_of(&mut conn, "z").await, 4);
 }

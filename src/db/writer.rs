@@ -124,9 +124,13 @@ pub(super) trait Engine: Send + 'static {
     async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error>;
 
     /// Prunes the next share of a budget's usage older than its retention
-    /// ([`budgets::prune_more`]): the rows deleted, and whether more may be
-    /// left.
+    /// ([`budgets::prune_more`]), or of a deleted budget's: the rows
+    /// deleted, and whether more may be left.
     async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error>;
+
+    /// The deleted budgets whose usage is still stored
+    /// ([`super::store::Store::orphaned_usage`]).
+    async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error>;
 
     /// The clock the batches go by (the host's; on PostgreSQL the
     /// server's), as [`super::store::Store::now`] reads it.
@@ -274,10 +278,11 @@ impl<E: Engine> WriterLoop<E> {
                     let checked = self.engine.check();
                     // A prune left part done goes on with no batch to
                     // follow (a day's first call, then quiet): shares
-                    // for a tenth of the interval, while nothing is
+                    // for half the interval, while nothing is
                     // queued.
                     if checked.is_ok() {
-                        let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 10;
+                        self.look_for_orphans().await;
+                        let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 2;
                         while self.prune_more().await
                             && self.rx.is_empty()
                             && std::time::Instant::now() < until
@@ -573,28 +578,54 @@ impl<E: Engine> WriterLoop<E> {
 /// when idle. Kept in memory only: what a restart forgets is pruned by
 /// the next day's first call, and a day the window has left is never read
 /// meanwhile.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct PrunesDue {
     budgets: Vec<String>,
     /// After a failed share: not before then.
     not_before: Option<std::time::Instant>,
+    /// When to look for what deletes left before a restart, until a look
+    /// succeeds ([`WriterLoop::look_for_orphans`]).
+    orphans_at: Option<std::time::Instant>,
+}
+
+impl Default for PrunesDue {
+    fn default() -> Self {
+        Self {
+            budgets: Vec::new(),
+            not_before: None,
+            orphans_at: Some(std::time::Instant::now()),
+        }
+    }
 }
 
 impl PrunesDue {
     /// How long after a failed share the next is tried.
     const AFTER_FAILURE: Duration = Duration::from_secs(10);
 
-    /// The budgets whose check in a committed batch pruned a full share.
+    /// How long after a failed look for deleted budgets' usage the next.
+    const ORPHANS_AFTER_FAILURE: Duration = Duration::from_secs(60);
+
+    /// The budgets whose check in a committed batch pruned a full share,
+    /// and those it deleted (whose first share may not have been all).
     fn note(&mut self, batch: &[Queued]) {
         for q in batch {
-            if let Command::Check { reply, budget, .. } = &q.command
-                && reply
+            let due = match &q.command {
+                Command::Check { reply, budget, .. } => reply
                     .value()
                     .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
-                && !self.budgets.iter().any(|b| b == budget.as_str())
-            {
-                self.budgets.push(budget.as_str().to_owned());
+                    .then_some(budget),
+                Command::DeleteBudget { reply, name } => reply.value().map(|_| name),
+                _ => None,
+            };
+            if let Some(budget) = due {
+                self.add(budget.as_str());
             }
+        }
+    }
+
+    fn add(&mut self, budget: &str) {
+        if !self.budgets.iter().any(|b| b == budget) {
+            self.budgets.push(budget.to_owned());
         }
     }
 
@@ -611,6 +642,39 @@ impl PrunesDue {
 }
 
 impl<E: Engine> WriterLoop<E> {
+    /// Looks once, when the writer is first idle, for the usage of deleted
+    /// budgets that a purge cut short by a restart left stored, and goes on
+    /// with it as with its own (again a minute after a failed look).
+    async fn look_for_orphans(&mut self) {
+        if self
+            .prunes_due
+            .orphans_at
+            .is_none_or(|at| std::time::Instant::now() < at)
+        {
+            return;
+        }
+        match self.engine.orphaned_usage().await {
+            Ok(budgets) => {
+                self.prunes_due.orphans_at = None;
+                if !budgets.is_empty() {
+                    tracing::info!(
+                        budgets = budgets.len(),
+                        "usage of deleted budgets found: purging it a share at a time"
+                    );
+                }
+                budgets.iter().for_each(|b| self.prunes_due.add(b));
+            }
+            Err(e) => {
+                self.prunes_due.orphans_at =
+                    Some(std::time::Instant::now() + PrunesDue::ORPHANS_AFTER_FAILURE);
+                tracing::warn!(
+                    error = %e,
+                    "could not look for usage of deleted budgets; trying again in a minute"
+                );
+            }
+        }
+    }
+
     /// Prunes one share of the first budget a prune left part done (see
     /// [`PrunesDue`]), in a transaction of its own; the budget stays due
     /// while its shares come back full. Whether a share ran and more are
@@ -637,6 +701,9 @@ impl<E: Engine> WriterLoop<E> {
                 !self.prunes_due.budgets.is_empty()
             }
             Err(e) => {
+                // The others' turn first: this one may fail for good (a
+                // time zone gone from the database built in).
+                self.prunes_due.budgets.rotate_left(1);
                 self.prunes_due.not_before =
                     Some(std::time::Instant::now() + PrunesDue::AFTER_FAILURE);
                 tracing::warn!(budget, error = %e, "could not prune a budget's usage past its retention; trying again in 10 s");

@@ -535,3 +535,77 @@ async fn count_behind(db: &str, sql: &'static str) -> i64 {
         .unwrap();
     sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap()
 }
+
+/// Deleting a budget of many visitors answers at once and its usage goes
+/// after, a share at a time, to the last row; a `PUT` that creates it
+/// again meanwhile starts it empty. What a delete left when its process
+/// stopped is found and purged by the next one.
+#[tokio::test]
+async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
+    const MANY: &str =
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 25000)
+         INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT 'big', '2026-01-01', 'v' || i, 1 FROM g;
+         INSERT INTO budget_global_usage (budget, day, calls) VALUES ('big', '2026-01-01', 25000);";
+    const LEFT: &str = "SELECT (SELECT count(*) FROM budget_visitor_usage WHERE budget = 'big')
+              + (SELECT count(*) FROM budget_global_usage WHERE budget = 'big')";
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let env = [
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_ADMIN_TOKEN", ADMIN),
+    ];
+    let client = reqwest::Client::new();
+    let spec = json!({"visitor_limit": 5, "global_limit": 1_000_000, "retention_days": 3650, "timezone": "UTC"});
+    let gone = async |bin: &Binary| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while count_behind(&db, LEFT).await > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "usage left after 30 s"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        bin.log_text()
+    };
+
+    let delete_big = async |bin: &Binary| {
+        let r = client
+            .delete(bin.url("/budgets/big"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    };
+
+    let bin = Binary::start(&env);
+    put_budget(&client, &bin, "big", spec.clone()).await;
+    behind(&db, MANY).await;
+    delete_big(&bin).await;
+    // Created again at once: none of the old usage counts.
+    put_budget(&client, &bin, "big", spec.clone()).await;
+    let d: Value = client
+        .post(bin.url("/budgets/big/check"))
+        .json(&json!({"visitor": "v9999", "day": "2026-01-01"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&d["visitor_calls"], &d["global_calls"]),
+        (&json!(1), &json!(1)),
+        "{d}"
+    );
+    delete_big(&bin).await;
+    gone(&bin).await;
+    drop(bin);
+
+    // Left by a process that stopped: the next one purges it.
+    behind(&db, MANY).await;
+    let bin = Binary::start(&env);
+    let log = gone(&bin).await;
+    assert!(log.contains("usage of deleted budgets found"), "{log}");
+}

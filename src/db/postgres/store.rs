@@ -219,50 +219,85 @@ impl Store for PgConnection {
         Ok(())
     }
 
-    async fn prune(&mut self, budget: &str, before: &str) -> Result<u64, Error> {
-        let mut deleted = 0;
-        for sql in [
-            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day < $2",
-            "DELETE FROM budget_global_usage WHERE budget = $1 AND day < $2",
-        ] {
-            let r = sqlx::query(sql)
-                .bind(budget)
-                .bind(before)
-                .execute(&mut *self)
-                .await
-                .map_err(error)?;
-            deleted += r.rows_affected();
-        }
-        Ok(deleted)
-    }
-
-    async fn prune_share(
+    async fn nth_visitor_row(
         &mut self,
         budget: &str,
         before: &str,
-        share: u64,
-    ) -> Result<(u64, bool), Error> {
-        // The share found by the primary key's range, then deleted by it.
-        let visitors = sqlx::query(
-            "DELETE FROM budget_visitor_usage WHERE (budget, day, visitor) IN
-               (SELECT budget, day, visitor FROM budget_visitor_usage
-                WHERE budget = $1 AND day < $2 LIMIT $3)",
+        n: u64,
+    ) -> Result<Option<(String, String)>, Error> {
+        sqlx::query_as(
+            "SELECT day, visitor FROM budget_visitor_usage WHERE budget = $1 AND day < $2
+             ORDER BY day, visitor LIMIT 1 OFFSET $3",
         )
         .bind(budget)
         .bind(before)
-        .bind(i64::try_from(share).unwrap_or(i64::MAX))
+        .bind(i64::try_from(n).unwrap_or(i64::MAX))
+        .fetch_optional(self)
+        .await
+        .map_err(error)
+    }
+
+    /// Two ranges of the primary key when `through` is given (the days
+    /// before its day, and its day up to its visitor): one condition
+    /// joining them with `OR` would be searched as one range to the end of
+    /// `through`'s day, all of whose rows it would read.
+    async fn delete_visitor_usage(
+        &mut self,
+        budget: &str,
+        before: &str,
+        through: Option<(&str, &str)>,
+        only_if_gone: bool,
+    ) -> Result<u64, Error> {
+        let (before, last) = match through {
+            Some((day, visitor)) => (day, Some(visitor)),
+            None => (before, None),
+        };
+        let mut deleted = sqlx::query(
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day < $2
+             AND NOT ($3 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+        )
+        .bind(budget)
+        .bind(before)
+        .bind(only_if_gone)
         .execute(&mut *self)
         .await
         .map_err(error)?
         .rows_affected();
-        let globals = sqlx::query("DELETE FROM budget_global_usage WHERE budget = $1 AND day < $2")
+        if let Some(visitor) = last {
+            deleted += sqlx::query(
+                "DELETE FROM budget_visitor_usage
+                 WHERE budget = $1 AND day = $2 AND visitor <= $3
+                 AND NOT ($4 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+            )
             .bind(budget)
             .bind(before)
+            .bind(visitor)
+            .bind(only_if_gone)
             .execute(self)
             .await
             .map_err(error)?
             .rows_affected();
-        Ok((visitors + globals, visitors >= share))
+        }
+        Ok(deleted)
+    }
+
+    async fn delete_global_usage(
+        &mut self,
+        budget: &str,
+        before: &str,
+        only_if_gone: bool,
+    ) -> Result<u64, Error> {
+        Ok(sqlx::query(
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day < $2
+             AND NOT ($3 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+        )
+        .bind(budget)
+        .bind(before)
+        .bind(only_if_gone)
+        .execute(self)
+        .await
+        .map_err(error)?
+        .rows_affected())
     }
 
     async fn prune_after(&mut self, budget: &str, after: &str) -> Result<u64, Error> {
@@ -321,33 +356,35 @@ impl Store for PgConnection {
         Ok(visitors + u64::try_from(globals).unwrap_or(0))
     }
 
-    /// The budget's row is deleted first: its lock is what a check on
-    /// another process takes (`load_budgets`, `FOR SHARE`) before it
-    /// touches a day. A check that had it first has committed by the time
-    /// the usage is deleted (each statement here sees what committed before
-    /// it began), so its calls go too; a check that waited for it finds the
-    /// budget gone.
     async fn delete_budget(&mut self, name: &str) -> Result<bool, Error> {
         let deleted = sqlx::query("DELETE FROM budgets WHERE name = $1")
             .bind(name)
-            .execute(&mut *self)
+            .execute(self)
             .await
             .map_err(error)?
             .rows_affected();
-        if deleted == 0 {
-            return Ok(false);
-        }
-        for sql in [
-            "DELETE FROM budget_global_usage WHERE budget = $1",
-            "DELETE FROM budget_visitor_usage WHERE budget = $1",
-        ] {
-            sqlx::query(sql)
-                .bind(name)
-                .execute(&mut *self)
-                .await
-                .map_err(error)?;
-        }
-        Ok(true)
+        Ok(deleted > 0)
+    }
+
+    /// One probe of the primary key per budget with usage (the next name
+    /// after the last), not a scan of every row.
+    async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
+        sqlx::query_scalar(
+            "WITH RECURSIVE n (name) AS (
+                 SELECT min(budget) FROM budget_visitor_usage
+                 UNION ALL
+                 SELECT (SELECT min(budget) FROM budget_visitor_usage WHERE budget > n.name)
+                 FROM n WHERE n.name IS NOT NULL
+             )
+             SELECT name FROM n
+             WHERE name IS NOT NULL AND NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = n.name)
+             UNION
+             SELECT budget FROM budget_global_usage g
+             WHERE NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = g.budget)",
+        )
+        .fetch_all(self)
+        .await
+        .map_err(error)
     }
 
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error> {

@@ -69,6 +69,10 @@ impl Engine for WriterConn {
         WriterConn::prune_more(self, budget).await
     }
 
+    async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
+        WriterConn::orphaned_usage(self).await
+    }
+
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
         WriterConn::now(self).await
     }
@@ -339,6 +343,15 @@ impl WriterConn {
     pub async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
         let conn = self.conn().await?;
         let r = tokio::time::timeout(BATCH_TIMEOUT, budgets::prune_more(conn, budget))
+            .await
+            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        self.keep_if_sound(r)
+    }
+
+    /// The deleted budgets whose usage is still stored, outside any batch.
+    pub async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
+        let conn = self.conn().await?;
+        let r = tokio::time::timeout(BATCH_TIMEOUT, Store::orphaned_usage(conn))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         self.keep_if_sound(r)

@@ -76,6 +76,10 @@ impl Engine for SqliteWriter {
         budgets::prune_more(&mut self.conn, budget).await
     }
 
+    async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
+        self.conn.orphaned_usage().await
+    }
+
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
         self.conn.now().await
     }
