@@ -19,8 +19,9 @@ use crate::meter::{
 
 /// Creates or replaces a budget's configuration. Usage on the days the
 /// budget keeps under it (today in its time zone, and `retention_days`
-/// before it, at `now`) is kept; usage outside them is deleted at once: days
-/// before a shortened retention, and days after today that moving the time
+/// before it, at `now`) is kept; usage outside them is deleted: days
+/// before a shortened retention (a share at a time, as a prune's), and,
+/// at once, days after today that moving the time
 /// zone west leaves (they would otherwise count against a day that has not
 /// begun, and no client could read or reset them). Nor does a new window
 /// bring back a day the old one had left: such a day may still be stored
@@ -50,10 +51,18 @@ pub async fn put(
         .and_then(|row| from_row(row).ok())
         .map(|old| (old.spec.kept_days(trusted.earliest), old.spec.timezone_name));
     let kept = spec.kept_days(trusted.earliest);
-    let oldest = old
-        .as_ref()
-        .map_or(kept.oldest, |(old, _)| old.oldest.max(kept.oldest));
-    delete_share(conn, name.as_str(), &oldest.to_string(), None, false).await?;
+    // The days the old window had left, all of them, at once: a longer
+    // window would otherwise show what the prunes had not reached yet.
+    // Usually none are stored: the prunes keep up.
+    let left = old.as_ref().map_or(kept.oldest, |(old, _)| old.oldest);
+    delete_share(conn, name.as_str(), &left.to_string(), None, false).await?;
+    // The days a shorter window leaves: as a prune's, a share now and the
+    // rest by the writer ([`prune_more`]). No answer reads them meanwhile,
+    // and a later `PUT` deletes what is left of them first (above).
+    if kept.oldest > left {
+        let cutoff = kept.oldest.to_string();
+        delete_share(conn, name.as_str(), &cutoff, Some(PRUNE_SHARE), false).await?;
+    }
     // Only when the time zone changed (under the same zone, a day after
     // today is one just begun: `now` may be a moment behind the checks),
     // and by the clock as it reads now that the row is locked: on

@@ -1729,3 +1729,64 @@ async fn a_deleted_budgets_usage_goes_a_share_at_a_time() {
     assert_eq!(rows_of(&mut conn, "a").await, 4);
     assert_eq!(rows_of(&mut conn, "z").await, 4);
 }
+
+/// A `PUT` that shortens a budget's retention deletes the days it leaves
+/// a share at a time, as a prune does: one share in its transaction, the
+/// writer the rest. A `PUT` that lengthens it again before the rest is
+/// gone deletes the rest first, so the days it brings back read empty.
+#[tokio::test]
+async fn a_shorter_retention_goes_a_share_at_a_time_and_never_comes_back() {
+    let share = i64::try_from(budgets::PRUNE_SHARE).unwrap();
+    let name = Name::parse("big").unwrap();
+    let long = BudgetSpec::new(5, 1_000_000, Some(30), Some("UTC")).unwrap();
+    let short = BudgetSpec::new(5, 1_000_000, Some(1), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let kept = short.kept_days(now);
+    // Inside the long window, outside the short one.
+    let past = long.kept_days(now).today.minus_days(10);
+    let mut conn = fresh_db().await;
+    budgets::put(&mut conn, &name, &long, now).await.unwrap();
+    let past_text = past.to_string();
+    let cutoff = kept.oldest.to_string();
+    let many = share * 5 / 2;
+    sqlx::query(
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < ?1)
+         INSERT INTO budget_visitor_usage SELECT 'big', ?2, 'v' || i, 1 FROM g;
+         INSERT INTO budget_global_usage VALUES ('big', ?2, ?1);",
+    )
+    .bind(many)
+    .bind(&past_text)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let item = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("kept").unwrap(),
+        day: None,
+    };
+    budgets::check(&mut conn, item, now).await.unwrap();
+
+    budgets::put(&mut conn, &name, &short, now).await.unwrap();
+    assert_eq!(old_rows(&mut conn, &cutoff).await, many - share);
+    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    assert_eq!(more, (budgets::PRUNE_SHARE, true));
+
+    // Longer again with a share left: the day it brings back is empty.
+    budgets::put(&mut conn, &name, &long, now).await.unwrap();
+    assert_eq!(old_rows(&mut conn, &cutoff).await, 0);
+    let item = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("v1").unwrap(),
+        day: Some(past),
+    };
+    let d = budgets::check(&mut conn, item, now).await.unwrap();
+    assert_eq!((d.visitor_calls, d.global_calls), (1, 1));
+    // Today's call is kept through all of it.
+    let item = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("kept").unwrap(),
+        day: None,
+    };
+    let d = budgets::check(&mut conn, item, now).await.unwrap();
+    assert_eq!((d.visitor_calls, d.global_calls), (2, 2));
+}

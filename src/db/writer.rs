@@ -606,7 +606,8 @@ impl PrunesDue {
     const ORPHANS_AFTER_FAILURE: Duration = Duration::from_secs(60);
 
     /// The budgets whose check in a committed batch pruned a full share,
-    /// and those it deleted (whose first share may not have been all).
+    /// and those it deleted or put (whose first share may not have been
+    /// all: a shorter retention's).
     fn note(&mut self, batch: &[Queued]) {
         for q in batch {
             let due = match &q.command {
@@ -615,6 +616,7 @@ impl PrunesDue {
                     .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
                     .then_some(budget),
                 Command::DeleteBudget { reply, name } => reply.value().map(|_| name),
+                Command::PutBudget { reply, name, .. } => reply.value().map(|_| name),
                 _ => None,
             };
             if let Some(budget) = due {
