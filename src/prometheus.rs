@@ -130,7 +130,11 @@ fn describe() {
     );
     describe_counter!(
         "tally_budget_pruned_rows_total",
-        "Usage rows deleted for being past retention."
+        "Usage rows deleted for being past retention (and the writer's shares of deleted budgets' usage)."
+    );
+    describe_gauge!(
+        "tally_budget_prunes_due",
+        "Budgets whose usage past retention, or whose usage once deleted, the writer is still deleting a share at a time."
     );
     describe_counter!(
         "tally_clock_steps_total",
@@ -243,6 +247,7 @@ pub fn record_start(queue_capacity: usize, engine: &'static str) {
     gauge!("tally_start_time_seconds").set(now.as_secs_f64());
     gauge!("tally_write_queue_capacity").set(queue_capacity as f64);
     gauge!("tally_write_queue_closed").set(0.0);
+    gauge!("tally_budget_prunes_due").set(0.0);
     zero_known_series();
 }
 

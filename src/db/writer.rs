@@ -628,7 +628,18 @@ impl PrunesDue {
     fn add(&mut self, budget: &str) {
         if !self.budgets.iter().any(|b| b == budget) {
             self.budgets.push(budget.to_owned());
+            self.show();
         }
+    }
+
+    fn remove(&mut self, budget: &str) {
+        self.budgets.retain(|b| b != budget);
+        self.show();
+    }
+
+    /// `tally_budget_prunes_due`.
+    fn show(&self) {
+        metrics::gauge!("tally_budget_prunes_due").set(self.budgets.len() as f64);
     }
 
     /// The budget whose share is next, if one is due now.
@@ -693,7 +704,7 @@ impl<E: Engine> WriterLoop<E> {
                     metrics::counter!("tally_budget_pruned_rows_total").increment(rows);
                 }
                 if !more {
-                    self.prunes_due.budgets.retain(|b| *b != budget);
+                    self.prunes_due.remove(&budget);
                     tracing::info!(
                         budget,
                         rows,
