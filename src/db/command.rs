@@ -150,6 +150,11 @@ impl<T: fmt::Debug> Reply<T> {
         self.result.as_ref().and_then(|r| r.as_ref().ok())
     }
 
+    /// The command's own error, if it has one yet.
+    pub fn error(&self) -> Option<&Error> {
+        self.result.as_ref().and_then(|r| r.as_ref().err())
+    }
+
     /// Sends the answer: the commit's error if the batch did not commit,
     /// else the command's own result; a refusal ([`Reply::refuse`]) either
     /// way. Once only.

@@ -607,14 +607,17 @@ impl PrunesDue {
 
     /// The budgets whose check in a committed batch pruned a full share,
     /// and those it deleted or put (whose first share may not have been
-    /// all: a shorter retention's).
+    /// all: a shorter retention's). And those whose check the storage limit
+    /// refused: the day's first call, which prunes, would be refused too,
+    /// and its old days are room to be had.
     fn note(&mut self, batch: &[Queued]) {
         for q in batch {
             let due = match &q.command {
-                Command::Check { reply, budget, .. } => reply
+                Command::Check { reply, budget, .. } => (reply
                     .value()
                     .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
-                    .then_some(budget),
+                    || matches!(reply.error(), Some(Error::StorageFull(_))))
+                .then_some(budget),
                 Command::DeleteBudget { reply, name } => reply.value().map(|_| name),
                 Command::PutBudget { reply, name, .. } => reply.value().map(|_| name),
                 _ => None,

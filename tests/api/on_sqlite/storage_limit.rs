@@ -422,3 +422,83 @@ async fn bad_limits_and_lifetimes_are_refused_at_start() {
         assert!(err.contains(says), "{var}={value}: {err}");
     }
 }
+
+/// Past the limit every check is refused, the day's first call among
+/// them, and it is that call that prunes a budget's days past retention:
+/// a budget whose old days filled the room would never make any. The
+/// writer prunes the old days of a budget whose check the limit refused,
+/// a share at a time, and checks are counted again once the pages freed
+/// are room (a kept day losing nothing).
+#[tokio::test]
+async fn past_the_limit_a_refused_checks_budget_prunes_its_old_days_to_make_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let client = Client::new();
+    let check = async |bin: &Binary, visitor: &str| {
+        client
+            .post(bin.url("/budgets/b/check"))
+            .json(&json!({"visitor": visitor}))
+            .send()
+            .await
+            .unwrap()
+    };
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let r = client
+        .put(bin.url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visitor_limit": 100, "global_limit": 100_000, "retention_days": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(check(&bin, "kept").await.status(), StatusCode::OK);
+    bin.sigterm();
+    assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
+    // A day long gone holding 12 MB of visitors: past an 8 MiB limit.
+    {
+        use sqlx::ConnectOptions;
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&db)
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 300000)
+             INSERT INTO budget_visitor_usage SELECT 'b', '2000-01-01', 'visitor-' || i, 1 FROM g;
+             PRAGMA wal_checkpoint(TRUNCATE);",
+        )
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    assert!(du(dir.path()) > 8 * MIB, "{}", du(dir.path()));
+
+    let bin = Binary::start(&[
+        ("TALLY_DATABASE", db_str),
+        ("TALLY_ADMIN_TOKEN", ADMIN),
+        ("TALLY_STORAGE_LIMIT", "8Mi"),
+    ]);
+    let r = check(&bin, "v").await;
+    let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(body["reason"], "meter_error", "{body}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let d: Value = loop {
+        let r = check(&bin, "kept").await;
+        if r.status() == StatusCode::OK {
+            break r.json().await.unwrap();
+        }
+        assert!(Instant::now() < deadline, "checks still refused after 30 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(d["visitor_calls"], 2, "{d}");
+    // And the rest of the old day goes too.
+    loop {
+        let m = metrics(&client, &bin).await;
+        if sample(&m, "tally_budget_pruned_rows_total") == Some(300_000.0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
