@@ -51,18 +51,28 @@ pub async fn put(
         .and_then(|row| from_row(row).ok())
         .map(|old| (old.spec.kept_days(trusted.earliest), old.spec.timezone_name));
     let kept = spec.kept_days(trusted.earliest);
-    // The days the old window had left, all of them, at once: a longer
-    // window would otherwise show what the prunes had not reached yet.
-    // Usually none are stored: the prunes keep up.
-    let left = old.as_ref().map_or(kept.oldest, |(old, _)| old.oldest);
-    delete_share(conn, name.as_str(), &left.to_string(), None, false).await?;
-    // The days a shorter window leaves: as a prune's, a share now and the
-    // rest by the writer ([`prune_more`]). No answer reads them meanwhile,
-    // and a later `PUT` deletes what is left of them first (above).
-    if kept.oldest > left {
-        let cutoff = kept.oldest.to_string();
-        delete_share(conn, name.as_str(), &cutoff, Some(PRUNE_SHARE), false).await?;
+    // The days a longer window (or a time zone moved west) brings back,
+    // before the old window's oldest: whatever the prunes had not reached
+    // of them yet goes at once, so that they read empty. Usually nothing
+    // is stored there: the prunes keep up.
+    let old_oldest = old.as_ref().map_or(kept.oldest, |(old, _)| old.oldest);
+    if kept.oldest < old_oldest {
+        let (from, before) = (kept.oldest.to_string(), old_oldest.to_string());
+        conn.delete_days(name.as_str(), &from, &before).await?;
     }
+    // The days before the new window (a shorter one leaves some): no
+    // answer reads them; as a prune's, a share now and the rest by the
+    // writer ([`prune_more`]), which notes every `PUT`.
+    let cutoff = kept.oldest.to_string();
+    delete_share(
+        conn,
+        name.as_str(),
+        &cutoff,
+        Some(PRUNE_SHARE),
+        false,
+        &mut None,
+    )
+    .await?;
     // Only when the time zone changed (under the same zone, a day after
     // today is one just begun: `now` may be a moment behind the checks),
     // and by the clock as it reads now that the row is locked: on
@@ -196,21 +206,40 @@ pub const PRUNE_SHARE: u64 = 10_000;
 /// (so that its window cannot change meanwhile); returns the rows deleted
 /// and whether more may be left. Counted back, as a check's prune is, from
 /// a time no step of the clock has moved on. Of a budget that does not
-/// exist (deleted), the next share of all its usage.
-pub async fn prune_more<S: Store>(conn: &mut S, name: &str) -> Result<(u64, bool), Error> {
+/// exist (deleted), the next share of all its usage. `after` is where the
+/// share before it ended (see [`Store::nth_visitor_row`]), moved on if
+/// this one commits.
+pub async fn prune_more<S: Store>(
+    conn: &mut S,
+    name: &str,
+    after: &mut Option<RowKey>,
+) -> Result<(u64, bool), Error> {
     conn.exec(S::BEGIN_SET_BASED).await?;
+    let mut next = after.clone();
     let pruned = async {
         let now = conn.now().await?;
         let Some(budget) = from_rows(conn.load_budgets(&[name]).await?)?.remove(name) else {
-            return purge(conn, name, Some(PRUNE_SHARE)).await;
+            return delete_share(
+                conn,
+                name,
+                AFTER_EVERY_DAY,
+                Some(PRUNE_SHARE),
+                true,
+                &mut next,
+            )
+            .await;
         };
         let cutoff = budget.spec.kept_days(clock::trusted(now).earliest).oldest;
         let cutoff = cutoff.to_string();
-        delete_share(conn, name, &cutoff, Some(PRUNE_SHARE), false).await
+        delete_share(conn, name, &cutoff, Some(PRUNE_SHARE), false, &mut next).await
     }
     .await;
     match pruned {
-        Ok(pruned) => conn.exec("COMMIT").await.map(|()| pruned),
+        Ok(pruned) => {
+            conn.exec("COMMIT").await?;
+            *after = next;
+            Ok(pruned)
+        }
         Err(e) => {
             let _ = conn.exec("ROLLBACK").await;
             Err(e)
@@ -269,7 +298,8 @@ pub async fn check_many(
     }
     for (i, cutoff) in prunes {
         let (budget, cutoff) = (items[i].budget.as_str(), cutoff.to_string());
-        let (pruned, _) = delete_share(conn, budget, &cutoff, Some(PRUNE_SHARE), false).await?;
+        let (pruned, _) =
+            delete_share(conn, budget, &cutoff, Some(PRUNE_SHARE), false, &mut None).await?;
         if let Some(Ok(d)) = decisions.get_mut(i) {
             d.pruned_rows = pruned;
         }
@@ -424,24 +454,31 @@ pub async fn purge(
     name: &str,
     share: Option<u64>,
 ) -> Result<(u64, bool), Error> {
-    delete_share(conn, name, AFTER_EVERY_DAY, share, true).await
+    delete_share(conn, name, AFTER_EVERY_DAY, share, true, &mut None).await
 }
+
+/// A visitors' row's key within a budget: its day and its visitor.
+pub type RowKey = (String, String);
 
 /// Deletes a budget's usage on days before `before`: every global row and
 /// `share` visitors' rows at most (the first in key order, a range of the
 /// primary key however many there are), or all of them. With
 /// `only_if_gone`, only while the budget does not exist ([`purge`]).
-/// Returns the rows deleted and whether more may be left (a full share).
+/// From just after the row `after` (where the share before ended), which
+/// is moved to where this one ends. Returns the rows deleted and whether
+/// more may be left (a full share).
 async fn delete_share(
     conn: &mut impl Store,
     budget: &str,
     before: &str,
     share: Option<u64>,
     only_if_gone: bool,
+    after: &mut Option<RowKey>,
 ) -> Result<(u64, bool), Error> {
+    let from = after.as_ref().map(|(d, v)| (d.as_str(), v.as_str()));
     let through = match share {
         Some(n) => Some(
-            conn.nth_visitor_row(budget, before, n.saturating_sub(1))
+            conn.nth_visitor_row(budget, before, from, n.saturating_sub(1))
                 .await?,
         ),
         None => None,
@@ -450,10 +487,14 @@ async fn delete_share(
     let through = through.flatten();
     let last = through.as_ref().map(|(d, v)| (d.as_str(), v.as_str()));
     let visitors = conn
-        .delete_visitor_usage(budget, before, last, only_if_gone)
+        .delete_visitor_usage(budget, before, from, last, only_if_gone)
         .await?;
     let globals = conn
         .delete_global_usage(budget, before, only_if_gone)
         .await?;
-    Ok((visitors + globals, through.is_some() && visitors > 0))
+    let more = through.is_some() && visitors > 0;
+    if through.is_some() {
+        *after = through;
+    }
+    Ok((visitors + globals, more))
 }

@@ -157,28 +157,39 @@ pub(super) trait Store {
     ) -> Result<(), Error>;
 
     /// The day and visitor of the budget's visitors' row number `n`
-    /// (from 0), in key order, among those on days before `before`: where
-    /// a share of [`Self::delete_visitor_usage`] ends. `None` if there are
-    /// no more rows than `n`.
+    /// (from 0), in key order, among those on days before `before` (and
+    /// after the row `after`, where an earlier share ended): where a share
+    /// of [`Self::delete_visitor_usage`] ends. `None` if there are no more
+    /// rows than `n`. An engine whose deleted rows leave nothing behind in
+    /// the index (SQLite) may start at the first row all the same; one
+    /// that keeps them until no snapshot can see them (PostgreSQL, with a
+    /// long transaction open elsewhere) must not walk over them again.
     async fn nth_visitor_row(
         &mut self,
         budget: &str,
         before: &str,
+        after: Option<(&str, &str)>,
         n: u64,
     ) -> Result<Option<(String, String)>, Error>;
 
-    /// Deletes the budget's visitors' rows on days before `before`, or only
-    /// those up to the row `through` (a day and a visitor, in key order):
-    /// a range of the primary key. With `only_if_gone`, only while no
-    /// budget of that name exists, as the statement itself sees the
+    /// Deletes the budget's visitors' rows on days before `before` (and
+    /// after the row `after`, as [`Self::nth_visitor_row`] has it), or
+    /// only those up to the row `through` (a day and a visitor, in key
+    /// order): a range of the primary key. With `only_if_gone`, only while
+    /// no budget of that name exists, as the statement itself sees the
     /// budgets (see [`super::budgets::purge`]). Returns the rows deleted.
     async fn delete_visitor_usage(
         &mut self,
         budget: &str,
         before: &str,
+        after: Option<(&str, &str)>,
         through: Option<(&str, &str)>,
         only_if_gone: bool,
     ) -> Result<u64, Error>;
+
+    /// Deletes the budget's usage on the days from `from` to before
+    /// `before`, all of it; returns the rows deleted.
+    async fn delete_days(&mut self, budget: &str, from: &str, before: &str) -> Result<u64, Error>;
 
     /// Deletes the budget's global rows on days before `before` (one a
     /// day), with `only_if_gone` as [`Self::delete_visitor_usage`] has it.

@@ -1616,14 +1616,21 @@ async fn a_day_of_many_visitors_is_pruned_a_share_at_a_time() {
     assert_eq!(d.pruned_rows, budgets::PRUNE_SHARE + 1);
     assert_eq!(old_rows(&mut conn, &cutoff).await, left - share);
 
-    // The writer's shares: full, then the rest, then nothing.
-    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
-    assert_eq!(more, (budgets::PRUNE_SHARE, true));
-    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    // A PUT that changes nothing (a configuration tool applying it
+    // again) takes one more share, not the rest.
+    budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    assert_eq!(old_rows(&mut conn, &cutoff).await, left - 2 * share);
+
+    // The writer's shares: the rest, then nothing.
+    let more = budgets::prune_more(&mut conn, "big", &mut None)
+        .await
+        .unwrap();
     assert_eq!(more, (u64::try_from(left - 2 * share).unwrap(), false));
     assert_eq!(old_rows(&mut conn, &cutoff).await, 0);
     assert_eq!(
-        budgets::prune_more(&mut conn, "big").await.unwrap(),
+        budgets::prune_more(&mut conn, "big", &mut None)
+            .await
+            .unwrap(),
         (0, false)
     );
     // Yesterday's call and today's are still counted.
@@ -1639,7 +1646,9 @@ async fn a_day_of_many_visitors_is_pruned_a_share_at_a_time() {
     .await
     .unwrap();
     assert_eq!(
-        budgets::prune_more(&mut conn, "gone").await.unwrap(),
+        budgets::prune_more(&mut conn, "gone", &mut None)
+            .await
+            .unwrap(),
         (2, false)
     );
 }
@@ -1710,7 +1719,9 @@ async fn a_deleted_budgets_usage_goes_a_share_at_a_time() {
     budgets::delete(&mut conn, &name).await.unwrap();
     assert_eq!(rows_of(&mut conn, "big").await, left - share);
     assert_eq!(conn.orphaned_usage().await.unwrap(), ["big"]);
-    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    let more = budgets::prune_more(&mut conn, "big", &mut None)
+        .await
+        .unwrap();
     assert_eq!(more, (budgets::PRUNE_SHARE, true));
     assert_eq!(rows_of(&mut conn, "big").await, left - 2 * share);
 
@@ -1768,7 +1779,9 @@ async fn a_shorter_retention_goes_a_share_at_a_time_and_never_comes_back() {
 
     budgets::put(&mut conn, &name, &short, now).await.unwrap();
     assert_eq!(old_rows(&mut conn, &cutoff).await, many - share);
-    let more = budgets::prune_more(&mut conn, "big").await.unwrap();
+    let more = budgets::prune_more(&mut conn, "big", &mut None)
+        .await
+        .unwrap();
     assert_eq!(more, (budgets::PRUNE_SHARE, true));
 
     // Longer again with a share left: the day it brings back is empty.
@@ -1789,4 +1802,85 @@ async fn a_shorter_retention_goes_a_share_at_a_time_and_never_comes_back() {
     };
     let d = budgets::check(&mut conn, item, now).await.unwrap();
     assert_eq!((d.visitor_calls, d.global_calls), (2, 2));
+}
+
+/// On PostgreSQL the writer's shares go on from where the last one ended
+/// (rows deleted stay in the index while an older snapshot may see them,
+/// and walking over them again would cost every share more than the
+/// last): with a transaction holding a snapshot open throughout, shares
+/// of a deleted budget's usage and of a day past retention each delete
+/// one share, to the last row, and keep every row of a kept day.
+#[tokio::test]
+async fn on_postgres_shares_go_on_from_where_the_last_one_ended() {
+    use sqlx::{Connection, PgConnection};
+    let db = FreshPostgres::new("shares").await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let mut reader = PgConnection::connect(&db.url).await.unwrap();
+    let now = Timestamp::now();
+    let spec = BudgetSpec::new(5, 1_000_000, Some(1), Some("UTC")).unwrap();
+    let kept = spec.kept_days(now).today.to_string();
+    for name in ["pruned", "deleted"] {
+        let name = Name::parse(name).unwrap();
+        budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    }
+    let fill = "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < $1::int8)
+         INSERT INTO budget_visitor_usage SELECT $2, $3, 'v' || i, 1 FROM g";
+    let share = i64::try_from(budgets::PRUNE_SHARE).unwrap();
+    let rows = share * 5 / 2;
+    for (budget, day) in [
+        ("pruned", "2000-01-01"),
+        ("pruned", "2000-01-02"),
+        ("deleted", "2000-01-01"),
+    ] {
+        let q = sqlx::query(fill).bind(rows / 2).bind(budget).bind(day);
+        q.execute(&mut conn).await.unwrap();
+    }
+    sqlx::query(fill)
+        .bind(7_i64)
+        .bind("pruned")
+        .bind(&kept)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    budgets::delete(&mut conn, &Name::parse("deleted").unwrap())
+        .await
+        .unwrap();
+    // A snapshot held open: the rows each share deletes stay in the index.
+    sqlx::raw_sql(
+        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM budget_visitor_usage",
+    )
+    .execute(&mut reader)
+    .await
+    .unwrap();
+    let count = async |conn: &mut PgConnection, budget: &str| -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM budget_visitor_usage WHERE budget = $1")
+            .bind(budget)
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    };
+    for (budget, left) in [("pruned", rows), ("deleted", rows / 2 - share)] {
+        let mut after = None;
+        let mut shares = 0;
+        loop {
+            let (deleted, more) = budgets::prune_more(&mut conn, budget, &mut after)
+                .await
+                .unwrap();
+            assert!(deleted <= budgets::PRUNE_SHARE, "{budget}: {deleted}");
+            shares += 1;
+            if !more {
+                break;
+            }
+        }
+        assert_eq!(
+            shares,
+            (left + share - 1) / share + i64::from(left % share == 0),
+            "{budget}"
+        );
+    }
+    assert_eq!(count(&mut conn, "pruned").await, 7);
+    assert_eq!(count(&mut conn, "deleted").await, 0);
+    sqlx::raw_sql("COMMIT").execute(&mut reader).await.unwrap();
+    drop((conn, reader));
+    db.drop().await;
 }

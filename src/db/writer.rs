@@ -126,7 +126,11 @@ pub(super) trait Engine: Send + 'static {
     /// Prunes the next share of a budget's usage older than its retention
     /// ([`budgets::prune_more`]), or of a deleted budget's: the rows
     /// deleted, and whether more may be left.
-    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error>;
+    async fn prune_more(
+        &mut self,
+        budget: &str,
+        after: &mut Option<budgets::RowKey>,
+    ) -> Result<(u64, bool), Error>;
 
     /// The deleted budgets whose usage is still stored
     /// ([`super::store::Store::orphaned_usage`]).
@@ -580,7 +584,11 @@ impl<E: Engine> WriterLoop<E> {
 /// meanwhile.
 #[derive(Debug)]
 pub(super) struct PrunesDue {
-    budgets: Vec<String>,
+    /// In turn: the front is next.
+    budgets: std::collections::VecDeque<String>,
+    /// The same names, to find one at once (thousands of deleted budgets
+    /// may be due), with where each one's last share ended.
+    due: std::collections::HashMap<String, Option<budgets::RowKey>>,
     /// After a failed share: not before then.
     not_before: Option<std::time::Instant>,
     /// When to look for what deletes left before a restart, until a look
@@ -591,7 +599,8 @@ pub(super) struct PrunesDue {
 impl Default for PrunesDue {
     fn default() -> Self {
         Self {
-            budgets: Vec::new(),
+            budgets: Default::default(),
+            due: Default::default(),
             not_before: None,
             orphans_at: Some(std::time::Instant::now()),
         }
@@ -629,14 +638,20 @@ impl PrunesDue {
     }
 
     fn add(&mut self, budget: &str) {
-        if !self.budgets.iter().any(|b| b == budget) {
-            self.budgets.push(budget.to_owned());
+        if !self.due.contains_key(budget) {
+            self.due.insert(budget.to_owned(), None);
+            self.budgets.push_back(budget.to_owned());
             self.show();
         }
     }
 
     fn remove(&mut self, budget: &str) {
-        self.budgets.retain(|b| b != budget);
+        if self.due.remove(budget).is_some() {
+            match self.budgets.front().is_some_and(|b| b == budget) {
+                true => drop(self.budgets.pop_front()),
+                false => self.budgets.retain(|b| b != budget),
+            }
+        }
         self.show();
     }
 
@@ -653,7 +668,7 @@ impl PrunesDue {
         {
             return None;
         }
-        self.budgets.first().map(String::as_str)
+        self.budgets.front().map(String::as_str)
     }
 }
 
@@ -699,8 +714,13 @@ impl<E: Engine> WriterLoop<E> {
         let Some(budget) = self.prunes_due.next().map(str::to_owned) else {
             return false;
         };
-        let prune = self.engine.prune_more(&budget);
-        match clock::watched(Arc::clone(&self.clock), prune).await {
+        let mut after = self.prunes_due.due.get(&budget).cloned().flatten();
+        let prune = self.engine.prune_more(&budget, &mut after);
+        let pruned = clock::watched(Arc::clone(&self.clock), prune).await;
+        if let Some(at) = self.prunes_due.due.get_mut(&budget) {
+            *at = after;
+        }
+        match pruned {
             Ok((rows, more)) => {
                 self.prunes_due.not_before = None;
                 if rows > 0 {
@@ -708,18 +728,23 @@ impl<E: Engine> WriterLoop<E> {
                 }
                 if !more {
                     self.prunes_due.remove(&budget);
-                    tracing::info!(
-                        budget,
-                        rows,
-                        "pruned the last of a budget's usage past its retention"
-                    );
+                    // A put or a delete that left nothing to do says nothing.
+                    if rows > 0 {
+                        tracing::info!(
+                            budget,
+                            rows,
+                            "deleted the last of a budget's usage past its retention, or of a deleted budget's"
+                        );
+                    }
                 }
                 !self.prunes_due.budgets.is_empty()
             }
             Err(e) => {
                 // The others' turn first: this one may fail for good (a
                 // time zone gone from the database built in).
-                self.prunes_due.budgets.rotate_left(1);
+                self.prunes_due
+                    .budgets
+                    .rotate_left(1.min(self.prunes_due.budgets.len()));
                 self.prunes_due.not_before =
                     Some(std::time::Instant::now() + PrunesDue::AFTER_FAILURE);
                 tracing::warn!(budget, error = %e, "could not prune a budget's usage past its retention; trying again in 10 s");

@@ -490,7 +490,7 @@ async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
     );
     let log = bin.log_text();
     assert!(
-        log.contains("pruned the last of a budget's usage past its retention"),
+        log.contains("deleted the last of a budget's usage past its retention"),
         "{log}"
     );
     let usage: Value = client

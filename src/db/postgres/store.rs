@@ -219,17 +219,27 @@ impl Store for PgConnection {
         Ok(())
     }
 
+    /// From just after `after`: the rows earlier shares deleted stay in
+    /// the index until no snapshot can see them (a long transaction
+    /// elsewhere, `pg_dump`), and every share walking over them again
+    /// would cost more than the last. A row comparison on the key is one
+    /// range of the index.
     async fn nth_visitor_row(
         &mut self,
         budget: &str,
         before: &str,
+        after: Option<(&str, &str)>,
         n: u64,
     ) -> Result<Option<(String, String)>, Error> {
+        let (day, visitor) = after.unwrap_or(("", ""));
         sqlx::query_as(
-            "SELECT day, visitor FROM budget_visitor_usage WHERE budget = $1 AND day < $2
-             ORDER BY day, visitor LIMIT 1 OFFSET $3",
+            "SELECT day, visitor FROM budget_visitor_usage
+             WHERE budget = $1 AND (budget, day, visitor) > ($1, $2, $3) AND day < $4
+             ORDER BY budget, day, visitor LIMIT 1 OFFSET $5",
         )
         .bind(budget)
+        .bind(day)
+        .bind(visitor)
         .bind(before)
         .bind(i64::try_from(n).unwrap_or(i64::MAX))
         .fetch_optional(self)
@@ -237,46 +247,59 @@ impl Store for PgConnection {
         .map_err(error)
     }
 
-    /// Two ranges of the primary key when `through` is given (the days
-    /// before its day, and its day up to its visitor): one condition
-    /// joining them with `OR` would be searched as one range to the end of
-    /// `through`'s day, all of whose rows it would read.
     async fn delete_visitor_usage(
         &mut self,
         budget: &str,
         before: &str,
+        after: Option<(&str, &str)>,
         through: Option<(&str, &str)>,
         only_if_gone: bool,
     ) -> Result<u64, Error> {
-        let (before, last) = match through {
-            Some((day, visitor)) => (day, Some(visitor)),
-            None => (before, None),
-        };
-        let mut deleted = sqlx::query(
-            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day < $2
-             AND NOT ($3 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
-        )
-        .bind(budget)
-        .bind(before)
-        .bind(only_if_gone)
-        .execute(&mut *self)
-        .await
-        .map_err(error)?
-        .rows_affected();
-        if let Some(visitor) = last {
-            deleted += sqlx::query(
+        let (day, visitor) = after.unwrap_or(("", ""));
+        let query = match through {
+            Some((last_day, last_visitor)) => sqlx::query(
                 "DELETE FROM budget_visitor_usage
-                 WHERE budget = $1 AND day = $2 AND visitor <= $3
-                 AND NOT ($4 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+                 WHERE budget = $1 AND (budget, day, visitor) > ($1, $2, $3)
+                   AND (budget, day, visitor) <= ($1, $4, $5)
+                   AND NOT ($6 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
             )
             .bind(budget)
-            .bind(before)
+            .bind(day)
             .bind(visitor)
+            .bind(last_day)
+            .bind(last_visitor),
+            None => sqlx::query(
+                "DELETE FROM budget_visitor_usage
+                 WHERE budget = $1 AND (budget, day, visitor) > ($1, $2, $3) AND day < $4
+                   AND NOT ($5 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+            )
+            .bind(budget)
+            .bind(day)
+            .bind(visitor)
+            .bind(before),
+        };
+        Ok(query
             .bind(only_if_gone)
             .execute(self)
             .await
             .map_err(error)?
-            .rows_affected();
+            .rows_affected())
+    }
+
+    async fn delete_days(&mut self, budget: &str, from: &str, before: &str) -> Result<u64, Error> {
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = $1 AND day >= $2 AND day < $3",
+            "DELETE FROM budget_global_usage WHERE budget = $1 AND day >= $2 AND day < $3",
+        ] {
+            deleted += sqlx::query(sql)
+                .bind(budget)
+                .bind(from)
+                .bind(before)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?
+                .rows_affected();
         }
         Ok(deleted)
     }

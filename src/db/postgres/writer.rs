@@ -65,8 +65,12 @@ impl Engine for WriterConn {
         WriterConn::forget_expired_keys(self, ttl).await
     }
 
-    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
-        WriterConn::prune_more(self, budget).await
+    async fn prune_more(
+        &mut self,
+        budget: &str,
+        after: &mut Option<budgets::RowKey>,
+    ) -> Result<(u64, bool), Error> {
+        WriterConn::prune_more(self, budget, after).await
     }
 
     async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
@@ -340,9 +344,13 @@ impl WriterConn {
 
     /// The next share of a budget's prune ([`budgets::prune_more`]), in
     /// the time a batch has.
-    pub async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
+    pub async fn prune_more(
+        &mut self,
+        budget: &str,
+        after: &mut Option<budgets::RowKey>,
+    ) -> Result<(u64, bool), Error> {
         let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, budgets::prune_more(conn, budget))
+        let r = tokio::time::timeout(BATCH_TIMEOUT, budgets::prune_more(conn, budget, after))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         self.keep_if_sound(r)

@@ -228,10 +228,13 @@ impl Store for SqliteConnection {
         }
     }
 
+    /// From the first row whatever `after` says: a row SQLite deletes is
+    /// gone from the index at once, so there is nothing to walk over.
     async fn nth_visitor_row(
         &mut self,
         budget: &str,
         before: &str,
+        _after: Option<(&str, &str)>,
         n: u64,
     ) -> Result<Option<(String, String)>, Error> {
         sqlx::query_as(
@@ -254,6 +257,7 @@ impl Store for SqliteConnection {
         &mut self,
         budget: &str,
         before: &str,
+        _after: Option<(&str, &str)>,
         through: Option<(&str, &str)>,
         only_if_gone: bool,
     ) -> Result<u64, Error> {
@@ -286,6 +290,24 @@ impl Store for SqliteConnection {
             .await
             .map_err(error)?
             .rows_affected();
+        }
+        Ok(deleted)
+    }
+
+    async fn delete_days(&mut self, budget: &str, from: &str, before: &str) -> Result<u64, Error> {
+        let mut deleted = 0;
+        for sql in [
+            "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day >= ?2 AND day < ?3",
+            "DELETE FROM budget_global_usage WHERE budget = ?1 AND day >= ?2 AND day < ?3",
+        ] {
+            deleted += sqlx::query(sql)
+                .bind(budget)
+                .bind(from)
+                .bind(before)
+                .execute(&mut *self)
+                .await
+                .map_err(error)?
+                .rows_affected();
         }
         Ok(deleted)
     }

@@ -72,8 +72,12 @@ impl Engine for SqliteWriter {
         keys::forget_expired(&mut self.conn, ttl).await
     }
 
-    async fn prune_more(&mut self, budget: &str) -> Result<(u64, bool), Error> {
-        budgets::prune_more(&mut self.conn, budget).await
+    async fn prune_more(
+        &mut self,
+        budget: &str,
+        after: &mut Option<budgets::RowKey>,
+    ) -> Result<(u64, bool), Error> {
+        budgets::prune_more(&mut self.conn, budget, after).await
     }
 
     async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
