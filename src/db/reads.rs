@@ -20,7 +20,7 @@ use super::{
     list::{KeyRange, Page, PageRequest},
     store::BudgetRow,
 };
-use crate::meter::{Budget, Day, Name, Usage, VisitorId};
+use crate::meter::{Budget, Day, Name, Refusal, Usage, VisitorId};
 
 /// A boxed future, as a read hands it over.
 pub(super) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -43,13 +43,15 @@ pub(super) trait Reads: Send + Sync {
     ) -> BoxFuture<'a, Result<(Vec<BudgetRow>, Timestamp), Error>>;
 
     /// A day's global calls of a budget and, if asked, one visitor's, in
-    /// one statement (one snapshot); absent rows read as 0.
+    /// one statement (one snapshot); absent rows read as 0. `None` if the
+    /// budget does not exist in that snapshot: deleted since it was read,
+    /// its usage may be part deleted (see [`budgets::purge`]).
     fn usage_counts<'a>(
         &'a self,
         budget: &'a str,
         day: &'a str,
         visitor: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>>;
+    ) -> BoxFuture<'a, Result<Option<DayCounts>, Error>>;
 
     /// The budgets whose names are in `range`, by name in byte order.
     fn list_budgets<'a>(
@@ -69,6 +71,9 @@ pub(super) trait Reads: Send + Sync {
     /// Closes the pool, waiting for readers to finish.
     fn close(&self) -> BoxFuture<'_, ()>;
 }
+
+/// A day's global calls and, if asked, one visitor's.
+pub(super) type DayCounts = (i64, Option<i64>);
 
 /// The read pool of the engine that was opened.
 #[derive(Clone)]
@@ -108,7 +113,8 @@ impl Readers {
                 &day.to_string(),
                 visitor.map(VisitorId::as_str),
             )
-            .await?;
+            .await?
+            .ok_or_else(|| Refusal::UnknownBudget(budget.clone()))?;
         Ok(Usage {
             day,
             global_calls,

@@ -1884,3 +1884,52 @@ async fn on_postgres_shares_go_on_from_where_the_last_one_ended() {
     drop((conn, reader));
     db.drop().await;
 }
+
+/// A usage read takes the budget, then the day's counts. A delete that
+/// commits between the two leaves the budget gone and its usage part
+/// deleted (the global row and a share of visitors; the rest goes after):
+/// the counts, read in one statement with the budget's existence, answer
+/// that the budget is gone, never a day whose global count is below a
+/// visitor's.
+#[tokio::test]
+async fn a_usage_read_straddling_a_delete_finds_the_budget_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("t.db"))
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    sqlx::migrate!("./migrations/sqlite")
+        .run(&pool)
+        .await
+        .unwrap();
+    let name = Name::parse("big").unwrap();
+    let spec = BudgetSpec::new(5, 1_000_000, Some(7), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let today = spec.kept_days(now).today.to_string();
+    let mut conn = pool.acquire().await.unwrap();
+    budgets::put(&mut *conn, &name, &spec, now).await.unwrap();
+    sqlx::query(
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 25000)
+         INSERT INTO budget_visitor_usage SELECT 'big', ?1, 'v' || i, 1 FROM g;
+         INSERT INTO budget_global_usage VALUES ('big', ?1, 25000);",
+    )
+    .bind(&today)
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let read = async || {
+        super::sqlite::store::usage_counts(&pool, "big", &today, Some("v9999"))
+            .await
+            .unwrap()
+    };
+    assert_eq!(read().await, Some((25_000, Some(1))));
+    budgets::delete(&mut *conn, &name).await.unwrap();
+    // v9999 sorts past the first share: its row is still there.
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM budget_visitor_usage WHERE visitor = 'v9999'")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    assert_eq!(left, 1);
+    assert_eq!(read().await, None);
+}

@@ -383,6 +383,8 @@ impl<E: Engine> WriterLoop<E> {
         // could not be reached: the next batch would wait for it.
         if self.engine.stopped().is_none() {
             self.forget_expired_keys().await;
+            // Under steady writes the writer may never be idle.
+            self.look_for_orphans().await;
             let _ = self.prune_more().await;
         }
         Ok(())
@@ -673,9 +675,10 @@ impl PrunesDue {
 }
 
 impl<E: Engine> WriterLoop<E> {
-    /// Looks once, when the writer is first idle, for the usage of deleted
-    /// budgets that a purge cut short by a restart left stored, and goes on
-    /// with it as with its own (again a minute after a failed look).
+    /// Looks once (as the writer starts, at its first idle check, or after
+    /// its first batch) for the usage of deleted budgets that a purge cut
+    /// short by a restart left stored, and goes on with it as with its own
+    /// (again a minute after a failed look).
     async fn look_for_orphans(&mut self) {
         if self
             .prunes_due

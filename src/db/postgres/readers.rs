@@ -153,7 +153,7 @@ impl Reads for Readers {
         budget: &'a str,
         day: &'a str,
         visitor: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
+    ) -> BoxFuture<'a, Result<Option<crate::db::reads::DayCounts>, Error>> {
         Box::pin(self.read(move |conn| {
             let (b, d, v) = (
                 budget.to_owned(),
@@ -242,19 +242,21 @@ pub async fn usage_counts(
     budget: String,
     day: String,
     visitor: Option<String>,
-) -> Result<(i64, Option<i64>), Error> {
-    sqlx::query_as(
+) -> Result<Option<(i64, Option<i64>)>, Error> {
+    let (global, visitor, exists): (i64, Option<i64>, bool) = sqlx::query_as(
         "SELECT
            coalesce((SELECT calls FROM budget_global_usage WHERE budget = $1 AND day = $2), 0),
            CASE WHEN $3::text IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
-             WHERE budget = $1 AND day = $2 AND visitor = $3::text), 0) END",
+             WHERE budget = $1 AND day = $2 AND visitor = $3::text), 0) END,
+           EXISTS (SELECT 1 FROM budgets WHERE name = $1)",
     )
     .bind(budget)
     .bind(day)
     .bind(visitor)
     .fetch_one(conn)
     .await
-    .map_err(error)
+    .map_err(error)?;
+    Ok(exists.then_some((global, visitor)))
 }
 
 /// A page of a table by name, compared and ordered byte by byte: `$1` the

@@ -36,7 +36,7 @@ impl Reads for SqliteReaders {
         budget: &'a str,
         day: &'a str,
         visitor: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<(i64, Option<i64>), Error>> {
+    ) -> BoxFuture<'a, Result<Option<crate::db::reads::DayCounts>, Error>> {
         Box::pin(usage_counts(&self.0, budget, day, visitor))
     }
 

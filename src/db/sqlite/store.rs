@@ -649,25 +649,28 @@ pub async fn read_counters(pool: &SqlitePool, names: &[&str]) -> Result<Vec<(Str
 }
 
 /// A day's global calls of a budget and, if asked, one visitor's, in one
-/// statement (one snapshot); absent rows read as 0.
+/// statement (one snapshot); absent rows read as 0. `None` if the budget
+/// does not exist (see [`crate::db::reads::Reads::usage_counts`]).
 pub async fn usage_counts(
     pool: &SqlitePool,
     budget: &str,
     day: &str,
     visitor: Option<&str>,
-) -> Result<(i64, Option<i64>), Error> {
-    sqlx::query_as(
+) -> Result<Option<(i64, Option<i64>)>, Error> {
+    let (global, visitor, exists): (i64, Option<i64>, bool) = sqlx::query_as(
         "SELECT
            coalesce((SELECT calls FROM budget_global_usage WHERE budget = ?1 AND day = ?2), 0),
            CASE WHEN ?3 IS NOT NULL THEN coalesce((SELECT calls FROM budget_visitor_usage
-             WHERE budget = ?1 AND day = ?2 AND visitor = ?3), 0) END",
+             WHERE budget = ?1 AND day = ?2 AND visitor = ?3), 0) END,
+           EXISTS (SELECT 1 FROM budgets WHERE name = ?1)",
     )
     .bind(budget)
     .bind(day)
     .bind(visitor)
     .fetch_one(pool)
     .await
-    .map_err(error)
+    .map_err(error)?;
+    Ok(exists.then_some((global, visitor)))
 }
 
 /// Budgets whose names are in `range` (see `KeyRange`), by name: one range
