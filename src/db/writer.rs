@@ -635,6 +635,17 @@ impl PrunesDue {
             };
             if let Some(budget) = due {
                 self.add(budget.as_str());
+                // A put or a delete may have brought rows before where
+                // the last share ended (days a longer window shows, a
+                // budget created again): the next share starts from the
+                // first row.
+                if matches!(
+                    q.command,
+                    Command::PutBudget { .. } | Command::DeleteBudget { .. }
+                ) && let Some(after) = self.due.get_mut(budget.as_str())
+                {
+                    *after = None;
+                }
             }
         }
     }
