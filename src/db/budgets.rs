@@ -38,16 +38,16 @@ pub async fn put(
     // Days before the window counted from a time no step of the clock has
     // moved on, days after it from one no step has moved back.
     let trusted = clock::trusted(now);
+    let replaced = conn.lock_budget(name.as_str()).await?;
     // Created (again): first what a deleted budget of the name may have
     // left (see [`delete`]), before the budget exists for any check.
-    if conn.lock_budget(name.as_str()).await?.is_none() {
+    if replaced.is_none() {
         purge(conn, name.as_str(), None).await?;
     }
+    conn.put_budget(name.as_str(), spec).await?;
     // A stored budget tally cannot read (its time zone gone from the
     // database built in) is being replaced: only the new window counts.
-    let old = conn
-        .put_budget(name.as_str(), spec)
-        .await?
+    let old = replaced
         .and_then(|row| from_row(row).ok())
         .map(|old| (old.spec.kept_days(trusted.earliest), old.spec.timezone_name));
     let kept = spec.kept_days(trusted.earliest);

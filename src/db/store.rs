@@ -13,6 +13,22 @@
 use super::Error;
 use crate::meter::BudgetSpec;
 
+/// The budgets that do not exist but have usage stored
+/// ([`Store::orphaned_usage`]), the same statement on both engines: one
+/// probe of the primary key per budget with usage (the next name after
+/// the last), not a scan of every row.
+pub(super) const ORPHANED_USAGE: &str = "WITH RECURSIVE n (name) AS (
+         SELECT min(budget) FROM budget_visitor_usage
+         UNION ALL
+         SELECT (SELECT min(budget) FROM budget_visitor_usage WHERE budget > n.name)
+         FROM n WHERE n.name IS NOT NULL
+     )
+     SELECT name FROM n
+     WHERE name IS NOT NULL AND NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = n.name)
+     UNION
+     SELECT budget FROM budget_global_usage g
+     WHERE NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = g.budget)";
+
 /// A budget as stored.
 #[derive(Debug, sqlx::FromRow)]
 pub struct BudgetRow {
@@ -113,15 +129,11 @@ pub(super) trait Store {
         }
     }
 
-    /// Creates or replaces a budget's configuration; the one it replaced,
-    /// if any, read as [`Self::lock_budget`] reads it: two `PUT`s of one
-    /// budget wait for each other, where share locks upgraded to write
+    /// Creates or replaces a budget's configuration. The caller has read
+    /// the one it replaces with [`Self::lock_budget`] first: two `PUT`s of
+    /// one budget wait for each other, where share locks upgraded to write
     /// would deadlock.
-    async fn put_budget(
-        &mut self,
-        name: &str,
-        spec: &BudgetSpec,
-    ) -> Result<Option<BudgetRow>, Error>;
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error>;
 
     /// The named budgets that exist.
     async fn load_budgets(&mut self, names: &[&str]) -> Result<Vec<BudgetRow>, Error>;

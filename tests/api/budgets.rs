@@ -4,7 +4,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    ADMIN, Binary, database_in, on_postgres, problem, put_budget, sample, spawn_app,
+    ADMIN, Binary, behind, count_behind, database_in, problem, put_budget, sample, spawn_app,
 };
 
 /// The day these tests count on: today in UTC (their budgets' zone) when
@@ -506,36 +506,6 @@ async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
         (&json!(1), &json!(1)),
         "{usage}"
     );
-}
-
-/// Runs `sql` on the database `db` (a SQLite file or a PostgreSQL URL)
-/// from outside tally.
-async fn behind(db: &str, sql: &'static str) {
-    use sqlx::ConnectOptions;
-    if on_postgres() {
-        return crate::postgres::sql(db, sql).await;
-    }
-    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(db)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
-}
-
-/// What a query of one number answers on the database `db`.
-async fn count_behind(db: &str, sql: &'static str) -> i64 {
-    use sqlx::{ConnectOptions, Connection};
-    if on_postgres() {
-        let mut conn = sqlx::PgConnection::connect(db).await.unwrap();
-        return sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap();
-    }
-    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(db)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap()
 }
 
 /// Deleting a budget of many visitors answers at once and its usage goes

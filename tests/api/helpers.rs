@@ -176,16 +176,10 @@ impl TestApp {
     /// Runs `sql` on the database from outside tally, on a connection of
     /// its own, as another process would.
     pub async fn sql_behind(&self, sql: &'static str) {
-        use sqlx::ConnectOptions;
-        if let Storage::Postgres(url) = &self.storage {
-            return crate::postgres::sql(url.expose(), sql).await;
+        match &self.storage {
+            Storage::Postgres(url) => behind(url.expose(), sql).await,
+            _ => behind(self.db_path.to_str().unwrap(), sql).await,
         }
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&self.db_path)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
     }
 
     /// Stops the app the way SIGTERM would, and returns its result.
@@ -550,4 +544,34 @@ pub fn faketime_library() -> PathBuf {
         .filter_map(|e| Some(e.ok()?.path().join("faketime/libfaketimeMT.so.1")))
         .find(|p| p.exists())
         .expect("libfaketime is missing: run ./scripts/install-tools")
+}
+
+/// Runs `sql` on the database `db` (a SQLite file or a PostgreSQL URL)
+/// from outside tally.
+pub async fn behind(db: &str, sql: &'static str) {
+    use sqlx::ConnectOptions;
+    if on_postgres() {
+        return crate::postgres::sql(db, sql).await;
+    }
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+}
+
+/// What a query of one number answers on the database `db`.
+pub async fn count_behind(db: &str, sql: &'static str) -> i64 {
+    use sqlx::{ConnectOptions, Connection};
+    if on_postgres() {
+        let mut conn = sqlx::PgConnection::connect(db).await.unwrap();
+        return sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap();
+    }
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap()
 }

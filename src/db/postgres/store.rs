@@ -83,12 +83,7 @@ impl Store for PgConnection {
         }
     }
 
-    async fn put_budget(
-        &mut self,
-        name: &str,
-        spec: &BudgetSpec,
-    ) -> Result<Option<BudgetRow>, Error> {
-        let replaced = self.lock_budget(name).await?;
+    async fn put_budget(&mut self, name: &str, spec: &BudgetSpec) -> Result<(), Error> {
         sqlx::query(
             "INSERT INTO budgets (name, visitor_limit, global_limit, retention_days, timezone, updated_at)
              VALUES ($1, $2, $3, $4, $5,
@@ -107,7 +102,7 @@ impl Store for PgConnection {
         .bind(&spec.timezone_name)
         .execute(self)
         .await.map_err(error)?;
-        Ok(replaced)
+        Ok(())
     }
 
     /// With a share lock on each budget until COMMIT: a check decides with
@@ -392,25 +387,11 @@ impl Store for PgConnection {
         Ok(deleted > 0)
     }
 
-    /// One probe of the primary key per budget with usage (the next name
-    /// after the last), not a scan of every row.
     async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
-        sqlx::query_scalar(
-            "WITH RECURSIVE n (name) AS (
-                 SELECT min(budget) FROM budget_visitor_usage
-                 UNION ALL
-                 SELECT (SELECT min(budget) FROM budget_visitor_usage WHERE budget > n.name)
-                 FROM n WHERE n.name IS NOT NULL
-             )
-             SELECT name FROM n
-             WHERE name IS NOT NULL AND NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = n.name)
-             UNION
-             SELECT budget FROM budget_global_usage g
-             WHERE NOT EXISTS (SELECT 1 FROM budgets b WHERE b.name = g.budget)",
-        )
-        .fetch_all(self)
-        .await
-        .map_err(error)
+        sqlx::query_scalar(crate::db::store::ORPHANED_USAGE)
+            .fetch_all(self)
+            .await
+            .map_err(error)
     }
 
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error> {

@@ -335,11 +335,8 @@ impl WriterConn {
     }
 
     pub async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
-        let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, keys::forget_expired(conn, ttl))
+        self.outside_batch(async |conn| keys::forget_expired(conn, ttl).await)
             .await
-            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
-        self.keep_if_sound(r)
     }
 
     /// The next share of a budget's prune ([`budgets::prune_more`]), in
@@ -349,26 +346,30 @@ impl WriterConn {
         budget: &str,
         after: &mut Option<budgets::RowKey>,
     ) -> Result<(u64, bool), Error> {
-        let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, budgets::prune_more(conn, budget, after))
+        self.outside_batch(async |conn| budgets::prune_more(conn, budget, after).await)
             .await
-            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
-        self.keep_if_sound(r)
     }
 
     /// The deleted budgets whose usage is still stored, outside any batch.
     pub async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error> {
-        let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, Store::orphaned_usage(conn))
+        self.outside_batch(async |conn| Store::orphaned_usage(conn).await)
             .await
-            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
-        self.keep_if_sound(r)
     }
 
     /// The server's clock, outside any batch.
     pub async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
+        self.outside_batch(async |conn| Store::now(conn).await)
+            .await
+    }
+
+    /// `work` on the writer's connection outside any batch, in the time a
+    /// batch has, the connection dropped if its error calls for a new one.
+    async fn outside_batch<T>(
+        &mut self,
+        work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+    ) -> Result<T, Error> {
         let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, Store::now(conn))
+        let r = tokio::time::timeout(BATCH_TIMEOUT, work(conn))
             .await
             .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
         self.keep_if_sound(r)

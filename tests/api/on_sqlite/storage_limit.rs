@@ -16,7 +16,7 @@ use std::{
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, Binary, problem, sample};
+use crate::helpers::{ADMIN, Binary, behind, problem, sample};
 
 const MIB: u64 = 1 << 20;
 
@@ -456,22 +456,13 @@ async fn past_the_limit_a_refused_checks_budget_prunes_its_old_days_to_make_room
     bin.sigterm();
     assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
     // A day long gone holding 12 MB of visitors: past an 8 MiB limit.
-    {
-        use sqlx::ConnectOptions;
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&db)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::raw_sql(
-            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 300000)
-             INSERT INTO budget_visitor_usage SELECT 'b', '2000-01-01', 'visitor-' || i, 1 FROM g;
-             PRAGMA wal_checkpoint(TRUNCATE);",
-        )
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    }
+    behind(
+        db_str,
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 300000)
+         INSERT INTO budget_visitor_usage SELECT 'b', '2000-01-01', 'visitor-' || i, 1 FROM g;
+         PRAGMA wal_checkpoint(TRUNCATE);",
+    )
+    .await;
     assert!(du(dir.path()) > 8 * MIB, "{}", du(dir.path()));
 
     let bin = Binary::start(&[
