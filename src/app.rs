@@ -231,13 +231,16 @@ impl Application {
                     if delay.is_zero() {
                         stop.cancel();
                     } else {
+                        // Closing first: once the line is out, every answer
+                        // asks its client to reconnect (a test, or an
+                        // operator, may act on the line at once).
+                        closing.cancel();
+                        lame_duck.as_mut().reset(tokio::time::Instant::now() + delay);
                         tracing::info!(
                             shutdown_delay = ?delay,
                             "serving on for the shutdown delay, asking every client to \
                              reconnect; then draining"
                         );
-                        closing.cancel();
-                        lame_duck.as_mut().reset(tokio::time::Instant::now() + delay);
                     }
                 }
                 () = &mut lame_duck, if closing.is_cancelled() && !stop.is_cancelled() => {
