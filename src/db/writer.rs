@@ -586,16 +586,29 @@ impl<E: Engine> WriterLoop<E> {
 /// meanwhile.
 #[derive(Debug)]
 pub(super) struct PrunesDue {
-    /// In turn: the front is next.
+    /// In turn: the first whose turn it is ([`Due::not_before`]) is next.
     budgets: std::collections::VecDeque<String>,
     /// The same names, to find one at once (thousands of deleted budgets
-    /// may be due), with where each one's last share ended.
-    due: std::collections::HashMap<String, Option<budgets::RowKey>>,
-    /// After a failed share: not before then.
+    /// may be due).
+    due: std::collections::HashMap<String, Due>,
+    /// After a share failed for a reason every share would fail for (the
+    /// database out of reach, the storage full or lost): no share before
+    /// then.
     not_before: Option<std::time::Instant>,
     /// When to look for what deletes left before a restart, until a look
     /// succeeds ([`WriterLoop::look_for_orphans`]).
     orphans_at: Option<std::time::Instant>,
+}
+
+/// One budget's place in [`PrunesDue`].
+#[derive(Debug, Default)]
+struct Due {
+    /// Where its last share ended.
+    after: Option<budgets::RowKey>,
+    /// After its own share failed (a lock held past the lock timeout, a
+    /// time zone gone from the database built in): its next share not
+    /// before then, while the others' go on.
+    not_before: Option<std::time::Instant>,
 }
 
 impl Default for PrunesDue {
@@ -642,9 +655,9 @@ impl PrunesDue {
                 if matches!(
                     q.command,
                     Command::PutBudget { .. } | Command::DeleteBudget { .. }
-                ) && let Some(after) = self.due.get_mut(budget.as_str())
+                ) && let Some(due) = self.due.get_mut(budget.as_str())
                 {
-                    *after = None;
+                    due.after = None;
                 }
             }
         }
@@ -652,7 +665,7 @@ impl PrunesDue {
 
     fn add(&mut self, budget: &str) {
         if !self.due.contains_key(budget) {
-            self.due.insert(budget.to_owned(), None);
+            self.due.insert(budget.to_owned(), Due::default());
             self.budgets.push_back(budget.to_owned());
             self.show();
         }
@@ -675,13 +688,36 @@ impl PrunesDue {
 
     /// The budget whose share is next, if one is due now.
     fn next(&self) -> Option<&str> {
-        if self
-            .not_before
-            .is_some_and(|t| std::time::Instant::now() < t)
-        {
+        let now = std::time::Instant::now();
+        let waits = |t: &Option<std::time::Instant>| t.is_some_and(|t| now < t);
+        if waits(&self.not_before) {
             return None;
         }
-        self.budgets.front().map(String::as_str)
+        self.budgets
+            .iter()
+            .find(|b| !self.due.get(*b).is_some_and(|d| waits(&d.not_before)))
+            .map(String::as_str)
+    }
+
+    /// After `budget`'s share failed with `e`: it goes to the back of the
+    /// line and waits [`Self::AFTER_FAILURE`]; every budget does when any
+    /// share would have failed as this one did.
+    fn failed(&mut self, budget: &str, e: &Error) {
+        let then = std::time::Instant::now() + Self::AFTER_FAILURE;
+        if let Some(due) = self.due.get_mut(budget) {
+            due.not_before = Some(then);
+        }
+        if let Some(at) = self.budgets.iter().position(|b| b == budget)
+            && let Some(b) = self.budgets.remove(at)
+        {
+            self.budgets.push_back(b);
+        }
+        if matches!(
+            e,
+            Error::Unavailable(_) | Error::StorageFull(_) | Error::StorageLost(_) | Error::Closed
+        ) {
+            self.not_before = Some(then);
+        }
     }
 }
 
@@ -722,21 +758,23 @@ impl<E: Engine> WriterLoop<E> {
 
     /// Prunes one share of the first budget a prune left part done (see
     /// [`PrunesDue`]), in a transaction of its own; the budget stays due
-    /// while its shares come back full. Whether a share ran and more are
-    /// due.
+    /// while its shares come back full. Whether another share is due now.
     async fn prune_more(&mut self) -> bool {
         let Some(budget) = self.prunes_due.next().map(str::to_owned) else {
             return false;
         };
-        let mut after = self.prunes_due.due.get(&budget).cloned().flatten();
+        let mut after = (self.prunes_due.due.get(&budget)).and_then(|d| d.after.clone());
         let prune = self.engine.prune_more(&budget, &mut after);
         let pruned = clock::watched(Arc::clone(&self.clock), prune).await;
-        if let Some(at) = self.prunes_due.due.get_mut(&budget) {
-            *at = after;
+        if let Some(due) = self.prunes_due.due.get_mut(&budget) {
+            due.after = after;
         }
         match pruned {
             Ok((rows, more)) => {
                 self.prunes_due.not_before = None;
+                if let Some(due) = self.prunes_due.due.get_mut(&budget) {
+                    due.not_before = None;
+                }
                 if rows > 0 {
                     metrics::counter!("tally_budget_pruned_rows_total").increment(rows);
                 }
@@ -756,13 +794,9 @@ impl<E: Engine> WriterLoop<E> {
             Err(e) => {
                 // The others' turn first: this one may fail for good (a
                 // time zone gone from the database built in).
-                self.prunes_due
-                    .budgets
-                    .rotate_left(1.min(self.prunes_due.budgets.len()));
-                self.prunes_due.not_before =
-                    Some(std::time::Instant::now() + PrunesDue::AFTER_FAILURE);
+                self.prunes_due.failed(&budget, &e);
                 tracing::warn!(budget, error = %e, "could not prune a budget's usage past its retention; trying again in 10 s");
-                false
+                self.prunes_due.next().is_some()
             }
         }
     }
@@ -907,5 +941,37 @@ mod tests {
         ] {
             assert_eq!(result_label(command, &commit), label, "{commit:?}");
         }
+    }
+
+    /// A share that failed for its own budget puts that budget at the back
+    /// to wait its turn while the others go on; one that failed as every
+    /// share would (the database out of reach) pauses them all. A share
+    /// that commits ends its budget's wait.
+    #[test]
+    fn a_failed_share_waits_alone_unless_every_share_would_fail() {
+        let mut due = PrunesDue::default();
+        for b in ["a", "b", "c"] {
+            due.add(b);
+        }
+        assert_eq!(due.next(), Some("a"));
+        let own = Error::Internal("a time zone gone".into());
+        due.failed("a", &own);
+        assert_eq!(due.next(), Some("b"));
+        due.failed("b", &own);
+        assert_eq!(due.next(), Some("c"));
+        assert_eq!(due.budgets, ["c", "a", "b"]);
+        due.failed(
+            "c",
+            &Error::Unavailable(Arc::new(sqlx::Error::PoolTimedOut)),
+        );
+        assert_eq!(due.next(), None);
+        // Their waits over: in line again, in turn.
+        due.not_before = None;
+        for d in due.due.values_mut() {
+            d.not_before = None;
+        }
+        assert_eq!(due.next(), Some("a"));
+        due.remove("a");
+        assert_eq!(due.next(), Some("b"));
     }
 }

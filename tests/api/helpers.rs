@@ -429,7 +429,8 @@ impl Binary {
         while self.batches_held() < n {
             assert!(
                 std::time::Instant::now() < deadline,
-                "the writer never took batch {n}"
+                "the writer never took batch {n}; its log:\n{}",
+                self.log_text()
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }

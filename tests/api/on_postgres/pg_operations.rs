@@ -1120,3 +1120,81 @@ async fn a_named_schema_gets_the_tables_of_a_fresh_database() {
     );
     assert_eq!(here, 1);
 }
+
+/// A budget whose prune cannot go on (a row of its old day held by an
+/// operator's session) waits its turn alone: the next budget's shares go
+/// on at once, not after a pause every budget shares, and the held one
+/// finishes once the row is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prune_held_up_by_a_locked_row_holds_up_no_other_budget() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "1")]);
+    let bin = &bins[0];
+    let client = Client::new();
+    let spec = json!({"visitor_limit": 5, "global_limit": 1_000_000, "retention_days": 1, "timezone": "UTC"});
+    for name in ["held", "free"] {
+        put_budget(&client, bin, name, spec.clone()).await;
+    }
+    // A day long gone: 2.5 shares of visitors for `held`, 5 for `free`.
+    run_sql(
+        &url,
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+           SELECT 'held', '2000-01-01', 'v' || i, 1 FROM generate_series(1, 25000) i
+           UNION ALL
+           SELECT 'free', '2000-01-01', 'v' || i, 1 FROM generate_series(1, 50000) i"
+            .to_owned(),
+    )
+    .await;
+    // The last of `held`'s rows in key order ('v9999' sorts after
+    // 'v25000'), which its third share deletes.
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "BEGIN; SELECT * FROM budget_visitor_usage
+           WHERE budget = 'held' AND visitor = 'v9999' FOR UPDATE",
+    )
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    // A PUT that changes nothing prunes a share and leaves the rest due:
+    // `held` first in line.
+    put_budget(&client, bin, "held", spec.clone()).await;
+    let held_fails = Instant::now() + Duration::from_secs(20);
+    while !bin.log_text().contains("could not prune a budget's usage") {
+        assert!(Instant::now() < held_fails, "{}", bin.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    put_budget(&client, bin, "free", spec.clone()).await;
+    let put = Instant::now();
+    let old_rows = async |budget: &str| -> i64 {
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar(
+            "SELECT count(*) FROM budget_visitor_usage WHERE budget = $1 AND day = '2000-01-01'",
+        )
+        .bind(budget)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    };
+    // Four shares of 10,000 rows: well under the 10 s a failed share
+    // used to hold every budget's.
+    while old_rows("free").await > 0 {
+        assert!(
+            put.elapsed() < Duration::from_secs(6),
+            "free's prune waited on held's: {} rows left after {:?}",
+            old_rows("free").await,
+            put.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(old_rows("held").await > 0);
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    // Released: `held` goes on at its next turn (10 s after its failure).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while old_rows("held").await > 0
+        || metric(&client, bin, "tally_budget_prunes_due").await != Some(0.0)
+    {
+        assert!(Instant::now() < deadline, "{}", bin.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop_all(bins).await;
+}
