@@ -155,8 +155,20 @@ fn bound(addr: SocketAddr) -> io::Result<TcpSocket> {
 /// Serves `router` on `listener` until `stop` is cancelled, then drains:
 /// stops accepting, closes at once every connection without a request in
 /// flight, lets the others finish within the drain timeout and drops what
-/// is left.
-pub async fn serve(
+/// is left. The listener's series are exported before this returns, not
+/// when the future first runs: a scrape served by another task may come
+/// first.
+pub fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    stop: CancellationToken,
+) -> impl Future<Output = Drained> {
+    export_listener(&limits);
+    serve_exported(listener, router, limits, stop)
+}
+
+async fn serve_exported(
     listener: TcpListener,
     router: Router,
     limits: Limits,
@@ -190,7 +202,6 @@ pub async fn serve(
     let lingering = Arc::new(Semaphore::new(LINGERING_REFUSALS));
     // Cancelled when the drain timeout passes: drops what is left.
     let force = CancellationToken::new();
-    export_listener(&limits);
     let mut last_accept_error = None;
 
     loop {

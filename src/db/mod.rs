@@ -550,6 +550,13 @@ impl Handle {
         self.0.close.cancel();
     }
 
+    /// How many batches the writer slowed by `TALLY_TEST_WRITER_DELAY_MS`
+    /// has taken: it holds the last while it sleeps.
+    #[cfg(feature = "test-hooks")]
+    pub fn batches_held(&self) -> usize {
+        (self.0.stats.batches_held).load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Closes the read-only pool, waiting for readers to finish.
     pub async fn close_readers(&self) {
         self.0.readers.close().await;

@@ -41,6 +41,10 @@ pub struct QueueStats {
     /// When the writer took the batch it is on, in ms since [`EPOCH`] plus
     /// one; 0 between batches.
     batch_taken: AtomicU64,
+    /// Batches the writer slowed by the test hook has taken: a test in the
+    /// same process knows from it that the writer holds one.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) batches_held: std::sync::atomic::AtomicUsize,
 }
 
 /// What [`QueueStats::batch_taken`] counts from.

@@ -542,6 +542,9 @@ impl<E: Engine> WriterLoop<E> {
     async fn test_hooks(&self, commands: usize) {
         if let Some(delay) = self.delay {
             tracing::info!(commands, "test hook: the writer holds its batch");
+            self.stats
+                .batches_held
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tokio::time::sleep(delay).await;
         }
         if self.panic_after == Some(self.batches) {
@@ -775,19 +778,20 @@ impl<E: Engine> WriterLoop<E> {
                 if let Some(due) = self.prunes_due.due.get_mut(&budget) {
                     due.not_before = None;
                 }
+                // Said before it shows in the metrics.
+                if !more && rows > 0 {
+                    // A put or a delete that left nothing to do says nothing.
+                    tracing::info!(
+                        budget,
+                        rows,
+                        "deleted the last of a budget's usage past its retention, or of a deleted budget's"
+                    );
+                }
                 if rows > 0 {
                     metrics::counter!("tally_budget_pruned_rows_total").increment(rows);
                 }
                 if !more {
                     self.prunes_due.remove(&budget);
-                    // A put or a delete that left nothing to do says nothing.
-                    if rows > 0 {
-                        tracing::info!(
-                            budget,
-                            rows,
-                            "deleted the last of a budget's usage past its retention, or of a deleted budget's"
-                        );
-                    }
                 }
                 !self.prunes_due.budgets.is_empty()
             }

@@ -262,16 +262,18 @@ async fn a_retried_delete_replays_its_204() {
 /// in a known order, to be taken as one batch.
 #[tokio::test]
 async fn in_one_batch_a_delete_keeps_queue_order() {
-    let app = Arc::new(spawn_with(|s| s.test_writer_delay_ms = Some(300)).await);
+    // Held long enough for every request below to queue, one at a time.
+    let app = Arc::new(spawn_with(|s| s.test_writer_delay_ms = Some(1500)).await);
     app.budget("b", 100, 100).await;
     app.post_json("/counters/c", json!({"by": 5})).await;
     let base = format!("http://{}", app.addr);
+    let held = app.db.batches_held();
     let plug = {
         let app = Arc::clone(&app);
         tokio::spawn(async move { app.post_json("/counters/plug", json!({})).await.status() })
     };
     // The writer has taken the plug and sleeps: the queue is empty.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    app.writer_holds(held + 1).await;
     let mut answers = Vec::new();
     let requests: Vec<(&str, &str)> = vec![
         ("check", "b"),

@@ -107,6 +107,19 @@ impl TestApp {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// Waits until the slowed writer holds its `n`th batch: what is sent
+    /// next queues behind it.
+    pub async fn writer_holds(&self, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.db.batches_held() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never took batch {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
     pub async fn post_json(&self, path: &str, body: Value) -> Response {
         self.client
             .post(self.url(path))
@@ -349,13 +362,16 @@ impl Binary {
         let (tx, rx) = mpsc::channel();
         let sink = Arc::clone(&logs);
         let readers = Readers::default();
+        // Kept before it is told of: a test woken by the line finds it.
         readers.read_lines(stderr, move |line| {
-            if let Ok(v) = serde_json::from_str::<Value>(&line)
-                && v["fields"]["message"] == "serving"
-            {
-                let _ = tx.send(v["fields"]["addr"].as_str().unwrap().to_owned());
-            }
+            let serving = serde_json::from_str::<Value>(&line)
+                .ok()
+                .filter(|v| v["fields"]["message"] == "serving")
+                .map(|v| v["fields"]["addr"].as_str().unwrap().to_owned());
             sink.lock().unwrap().push(line);
+            if let Some(addr) = serving {
+                let _ = tx.send(addr);
+            }
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(20))
@@ -420,6 +436,44 @@ impl Binary {
         logs.iter()
             .filter(|l| l.contains("test hook: the writer holds its batch"))
             .count()
+    }
+
+    /// Waits until `n` writes have reached the writer: queued, or taken in
+    /// a batch of a writer slowed by `TALLY_TEST_WRITER_DELAY_MS`. Queue
+    /// depth alone says too little: the writer takes what has arrived, so
+    /// its first batch may hold one write or several.
+    pub async fn writes_accepted(&self, n: u64) {
+        let client = reqwest::Client::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            // The batches first, then the queue: a batch taken between the
+            // two readings is counted in neither (never twice).
+            let taken: u64 = self
+                .logs
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains("test hook: the writer holds its batch"))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .filter_map(|v| v["fields"]["commands"].as_u64())
+                .sum();
+            let ready: Value = client
+                .get(self.url("/ready"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if taken + ready["queue_depth"].as_u64().unwrap() >= n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {taken} taken and {ready} queued of {n} writes"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// Waits until the slowed writer holds its `n`th batch: what is sent

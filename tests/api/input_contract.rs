@@ -964,9 +964,11 @@ impl TextLogs {
                     .chars()
                     .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
                     .collect();
+                sink.lock().unwrap().push(line);
                 let _ = tx.send(addr);
+            } else {
+                sink.lock().unwrap().push(line);
             }
-            sink.lock().unwrap().push(line);
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(20))

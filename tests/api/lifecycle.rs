@@ -60,11 +60,11 @@ async fn stop_commits_and_answers_every_accepted_write(signal: Signal) {
         let url = bin.url("/counters/drain");
         tasks.push(tokio::spawn(async move { client.post(&url).send().await }));
     }
-    // Every write accepted (at most one batch is out of the queue) before
+    // Every write accepted (queued, or in a batch the writer took) before
     // SIGTERM: a request tally has not read yet is not accepted, and its
     // connection is closed, as shutdown should. The polls go on a client
     // of their own, so that no write reuses their idle connection.
-    wait_for_queue_depth(&Client::new(), &bin.url(""), 16).await;
+    bin.writes_accepted(20).await;
     bin.signal(signal);
     let mut values = HashSet::new();
     for t in tasks {

@@ -137,16 +137,18 @@ async fn a_closed_queue_is_not_ready_and_refuses_writes() {
 /// every caller gets its own correct answer and the good ones commit.
 #[tokio::test]
 async fn one_failing_command_does_not_fail_its_batch() {
-    let app = spawn_with(|s| s.test_writer_delay_ms = Some(400)).await;
+    // Held long enough for every command below to queue, one at a time.
+    let app = spawn_with(|s| s.test_writer_delay_ms = Some(1500)).await;
     app.budget("gc", 1, 10).await;
     app.sql_behind("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
         .await;
     // Occupy the writer, so that the commands below queue up behind it.
+    let held = app.db.batches_held();
     let warm = tokio::spawn({
         let (c, u) = (app.client.clone(), app.url("/counters/warm"));
         async move { c.post(u).send().await.unwrap().status() }
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    app.writer_holds(held + 1).await;
 
     // A check may name only a day its budget keeps: today in UTC, its zone.
     let today = jiff::Timestamp::now()

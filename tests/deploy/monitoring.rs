@@ -657,6 +657,14 @@ fn has_sample(text: &str, name: &str) -> bool {
         .any(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
 }
 
+/// Whether a series of `name` has counted anything.
+fn counted(text: &str, name: &str) -> bool {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .any(|v| v > 0.0)
+}
+
 /// Traffic that makes tally's series appear: writes, a budget and its
 /// checks (both reasons, a retention prune), 429s from a full queue, and
 /// writes whose callers gave up before the slow writer answered.
@@ -710,7 +718,8 @@ async fn drive(stack: &Stack) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let text = scrape(&stack.tally_metrics).await;
-        if has_sample(&text, "tally_write_committed_caller_gone_total") {
+        // Exported at 0 from the start: a caller gone shows as a count.
+        if counted(&text, "tally_write_committed_caller_gone_total") {
             break;
         }
         assert!(

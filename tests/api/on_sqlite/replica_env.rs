@@ -146,13 +146,14 @@ impl Deployment {
             Box::new(child.stderr.take().unwrap()),
         ] {
             let (logs, tx) = (Arc::clone(&logs), tx.clone());
+            // Kept before it is told of: a test woken by the line finds it.
             readers.read_lines(pipe, move |line| {
-                if serde_json::from_str::<Value>(&line)
-                    .is_ok_and(|v| v["fields"]["message"] == "serving")
-                {
+                let serving = serde_json::from_str::<Value>(&line)
+                    .is_ok_and(|v| v["fields"]["message"] == "serving");
+                logs.lock().unwrap().push((Instant::now(), line));
+                if serving {
                     let _ = tx.send(());
                 }
-                logs.lock().unwrap().push((Instant::now(), line));
             });
         }
         Running {
