@@ -40,8 +40,17 @@ pub async fn put(
     let trusted = clock::trusted(now);
     let replaced = conn.lock_budget(name.as_str()).await?;
     // Created (again): first what a deleted budget of the name may have
-    // left (see [`delete`]), before the budget exists for any check.
+    // left (see [`delete`]), before the budget exists for any check, if
+    // that is a share at most, as a delete's. If more is left, the writer
+    // (which notes the refusal) deletes it, and the same `PUT` succeeds
+    // then; the refusal deletes nothing, only to have it taken back.
     if replaced.is_none() {
+        let more = (conn.nth_visitor_row(name.as_str(), AFTER_EVERY_DAY, None, PRUNE_SHARE))
+            .await?
+            .is_some();
+        if more {
+            return Err(Error::Purging(name.clone()));
+        }
         purge(conn, name.as_str(), None).await?;
     }
     conn.put_budget(name.as_str(), spec).await?;
@@ -428,7 +437,8 @@ pub async fn reset(
 /// budget; one later in the queue finds no budget. The usage goes a share
 /// at a time, as a prune's does ([`PRUNE_SHARE`]): the first here, the
 /// rest by the writer after this batch ([`prune_more`]); a `PUT` that
-/// creates the budget again first deletes whatever is left.
+/// creates the budget again first deletes what is left, or is refused
+/// ([`Error::Purging`]) while more is left than a share.
 pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error> {
     if !conn.delete_budget(name.as_str()).await? {
         return Err(Refusal::UnknownBudget(name.clone()).into());

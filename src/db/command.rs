@@ -253,7 +253,7 @@ pub struct Queued {
 #[rustfmt::skip]
 pub const WRITE_RESULTS: &[(&str, &[&str])] = &[
     ("increment", &["ok", "overflow", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
-    ("put_budget", &["ok", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
+    ("put_budget", &["ok", "purging", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("check", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("reset", &["ok", "unknown_budget", "day_outside_window", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),
     ("delete_budget", &["ok", "unknown_budget", "key_reused", FULL, LOST, DOWN, BUSY, UNKNOWN, DATABASE, NOT_COMMITTED]),

@@ -194,6 +194,15 @@ pub enum Error {
     /// caller's answer in a batch.
     #[error("database error: {0}")]
     Database(#[source] Arc<sqlx::Error>),
+    /// A `PUT` would create a budget again while more of its deleted
+    /// namesake's usage is left than one share deletes
+    /// ([`budgets::PRUNE_SHARE`]): the writer is deleting it, a share at a
+    /// time, and the same `PUT` succeeds once it is gone. Nothing changed.
+    #[error(
+        "the usage of the deleted budget `{0}` is still being deleted; \
+         nothing was changed, and the same request succeeds once it is gone"
+    )]
+    Purging(crate::meter::Name),
     /// tally found its own data or its own bookkeeping inconsistent: a
     /// stored value it cannot read back, or a batch short of a result.
     /// Never the client's doing.
@@ -279,6 +288,7 @@ impl Error {
             Error::StorageLost(_) => "storage_lost",
             Error::Unavailable(_) => "unavailable",
             Error::Busy(..) => "busy",
+            Error::Purging(_) => "purging",
             Error::Raced(_) | Error::Database(_) | Error::Internal(_) => "database_error",
         }
     }

@@ -1719,13 +1719,20 @@ async fn a_deleted_budgets_usage_goes_a_share_at_a_time() {
     budgets::delete(&mut conn, &name).await.unwrap();
     assert_eq!(rows_of(&mut conn, "big").await, left - share);
     assert_eq!(conn.orphaned_usage().await.unwrap(), ["big"]);
+    // Created again with more than a share left: refused, having deleted
+    // nothing (no work for the writer's savepoint to take back).
+    match budgets::put(&mut conn, &name, &spec, now).await {
+        Err(Error::Purging(n)) => assert_eq!(n, name),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rows_of(&mut conn, "big").await, left - share);
     let more = budgets::prune_more(&mut conn, "big", &mut None)
         .await
         .unwrap();
     assert_eq!(more, (budgets::PRUNE_SHARE, true));
     assert_eq!(rows_of(&mut conn, "big").await, left - 2 * share);
 
-    // Created again with some left: it starts empty.
+    // Created again with a share or less left: it starts empty.
     budgets::put(&mut conn, &name, &spec, now).await.unwrap();
     assert_eq!(rows_of(&mut conn, "big").await, 0);
     assert!(conn.orphaned_usage().await.unwrap().is_empty());

@@ -646,7 +646,11 @@ impl PrunesDue {
                     || matches!(reply.error(), Some(Error::StorageFull(_))))
                 .then_some(budget),
                 Command::DeleteBudget { reply, name } => reply.value().map(|_| name),
-                Command::PutBudget { reply, name, .. } => reply.value().map(|_| name),
+                // Refused for a deleted namesake's usage: that usage, which
+                // a process that stopped may have left.
+                Command::PutBudget { reply, name, .. } => (reply.value().is_some()
+                    || matches!(reply.error(), Some(Error::Purging(_))))
+                .then_some(name),
                 _ => None,
             };
             if let Some(budget) = due {

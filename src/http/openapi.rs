@@ -173,7 +173,10 @@ pub enum Problems {
     #[response(
         status = 503,
         description = "Shutting down, timed out, the database file was lost \
-                       (`/problems/storage-lost`), or (checks) the meter failed",
+                       (`/problems/storage-lost`), the database unreachable or a row busy, \
+                       a budget's deleted namesake's usage still being deleted (a `PUT` \
+                       creating it again: `/problems/budget-purge-under-way`), or (checks) \
+                       the meter failed",
         content_type = "application/problem+json"
     )]
     Unavailable(ProblemDoc),

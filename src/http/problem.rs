@@ -292,6 +292,14 @@ impl From<db::Error> for Problem {
             )
             .with("reason", "row_busy")
             .retry_after(UNAVAILABLE_RETRY_AFTER),
+            db::Error::Purging(ref name) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "budget-purge-under-way",
+                "Deleted budget's usage still being deleted",
+            )
+            .detail(e.to_string())
+            .with("budget", name.as_str())
+            .retry_after(UNAVAILABLE_RETRY_AFTER),
             e @ (db::Error::Raced(_) | db::Error::Database(_) | db::Error::Internal(_)) => {
                 if let Some(held_back) = DATABASE_ERRORS.admit() {
                     tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), held_back, "database error (one line every 10 s at most; held_back: like lines not written since the last)");

@@ -512,8 +512,9 @@ async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
 
 /// Deleting a budget of many visitors answers at once and its usage goes
 /// after, a share at a time, to the last row; a `PUT` that creates it
-/// again meanwhile starts it empty. What a delete left when its process
-/// stopped is found and purged by the next one.
+/// again meanwhile is refused (`503`, `Retry-After`) while more than a
+/// share is left, then starts it empty. What a delete left when its
+/// process stopped is found and purged by the next one.
 #[tokio::test]
 async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     const MANY: &str =
@@ -553,26 +554,68 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
         assert_eq!(r.status(), StatusCode::NO_CONTENT);
     };
 
+    // Creates `big` again, as a client told to retry would: refused while
+    // more of the deleted one's usage is left than a share. How many times
+    // it was refused.
+    let put_again = async |bin: &Binary| -> usize {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut refused = 0;
+        loop {
+            let r = client
+                .put(bin.url("/budgets/big"))
+                .bearer_auth(ADMIN)
+                .json(&spec)
+                .send()
+                .await
+                .unwrap();
+            if r.status() == StatusCode::OK {
+                return refused;
+            }
+            assert_eq!(r.headers()["retry-after"], "1");
+            let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+            assert_eq!(p["type"], "/problems/budget-purge-under-way", "{p}");
+            assert_eq!(p["budget"], "big", "{p}");
+            refused += 1;
+            assert!(std::time::Instant::now() < deadline, "refused for 30 s");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    };
+    // None of the old usage counts.
+    let counted_anew = async |bin: &Binary| {
+        let d: Value = client
+            .post(bin.url("/budgets/big/check"))
+            .json(&json!({"visitor": "v9999", "day": "2026-01-01"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            (&d["visitor_calls"], &d["global_calls"]),
+            (&json!(1), &json!(1)),
+            "{d}"
+        );
+    };
+
     let bin = Binary::start(&env);
     put_budget(&client, &bin, "big", spec.clone()).await;
     behind(&db, MANY).await;
     delete_big(&bin).await;
-    // Created again at once: none of the old usage counts.
-    put_budget(&client, &bin, "big", spec.clone()).await;
-    let d: Value = client
-        .post(bin.url("/budgets/big/check"))
-        .json(&json!({"visitor": "v9999", "day": "2026-01-01"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(
-        (&d["visitor_calls"], &d["global_calls"]),
-        (&json!(1), &json!(1)),
-        "{d}"
-    );
+    // Created again at once (refused, or not, as the writer's shares and
+    // the PUT meet).
+    put_again(&bin).await;
+    counted_anew(&bin).await;
+    delete_big(&bin).await;
+    gone(&bin).await;
+
+    // Left while this process runs and knows nothing of it (as a process
+    // that stopped leaves it; on PostgreSQL, another process's): a PUT
+    // creating the budget is refused, and changes nothing, until the
+    // writer, told by the refusal, has deleted it.
+    behind(&db, MANY).await;
+    assert!(put_again(&bin).await >= 1);
+    counted_anew(&bin).await;
     delete_big(&bin).await;
     gone(&bin).await;
     drop(bin);
