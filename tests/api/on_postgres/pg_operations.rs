@@ -859,8 +859,17 @@ async fn a_refused_read_connection_is_answered_at_once() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    // The other, taken from outside.
-    let outside = PgConnection::connect(&url).await.unwrap();
+    // The other, taken from outside, once the server has let go of the
+    // migrations' connection (closed at start without waiting for its
+    // backend to exit).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let outside = loop {
+        match PgConnection::connect(&url).await {
+            Ok(c) => break c,
+            Err(e) => assert!(Instant::now() < deadline, "{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
 
     let started = Instant::now();
     let r = client.get(bins[0].url("/counters/x")).send().await.unwrap();
