@@ -130,7 +130,7 @@ fn describe() {
     );
     describe_counter!(
         "tally_budget_pruned_rows_total",
-        "Usage rows deleted for being past retention (and the writer's shares of deleted budgets' usage)."
+        "Usage rows deleted, once committed: past retention (by a day's first call, a PUT, the writer's shares) and of deleted budgets (by the delete, the PUT creating one again, the writer's shares)."
     );
     describe_gauge!(
         "tally_budget_prunes_due",

@@ -10,7 +10,7 @@ use jiff::Timestamp;
 
 use super::{
     Error, clock,
-    command::Deleted,
+    command::{Deleted, Stored},
     store::{BudgetRow, Store},
 };
 use crate::meter::{
@@ -34,11 +34,12 @@ pub async fn put(
     name: &Name,
     spec: &BudgetSpec,
     now: Timestamp,
-) -> Result<Budget, Error> {
+) -> Result<Stored, Error> {
     // Days before the window counted from a time no step of the clock has
     // moved on, days after it from one no step has moved back.
     let trusted = clock::trusted(now);
     let replaced = conn.lock_budget(name.as_str()).await?;
+    let mut pruned_rows = 0;
     // Created (again): first what a deleted budget of the name may have
     // left (see [`delete`]), before the budget exists for any check, if
     // that is a share at most, as a delete's. If more is left, the writer
@@ -51,7 +52,7 @@ pub async fn put(
         if more {
             return Err(Error::Purging(name.clone()));
         }
-        purge(conn, name.as_str(), None).await?;
+        pruned_rows += purge(conn, name.as_str(), None).await?.0;
     }
     conn.put_budget(name.as_str(), spec).await?;
     // A stored budget tally cannot read (its time zone gone from the
@@ -67,13 +68,13 @@ pub async fn put(
     let old_oldest = old.as_ref().map_or(kept.oldest, |(old, _)| old.oldest);
     if kept.oldest < old_oldest {
         let (from, before) = (kept.oldest.to_string(), old_oldest.to_string());
-        conn.delete_days(name.as_str(), &from, &before).await?;
+        pruned_rows += conn.delete_days(name.as_str(), &from, &before).await?;
     }
     // The days before the new window (a shorter one leaves some): no
     // answer reads them; as a prune's, a share now and the rest by the
     // writer ([`prune_more`]), which notes every `PUT`.
     let cutoff = kept.oldest.to_string();
-    delete_share(
+    pruned_rows += delete_share(
         conn,
         name.as_str(),
         &cutoff,
@@ -81,7 +82,8 @@ pub async fn put(
         false,
         &mut None,
     )
-    .await?;
+    .await?
+    .0;
     // Only when the time zone changed (under the same zone, a day after
     // today is one just begun: `now` may be a moment behind the checks),
     // and by the clock as it reads now that the row is locked: on
@@ -92,11 +94,14 @@ pub async fn put(
     if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
         let at = conn.clock_if_now_lags().await?.unwrap_or(now);
         let today = spec.kept_days(at.max(trusted.latest)).today;
-        conn.prune_after(name.as_str(), &today.to_string()).await?;
+        pruned_rows += conn.prune_after(name.as_str(), &today.to_string()).await?;
     }
-    Ok(Budget {
-        name: name.clone(),
-        spec: spec.clone(),
+    Ok(Stored {
+        budget: Budget {
+            name: name.clone(),
+            spec: spec.clone(),
+        },
+        pruned_rows,
     })
 }
 
@@ -443,8 +448,8 @@ pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error
     if !conn.delete_budget(name.as_str()).await? {
         return Err(Refusal::UnknownBudget(name.clone()).into());
     }
-    purge(conn, name.as_str(), Some(PRUNE_SHARE)).await?;
-    Ok(Deleted)
+    let (usage_rows, _) = purge(conn, name.as_str(), Some(PRUNE_SHARE)).await?;
+    Ok(Deleted { usage_rows })
 }
 
 /// Sorts after every day (days are written `YYYY-MM-DD`): "before" it is

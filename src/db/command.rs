@@ -23,7 +23,7 @@ pub enum Command {
     PutBudget {
         name: Name,
         spec: BudgetSpec,
-        reply: Reply<Budget>,
+        reply: Reply<Stored>,
     },
     /// One call against a budget, on `day` or the budget's today.
     Check {
@@ -47,9 +47,22 @@ pub enum Command {
     DeleteCounter { name: Name, reply: Reply<Deleted> },
 }
 
-/// What a delete answers: that the row was there and is gone.
+/// What a delete answers: that the row was there and is gone; of a
+/// budget, how many of its usage rows the delete's own transaction took
+/// (the writer deletes the rest), counted once it commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Deleted;
+pub struct Deleted {
+    pub usage_rows: u64,
+}
+
+/// What a `PUT` of a budget answers: the budget as stored, and how many
+/// usage rows of days it no longer keeps its own transaction deleted,
+/// counted once it commits.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub budget: Budget,
+    pub pruned_rows: u64,
+}
 
 /// What a reset did: the day it cleared and how many usage rows it deleted.
 #[derive(Debug, Clone, Copy)]
@@ -538,6 +551,7 @@ mod tests {
         let kinds: Vec<&str> = [
             Refusal::UnknownBudget(name.clone()).into(),
             Refusal::UnknownCounter(name.clone()).into(),
+            Error::Purging(name.clone()),
             Refusal::Overflow(name).into(),
             Refusal::KeyReused.into(),
             outside.into(),

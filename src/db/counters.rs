@@ -21,7 +21,7 @@ pub async fn increment(conn: &mut impl Store, name: &Name, by: i64) -> Result<i6
 /// delete.
 pub async fn delete(conn: &mut impl Store, name: &Name) -> Result<Deleted, Error> {
     match conn.delete_counter(name.as_str()).await? {
-        true => Ok(Deleted),
+        true => Ok(Deleted { usage_rows: 0 }),
         false => Err(Refusal::UnknownCounter(name.clone()).into()),
     }
 }

@@ -112,7 +112,8 @@ impl Kept for Deleted {
 
     fn decode(stored: &str) -> Result<Self, String> {
         match stored {
-            "deleted" => Ok(Deleted),
+            // A retry deletes nothing.
+            "deleted" => Ok(Deleted { usage_rows: 0 }),
             other => Err(format!("`{other}` is no stored delete")),
         }
     }

@@ -62,7 +62,7 @@ use tokio_util::sync::CancellationToken;
 
 use command::Command;
 pub(crate) use command::WRITE_RESULTS;
-use command::{Answer, Cleared, Deleted, Queued, Reply};
+use command::{Answer, Cleared, Deleted, Queued, Reply, Stored};
 use list::{Page, PageRequest};
 pub use open::Database;
 /// The record of point-in-time restores inside a SQLite database (`tally restore-to`).
@@ -426,7 +426,7 @@ impl Handle {
         let command = Command::PutBudget { name, spec, reply };
         self.submit(command, None, request_id, answer)
             .await
-            .map(|(budget, _)| budget)
+            .map(|(Stored { budget, .. }, _)| budget)
     }
 
     /// A budget's configuration.
@@ -501,7 +501,7 @@ impl Handle {
         let command = Command::DeleteBudget { name, reply };
         self.submit(command, key, request_id, answer)
             .await
-            .map(|(Deleted, replayed)| replayed)
+            .map(|(Deleted { .. }, replayed)| replayed)
     }
 
     /// Deletes a counter, under an idempotency key if given; a later
@@ -517,7 +517,7 @@ impl Handle {
         let command = Command::DeleteCounter { name, reply };
         self.submit(command, key, request_id, answer)
             .await
-            .map(|(Deleted, replayed)| replayed)
+            .map(|(Deleted { .. }, replayed)| replayed)
     }
 
     /// A page of budgets, by name in byte order, from the read pool.

@@ -820,14 +820,24 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
     let kind = q.command.kind();
     crate::prometheus::write_commands(kind, result_label(&q.command, commit)).increment(1);
     crate::kept!(histogram "tally_write_wait_seconds").record(q.queued_at.elapsed().as_secs_f64());
-    if let (Ok(()), Command::Check { reply, budget, .. }) = (commit, &q.command)
-        && let Some(d) = reply.value()
-    {
-        // Budget names are configured by the operator: a bounded set.
-        crate::prometheus::budget_decisions(budget.as_str(), d.reason.label()).increment(1);
-        if d.pruned_rows > 0 {
-            metrics::counter!("tally_budget_prunes_total").increment(1);
-            metrics::counter!("tally_budget_pruned_rows_total").increment(d.pruned_rows);
+    if commit.is_ok() {
+        // Usage rows a command's own transaction deleted, now committed
+        // (the writer's later shares count their own).
+        let pruned_rows = match &q.command {
+            Command::Check { reply, budget, .. } => reply.value().map_or(0, |d| {
+                // Budget names are configured by the operator: a bounded set.
+                crate::prometheus::budget_decisions(budget.as_str(), d.reason.label()).increment(1);
+                if d.pruned_rows > 0 {
+                    metrics::counter!("tally_budget_prunes_total").increment(1);
+                }
+                d.pruned_rows
+            }),
+            Command::PutBudget { reply, .. } => reply.value().map_or(0, |s| s.pruned_rows),
+            Command::DeleteBudget { reply, .. } => reply.value().map_or(0, |d| d.usage_rows),
+            _ => 0,
+        };
+        if pruned_rows > 0 {
+            metrics::counter!("tally_budget_pruned_rows_total").increment(pruned_rows);
         }
     }
     let Sent::Unheard { committed, what } = q.command.send(commit) else {

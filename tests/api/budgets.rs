@@ -598,6 +598,20 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
         );
     };
 
+    // Every row deleted is counted once, by whichever took it: the
+    // delete, the writer's shares, the PUT.
+    let counted = async |bin: &Binary, rows: f64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let n = sample(&bin.metrics().await, "tally_budget_pruned_rows_total");
+            if n == Some(rows) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{n:?} of {rows}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+
     let bin = Binary::start(&env);
     put_budget(&client, &bin, "big", spec.clone()).await;
     behind(&db, MANY).await;
@@ -608,6 +622,8 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     counted_anew(&bin).await;
     delete_big(&bin).await;
     gone(&bin).await;
+    // 25,000 visitors and the global row, then the new budget's two.
+    counted(&bin, 25_003.0).await;
 
     // Left while this process runs and knows nothing of it (as a process
     // that stopped leaves it; on PostgreSQL, another process's): a PUT
@@ -618,6 +634,7 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     counted_anew(&bin).await;
     delete_big(&bin).await;
     gone(&bin).await;
+    counted(&bin, 50_006.0).await;
     drop(bin);
 
     // Left by a process that stopped: the next one purges it.

@@ -1205,5 +1205,10 @@ async fn a_prune_held_up_by_a_locked_row_holds_up_no_other_budget() {
         assert!(Instant::now() < deadline, "{}", bin.log_text());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Every row, whether the PUTs or the writer's shares took it.
+    assert_eq!(
+        metric(&client, bin, "tally_budget_pruned_rows_total").await,
+        Some(75_000.0)
+    );
     stop_all(bins).await;
 }
