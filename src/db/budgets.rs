@@ -35,10 +35,19 @@ pub async fn put(
     spec: &BudgetSpec,
     now: Timestamp,
 ) -> Result<Stored, Error> {
+    let replaced = conn.lock_budget(name.as_str()).await?;
+    // By the clock as it reads once the row is held: on PostgreSQL `now`
+    // is when the transaction began, and the row may have been waited for
+    // past a midnight, while checks on another process counted on the new
+    // day and pruned by it. Reckoned from `now`, a longer window would
+    // bring back, part pruned, the day those prunes had begun on.
+    let now = conn
+        .clock_if_now_lags()
+        .await?
+        .map_or(now, |at| at.max(now));
     // Days before the window counted from a time no step of the clock has
     // moved on, days after it from one no step has moved back.
     let trusted = clock::trusted(now);
-    let replaced = conn.lock_budget(name.as_str()).await?;
     let mut pruned_rows = 0;
     // Created (again): first what a deleted budget of the name may have
     // left (see [`delete`]), before the budget exists for any check, if
@@ -86,14 +95,10 @@ pub async fn put(
     .0;
     // Only when the time zone changed (under the same zone, a day after
     // today is one just begun: `now` may be a moment behind the checks),
-    // and by the clock as it reads now that the row is locked: on
-    // PostgreSQL `now` is when the transaction began, and the lock may
-    // have been waited for past a midnight, while checks on another
-    // process counted on the new day. A day after the new zone's today at
-    // this moment has not begun in it.
+    // by the clock as it read once the row was locked. A day after the new
+    // zone's today at that moment has not begun in it.
     if old.is_none_or(|(old, zone)| zone != spec.timezone_name || old.today > kept.today) {
-        let at = conn.clock_if_now_lags().await?.unwrap_or(now);
-        let today = spec.kept_days(at.max(trusted.latest)).today;
+        let today = spec.kept_days(trusted.latest.max(now)).today;
         pruned_rows += conn.prune_after(name.as_str(), &today.to_string()).await?;
     }
     Ok(Stored {

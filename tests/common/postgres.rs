@@ -80,10 +80,18 @@ pub struct PgServer {
     dir: tempfile::TempDir,
     bin: PathBuf,
     pub port: u16,
+    /// Set for the server's processes (a clock of their own).
+    env: Vec<(String, String)>,
 }
 
 impl PgServer {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A server whose processes run with `env` set (libfaketime's, for a
+    /// clock of their own).
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
         let bin = std::fs::read_dir("/usr/lib/postgresql")
             .expect("PostgreSQL is missing: run ./scripts/install-tools")
             .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
@@ -95,7 +103,13 @@ impl PgServer {
             run(Command::new("chown").arg("postgres").arg(dir.path()));
         }
         let port = super::loopback::free_port();
-        let server = PgServer { dir, bin, port };
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let server = PgServer {
+            dir,
+            bin,
+            port,
+            env: env.collect(),
+        };
         run(server
             .as_postgres("initdb")
             .arg("-D")
@@ -144,7 +158,8 @@ impl PgServer {
         run(self
             .pg_ctl(&["-w", "-t", "30", "-o", &options, "-l"])
             .arg(log)
-            .arg("start"));
+            .arg("start")
+            .envs(self.env.iter().map(|(k, v)| (k, v))));
     }
 
     /// Stops the server the way an operator or a failover would: fast
@@ -243,6 +258,7 @@ impl PgServer {
             dir,
             bin: primary.bin.clone(),
             port,
+            env: primary.env.clone(),
         };
         run(standby
             .as_postgres("pg_basebackup")

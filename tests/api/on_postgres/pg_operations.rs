@@ -1212,3 +1212,115 @@ async fn a_prune_held_up_by_a_locked_row_holds_up_no_other_budget() {
     );
     stop_all(bins).await;
 }
+
+/// A `PUT` that waits for its budget's row past midnight (an operator's
+/// session holding it) reckons the days by the server's clock as it reads
+/// once it has the row, not as it read when its transaction began: the
+/// day a longer retention brings back, which a prune on the new day had
+/// begun on, reads empty rather than part pruned (a past day a check may
+/// still name, whose global row that prune had taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_put_that_waits_past_midnight_reckons_from_after_its_wait() {
+    // The server's midnight this long after it starts: time to set up.
+    const AHEAD: i64 = 40;
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let offset = format!("{:+}s", 86_400 - real % 86_400 - AHEAD);
+    let library = faketime_library();
+    let server = PgServer::start_with(&[
+        ("LD_PRELOAD", library.to_str().unwrap()),
+        ("FAKETIME", &offset),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ]);
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "9")]);
+    let bin = &bins[0];
+    let client = Client::new();
+    let mut outside = PgConnection::connect(&url).await.unwrap();
+    let server_clock = async |c: &mut PgConnection| -> i64 {
+        sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::int8")
+            .fetch_one(c)
+            .await
+            .unwrap()
+    };
+    let started = server_clock(&mut outside).await;
+    let midnight = started - started % 86_400 + 86_400;
+    let yesterday = jiff::Timestamp::from_second(started - 86_400)
+        .unwrap()
+        .in_tz("UTC")
+        .unwrap()
+        .date()
+        .to_string();
+    let spec = |days: u32| json!({"visitor_limit": 5, "global_limit": 1_000_000, "retention_days": days, "timezone": "UTC"});
+    put_budget(&client, bin, "b", spec(1)).await;
+    run_sql(
+        &url,
+        format!(
+            "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+               SELECT 'b', '{yesterday}', 'v' || i, 1 FROM generate_series(1, 25000) i;
+             INSERT INTO budget_global_usage (budget, day, calls) VALUES ('b', '{yesterday}', 25000)"
+        ),
+    )
+    .await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM budgets WHERE name = 'b' FOR UPDATE")
+        .execute(&mut outside)
+        .await
+        .unwrap();
+    let before = midnight - server_clock(&mut outside).await;
+    assert!(before > 4, "set up too slowly: {before} s before midnight");
+    while server_clock(&mut outside).await < midnight - 3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A longer retention, whose transaction begins before midnight and
+    // waits for the row.
+    let put = client
+        .put(bin.url("/budgets/b"))
+        .bearer_auth(ADMIN)
+        .json(&spec(2))
+        .send();
+    let put = tokio::spawn(put);
+    while server_clock(&mut outside).await < midnight + 1 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The new day's first call on another process, as its prune goes:
+    // yesterday is past a one-day retention now; its global row and a
+    // share of its visitors go. Then the row is let go.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM budget_global_usage WHERE budget = 'b' AND day = '{yesterday}';
+         DELETE FROM budget_visitor_usage WHERE budget = 'b' AND day = '{yesterday}'
+           AND visitor <= (SELECT visitor FROM budget_visitor_usage
+                           WHERE budget = 'b' AND day = '{yesterday}'
+                           ORDER BY visitor OFFSET 9999 LIMIT 1);
+         COMMIT"
+    )))
+    .execute(&mut outside)
+    .await
+    .unwrap();
+    let r = put.await.unwrap().unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
+    // Two days kept now, yesterday among them: as if never counted.
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM budget_visitor_usage WHERE budget = 'b' AND day = $1",
+    )
+    .bind(&yesterday)
+    .fetch_one(&mut outside)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "yesterday part pruned, and kept");
+    let usage = json(
+        client
+            .get(bin.url(&format!("/budgets/b/usage?day={yesterday}&visitor=v9999")))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (&usage["visitor_calls"], &usage["global_calls"]),
+        (&json!(0), &json!(0)),
+        "{usage}"
+    );
+    stop_all(bins).await;
+}
