@@ -497,15 +497,14 @@ async fn delete_share(
 ) -> Result<(u64, bool), Error> {
     let from = after.as_ref().map(|(d, v)| (d.as_str(), v.as_str()));
     let through = match share {
-        Some(n) => Some(
-            conn.nth_visitor_row(budget, before, from, n.saturating_sub(1))
-                .await?,
-        ),
+        Some(n) => conn
+            .nth_visitor_row(budget, before, from, n.saturating_sub(1))
+            .await?
+            .map(|row| (row, n)),
         None => None,
     };
     // A share that did not find its last row is the rest.
-    let through = through.flatten();
-    let last = through.as_ref().map(|(d, v)| (d.as_str(), v.as_str()));
+    let last = (through.as_ref()).map(|((d, v), n)| ((d.as_str(), v.as_str()), *n));
     let visitors = conn
         .delete_visitor_usage(budget, before, from, last, only_if_gone)
         .await?;
@@ -513,8 +512,8 @@ async fn delete_share(
         .delete_global_usage(budget, before, only_if_gone)
         .await?;
     let more = through.is_some() && visitors > 0;
-    if through.is_some() {
-        *after = through;
+    if let Some((row, _)) = through {
+        *after = Some(row);
     }
     Ok((visitors + globals, more))
 }

@@ -187,15 +187,16 @@ pub(super) trait Store {
     /// Deletes the budget's visitors' rows on days before `before` (and
     /// after the row `after`, as [`Self::nth_visitor_row`] has it), or
     /// only those up to the row `through` (a day and a visitor, in key
-    /// order): a range of the primary key. With `only_if_gone`, only while
-    /// no budget of that name exists, as the statement itself sees the
-    /// budgets (see [`super::budgets::purge`]). Returns the rows deleted.
+    /// order), the `rows`th: a range of the primary key. With
+    /// `only_if_gone`, only while no budget of that name exists, as the
+    /// statement itself sees the budgets (see [`super::budgets::purge`]).
+    /// Returns the rows deleted.
     async fn delete_visitor_usage(
         &mut self,
         budget: &str,
         before: &str,
         after: Option<(&str, &str)>,
-        through: Option<(&str, &str)>,
+        through: Option<((&str, &str), u64)>,
         only_if_gone: bool,
     ) -> Result<u64, Error>;
 

@@ -286,11 +286,7 @@ impl<E: Engine> WriterLoop<E> {
                     // queued.
                     if checked.is_ok() {
                         self.look_for_orphans().await;
-                        let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 2;
-                        while self.prune_more().await
-                            && self.rx.is_empty()
-                            && std::time::Instant::now() < until
-                        {}
+                        self.prune_while_quiet().await;
                     }
                     self.stats.set_on_batch(false);
                     if let Err(lost) = checked {
@@ -383,9 +379,12 @@ impl<E: Engine> WriterLoop<E> {
         // could not be reached: the next batch would wait for it.
         if self.engine.stopped().is_none() {
             self.forget_expired_keys().await;
-            // Under steady writes the writer may never be idle.
+            // Under steady writes the writer may never be idle: one share
+            // whatever is queued, more while nothing is (a client retrying
+            // a refused PUT every second would otherwise never let the
+            // idle shares run).
             self.look_for_orphans().await;
-            let _ = self.prune_more().await;
+            self.prune_while_quiet().await;
         }
         Ok(())
     }
@@ -589,15 +588,21 @@ impl<E: Engine> WriterLoop<E> {
 /// meanwhile.
 #[derive(Debug)]
 pub(super) struct PrunesDue {
-    /// In turn: the first whose turn it is ([`Due::not_before`]) is next.
+    /// In turn, a share each: the first whose turn it is
+    /// ([`Due::not_before`]) is next, and goes to the back after its
+    /// share, so that a small purge (a `PUT` waiting to create a budget
+    /// again) is not held behind a large one.
     budgets: std::collections::VecDeque<String>,
     /// The same names, to find one at once (thousands of deleted budgets
     /// may be due).
     due: std::collections::HashMap<String, Due>,
-    /// After a share failed for a reason every share would fail for (the
-    /// database out of reach, the storage full or lost): no share before
-    /// then.
+    /// After a share failed for a reason every share may fail for (the
+    /// database out of reach, the storage full or lost, a database error),
+    /// or two budgets' shares failed in a row (a whole table locked, which
+    /// PostgreSQL tells as it tells a row): no share before then.
     not_before: Option<std::time::Instant>,
+    /// The last share tried failed.
+    failed_last: bool,
     /// When to look for what deletes left before a restart, until a look
     /// succeeds ([`WriterLoop::look_for_orphans`]).
     orphans_at: Option<std::time::Instant>,
@@ -620,6 +625,7 @@ impl Default for PrunesDue {
             budgets: Default::default(),
             due: Default::default(),
             not_before: None,
+            failed_last: false,
             orphans_at: Some(std::time::Instant::now()),
         }
     }
@@ -659,11 +665,12 @@ impl PrunesDue {
                 // the last share ended (days a longer window shows, a
                 // budget created again): the next share starts from the
                 // first row.
-                if matches!(
-                    q.command,
-                    Command::PutBudget { .. } | Command::DeleteBudget { .. }
-                ) && let Some(due) = self.due.get_mut(budget.as_str())
-                {
+                let ran = match &q.command {
+                    Command::PutBudget { reply, .. } => reply.value().is_some(),
+                    Command::DeleteBudget { reply, .. } => reply.value().is_some(),
+                    _ => false,
+                };
+                if ran && let Some(due) = self.due.get_mut(budget.as_str()) {
                     due.after = None;
                 }
             }
@@ -707,23 +714,46 @@ impl PrunesDue {
     }
 
     /// After `budget`'s share failed with `e`: it goes to the back of the
-    /// line and waits [`Self::AFTER_FAILURE`]; every budget does when any
-    /// share would have failed as this one did.
+    /// line and waits [`Self::AFTER_FAILURE`]. Every budget waits when the
+    /// error is not one of the budget's own rows (a row held, a lost race,
+    /// a stored budget tally cannot read), or when the share before failed
+    /// too: one held table fails every share, each after the lock timeout,
+    /// and trying them all in turn would hold the writer for good.
     fn failed(&mut self, budget: &str, e: &Error) {
         let then = std::time::Instant::now() + Self::AFTER_FAILURE;
         if let Some(due) = self.due.get_mut(budget) {
             due.not_before = Some(then);
         }
+        self.send_back(budget);
+        let own = matches!(e, Error::Busy(..) | Error::Raced(_) | Error::Internal(_));
+        if !own || self.failed_last {
+            self.not_before = Some(then);
+        }
+        self.failed_last = true;
+    }
+
+    /// After `budget`'s share committed: to the back of the line if `more`
+    /// may be left, out of it if not.
+    fn succeeded(&mut self, budget: &str, more: bool) {
+        self.not_before = None;
+        self.failed_last = false;
+        if let Some(due) = self.due.get_mut(budget) {
+            due.not_before = None;
+        }
+        match more {
+            true => self.send_back(budget),
+            false => self.remove(budget),
+        }
+    }
+
+    fn send_back(&mut self, budget: &str) {
+        if self.budgets.back().is_some_and(|b| b == budget) {
+            return;
+        }
         if let Some(at) = self.budgets.iter().position(|b| b == budget)
             && let Some(b) = self.budgets.remove(at)
         {
             self.budgets.push_back(b);
-        }
-        if matches!(
-            e,
-            Error::Unavailable(_) | Error::StorageFull(_) | Error::StorageLost(_) | Error::Closed
-        ) {
-            self.not_before = Some(then);
         }
     }
 }
@@ -763,6 +793,14 @@ impl<E: Engine> WriterLoop<E> {
         }
     }
 
+    /// Shares ([`Self::prune_more`]): one, then more while nothing is
+    /// queued, for half of [`FILES_CHECK_INTERVAL`] at most. A write that
+    /// comes meanwhile waits for one share at most.
+    async fn prune_while_quiet(&mut self) {
+        let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 2;
+        while self.prune_more().await && self.rx.is_empty() && std::time::Instant::now() < until {}
+    }
+
     /// Prunes one share of the first budget a prune left part done (see
     /// [`PrunesDue`]), in a transaction of its own; the budget stays due
     /// while its shares come back full. Whether another share is due now.
@@ -778,10 +816,6 @@ impl<E: Engine> WriterLoop<E> {
         }
         match pruned {
             Ok((rows, more)) => {
-                self.prunes_due.not_before = None;
-                if let Some(due) = self.prunes_due.due.get_mut(&budget) {
-                    due.not_before = None;
-                }
                 // Said before it shows in the metrics.
                 if !more && rows > 0 {
                     // A put or a delete that left nothing to do says nothing.
@@ -794,9 +828,7 @@ impl<E: Engine> WriterLoop<E> {
                 if rows > 0 {
                     metrics::counter!("tally_budget_pruned_rows_total").increment(rows);
                 }
-                if !more {
-                    self.prunes_due.remove(&budget);
-                }
+                self.prunes_due.succeeded(&budget, more);
                 !self.prunes_due.budgets.is_empty()
             }
             Err(e) => {
@@ -961,35 +993,53 @@ mod tests {
         }
     }
 
-    /// A share that failed for its own budget puts that budget at the back
-    /// to wait its turn while the others go on; one that failed as every
-    /// share would (the database out of reach) pauses them all. A share
-    /// that commits ends its budget's wait.
+    /// Budgets take a share each in turn. A share that failed for its own
+    /// budget (a row held) puts that budget at the back to wait while the
+    /// others go on; one that failed as any share may (the database out of
+    /// reach, a database error), or right after another failed (a whole
+    /// table held), pauses them all. A share that commits ends its
+    /// budget's wait.
     #[test]
-    fn a_failed_share_waits_alone_unless_every_share_would_fail() {
+    fn a_failed_share_waits_alone_unless_every_share_may_fail() {
+        let held = || Error::Busy(Arc::new(sqlx::Error::PoolTimedOut), crate::db::HeldRow::Own);
+        let down = || Error::Unavailable(Arc::new(sqlx::Error::PoolTimedOut));
+        let broken = || Error::Database(Arc::new(sqlx::Error::PoolTimedOut));
+        let wait_over = |due: &mut PrunesDue| {
+            due.not_before = None;
+            for d in due.due.values_mut() {
+                d.not_before = None;
+            }
+        };
         let mut due = PrunesDue::default();
         for b in ["a", "b", "c"] {
             due.add(b);
         }
+        // A share each, in turn.
         assert_eq!(due.next(), Some("a"));
-        let own = Error::Internal("a time zone gone".into());
-        due.failed("a", &own);
+        due.succeeded("a", true);
         assert_eq!(due.next(), Some("b"));
-        due.failed("b", &own);
-        assert_eq!(due.next(), Some("c"));
+        due.succeeded("b", true);
         assert_eq!(due.budgets, ["c", "a", "b"]);
-        due.failed(
-            "c",
-            &Error::Unavailable(Arc::new(sqlx::Error::PoolTimedOut)),
-        );
-        assert_eq!(due.next(), None);
-        // Their waits over: in line again, in turn.
-        due.not_before = None;
-        for d in due.due.values_mut() {
-            d.not_before = None;
-        }
+        // One held: the others go on.
+        due.failed("c", &held());
         assert_eq!(due.next(), Some("a"));
-        due.remove("a");
+        due.succeeded("a", false);
         assert_eq!(due.next(), Some("b"));
+        // Two in a row: all wait.
+        due.failed("b", &held());
+        assert_eq!(due.next(), None);
+        wait_over(&mut due);
+        assert_eq!(due.budgets, ["c", "b"]);
+        // One failure any share may meet: all wait at once.
+        for e in [down(), broken()] {
+            due.succeeded("c", true);
+            due.failed("b", &e);
+            assert_eq!(due.next(), None, "{e}");
+            wait_over(&mut due);
+        }
+        due.succeeded("c", false);
+        due.succeeded("b", false);
+        assert_eq!(due.next(), None);
+        assert!(due.due.is_empty());
     }
 }

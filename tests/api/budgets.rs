@@ -510,6 +510,75 @@ async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
     );
 }
 
+/// A budget deleted, then created again by a client that retries its
+/// refused `PUT` as `Retry-After` says (every second, which leaves the
+/// writer no idle second): created within a few seconds, though a far
+/// larger budget's usage, deleted first, is still being deleted. The
+/// writer's shares go on after each batch while nothing is queued, and
+/// take turns between budgets.
+#[tokio::test]
+async fn a_budget_created_again_waits_on_no_other_budgets_purge() {
+    const USAGE: &str =
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 300000)
+         INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT 'large', '2026-01-01', 'v' || i, 1 FROM g;
+         WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 25000)
+         INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+         SELECT 'small', '2026-01-01', 'v' || i, 1 FROM g;";
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let bin = Binary::start(&[("TALLY_DATABASE", &db), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let client = reqwest::Client::new();
+    let spec = json!({"visitor_limit": 5, "global_limit": 1_000_000, "retention_days": 3650, "timezone": "UTC"});
+    for name in ["large", "small"] {
+        put_budget(&client, &bin, name, spec.clone()).await;
+    }
+    behind(&db, USAGE).await;
+    for name in ["large", "small"] {
+        let r = client
+            .delete(bin.url(&format!("/budgets/{name}")))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    }
+    let started = std::time::Instant::now();
+    let mut refused = 0;
+    loop {
+        let r = client
+            .put(bin.url("/budgets/small"))
+            .bearer_auth(ADMIN)
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        if r.status() == StatusCode::OK {
+            break;
+        }
+        let wait: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(p["type"], "/problems/budget-purge-under-way", "{p}");
+        refused += 1;
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(8),
+            "refused {refused} times in {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(wait)).await;
+    }
+    let left = count_behind(
+        &db,
+        "SELECT count(*) FROM budget_visitor_usage WHERE budget = 'small'",
+    )
+    .await;
+    assert_eq!(left, 0);
+}
+
 /// Deleting a budget of many visitors answers at once and its usage goes
 /// after, a share at a time, to the last row; a `PUT` that creates it
 /// again meanwhile is refused (`503`, `Retry-After`) while more than a

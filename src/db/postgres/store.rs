@@ -250,22 +250,35 @@ impl Store for PgConnection {
         budget: &str,
         before: &str,
         after: Option<(&str, &str)>,
-        through: Option<(&str, &str)>,
+        through: Option<((&str, &str), u64)>,
         only_if_gone: bool,
     ) -> Result<u64, Error> {
         let (day, visitor) = after.unwrap_or(("", ""));
         let query = match through {
-            Some((last_day, last_visitor)) => sqlx::query(
+            // The share's rows found as the rows after `after` in key
+            // order, as many as `through` was counted to be, then deleted
+            // by where they are stored. A row comparison as the scan's end
+            // (`(day, visitor) <= ...`) does not stop the index scan early
+            // and reads a heap page per row (measured: 250 ms a share,
+            // against 24 ms, in a day of a million visitors); as a range
+            // of the whole statement the planner cannot tell how few rows
+            // it holds, and reads the table. `through` still bounds what
+            // is deleted.
+            Some(((last_day, last_visitor), rows)) => sqlx::query(
                 "DELETE FROM budget_visitor_usage
-                 WHERE budget = $1 AND (day, visitor) > ($2, $3)
-                   AND (day, visitor) <= ($4, $5)
-                   AND NOT ($6 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
+                 WHERE ctid = ANY (ARRAY(
+                     SELECT ctid FROM budget_visitor_usage
+                     WHERE budget = $1 AND (day, visitor) > ($2, $3) AND day <= $4
+                     ORDER BY day, visitor LIMIT $6))
+                   AND budget = $1 AND (day, visitor) <= ($4, $5)
+                   AND NOT ($7 AND EXISTS (SELECT 1 FROM budgets WHERE name = $1))",
             )
             .bind(budget)
             .bind(day)
             .bind(visitor)
             .bind(last_day)
-            .bind(last_visitor),
+            .bind(last_visitor)
+            .bind(i64::try_from(rows).unwrap_or(i64::MAX)),
             None => sqlx::query(
                 "DELETE FROM budget_visitor_usage
                  WHERE budget = $1 AND (day, visitor) > ($2, $3) AND day < $4

@@ -253,11 +253,11 @@ impl Store for SqliteConnection {
         budget: &str,
         before: &str,
         _after: Option<(&str, &str)>,
-        through: Option<(&str, &str)>,
+        through: Option<((&str, &str), u64)>,
         only_if_gone: bool,
     ) -> Result<u64, Error> {
         let (before, last) = match through {
-            Some((day, visitor)) => (day, Some(visitor)),
+            Some(((day, visitor), _)) => (day, Some(visitor)),
             None => (before, None),
         };
         let mut deleted = sqlx::query(

@@ -1324,3 +1324,68 @@ async fn a_put_that_waits_past_midnight_reckons_from_after_its_wait() {
     );
     stop_all(bins).await;
 }
+
+/// A whole table held (an operator's `LOCK TABLE`, `VACUUM FULL`, a
+/// migration), which PostgreSQL tells as it tells a held row: the shares
+/// of many budgets due fail one after another, and after two every share
+/// waits (10 s), so that writes which never touch the table go on at
+/// their pace rather than each waiting out a share's lock timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
+    let url = postgres::fresh_database().await;
+    let mut bins = processes(1, &url, &[]);
+    let client = Client::new();
+    // Usage of 40 budgets that no longer exist, left by a process that
+    // stopped: the next process to start purges it.
+    run_sql(
+        &url,
+        "INSERT INTO budget_visitor_usage (budget, day, visitor, calls)
+           SELECT 'gone' || b, '2026-01-01', 'v' || v, 1
+           FROM generate_series(1, 40) b, generate_series(1, 3) v"
+            .to_owned(),
+    )
+    .await;
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE budget_visitor_usage IN SHARE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    stop_all(std::mem::take(&mut bins)).await;
+    let bins = processes(1, &url, &[]);
+    let bin = &bins[0];
+    let found = Instant::now() + Duration::from_secs(20);
+    while metric(&client, bin, "tally_budget_prunes_due").await != Some(40.0) {
+        assert!(Instant::now() < found, "{}", bin.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Each write a batch, each batch followed by a share: at most two
+    // shares wait out their lock timeout (250 ms) before all wait.
+    let started = Instant::now();
+    let mut slow = 0;
+    for _ in 0..60 {
+        let sent = Instant::now();
+        let r = client.post(bin.url("/counters/c")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        if sent.elapsed() >= Duration::from_millis(200) {
+            slow += 1;
+        }
+    }
+    let took = started.elapsed();
+    assert!(
+        slow <= 4 && took < Duration::from_secs(8),
+        "{slow} of 60 writes waited on a share; all took {took:?}"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    // Released: every budget's usage goes at the next turn.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&client, bin, "tally_budget_prunes_due").await != Some(0.0) {
+        assert!(Instant::now() < deadline, "{}", bin.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM budget_visitor_usage")
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    stop_all(bins).await;
+}
