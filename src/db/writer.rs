@@ -598,11 +598,17 @@ pub(super) struct PrunesDue {
     due: std::collections::HashMap<String, Due>,
     /// After a share failed for a reason every share may fail for (the
     /// database out of reach, the storage full or lost, a database error),
-    /// or two budgets' shares failed in a row (a whole table locked, which
-    /// PostgreSQL tells as it tells a row): no share before then.
+    /// or a budget's first failure came right after another share failed
+    /// (a whole table locked, which PostgreSQL tells as it tells a row):
+    /// no share before then.
     not_before: Option<std::time::Instant>,
     /// The last share tried failed.
     failed_last: bool,
+    /// When a share last failed: for [`Self::AFTER_FAILURE`] after it, only
+    /// budgets whose last share did not fail go, so that budgets that keep
+    /// failing (each after a lock timeout) are tried one at a time, one
+    /// every 10 s at most, and never hold back the others.
+    last_failure: Option<std::time::Instant>,
     /// When to look for what deletes left before a restart, until a look
     /// succeeds ([`WriterLoop::look_for_orphans`]).
     orphans_at: Option<std::time::Instant>,
@@ -617,6 +623,8 @@ struct Due {
     /// time zone gone from the database built in): its next share not
     /// before then, while the others' go on.
     not_before: Option<std::time::Instant>,
+    /// Its last share failed.
+    failing: bool,
 }
 
 impl Default for PrunesDue {
@@ -626,6 +634,7 @@ impl Default for PrunesDue {
             due: Default::default(),
             not_before: None,
             failed_last: false,
+            last_failure: None,
             orphans_at: Some(std::time::Instant::now()),
         }
     }
@@ -707,29 +716,42 @@ impl PrunesDue {
         if waits(&self.not_before) {
             return None;
         }
+        let failed_lately = waits(&self.last_failure.map(|t| t + Self::AFTER_FAILURE));
         self.budgets
             .iter()
-            .find(|b| !self.due.get(*b).is_some_and(|d| waits(&d.not_before)))
+            .find(|b| {
+                !self
+                    .due
+                    .get(*b)
+                    .is_some_and(|d| waits(&d.not_before) || (failed_lately && d.failing))
+            })
             .map(String::as_str)
     }
 
     /// After `budget`'s share failed with `e`: it goes to the back of the
-    /// line and waits [`Self::AFTER_FAILURE`]. Every budget waits when the
-    /// error is not one of the budget's own rows (a row held, a lost race,
-    /// a stored budget tally cannot read), or when the share before failed
-    /// too: one held table fails every share, each after the lock timeout,
-    /// and trying them all in turn would hold the writer for good.
+    /// line and waits [`Self::AFTER_FAILURE`], and so does every budget
+    /// whose last share failed ([`Self::last_failure`]). Every budget waits
+    /// when the error is not one of the budget's own rows (a row held, a
+    /// lost race, a stored budget tally cannot read), or when a budget
+    /// that had not failed fails right after another share did: one held
+    /// table fails every share, each after the lock timeout, and trying
+    /// them all in turn would hold the writer for good.
     fn failed(&mut self, budget: &str, e: &Error) {
-        let then = std::time::Instant::now() + Self::AFTER_FAILURE;
+        let now = std::time::Instant::now();
+        let then = now + Self::AFTER_FAILURE;
+        let mut first = true;
         if let Some(due) = self.due.get_mut(budget) {
+            first = !due.failing;
             due.not_before = Some(then);
+            due.failing = true;
         }
         self.send_back(budget);
         let own = matches!(e, Error::Busy(..) | Error::Raced(_) | Error::Internal(_));
-        if !own || self.failed_last {
+        if !own || (first && self.failed_last) {
             self.not_before = Some(then);
         }
         self.failed_last = true;
+        self.last_failure = Some(now);
     }
 
     /// After `budget`'s share committed: to the back of the line if `more`
@@ -739,6 +761,7 @@ impl PrunesDue {
         self.failed_last = false;
         if let Some(due) = self.due.get_mut(budget) {
             due.not_before = None;
+            due.failing = false;
         }
         match more {
             true => self.send_back(budget),
@@ -994,18 +1017,21 @@ mod tests {
     }
 
     /// Budgets take a share each in turn. A share that failed for its own
-    /// budget (a row held) puts that budget at the back to wait while the
-    /// others go on; one that failed as any share may (the database out of
-    /// reach, a database error), or right after another failed (a whole
-    /// table held), pauses them all. A share that commits ends its
-    /// budget's wait.
+    /// budget (a row held) puts that budget at the back, and for 10 s only
+    /// budgets whose last share did not fail go: the others go on, and
+    /// those that keep failing are tried one at a time. A failure any
+    /// share may meet (the database out of reach, a database error), or a
+    /// budget's first failure right after another (a whole table held),
+    /// pauses them all. A share that commits ends its budget's wait.
     #[test]
     fn a_failed_share_waits_alone_unless_every_share_may_fail() {
         let held = || Error::Busy(Arc::new(sqlx::Error::PoolTimedOut), crate::db::HeldRow::Own);
         let down = || Error::Unavailable(Arc::new(sqlx::Error::PoolTimedOut));
         let broken = || Error::Database(Arc::new(sqlx::Error::PoolTimedOut));
-        let wait_over = |due: &mut PrunesDue| {
+        // 10 s later.
+        let later = |due: &mut PrunesDue| {
             due.not_before = None;
+            due.last_failure = None;
             for d in due.due.values_mut() {
                 d.not_before = None;
             }
@@ -1020,25 +1046,39 @@ mod tests {
         assert_eq!(due.next(), Some("b"));
         due.succeeded("b", true);
         assert_eq!(due.budgets, ["c", "a", "b"]);
-        // One held: the others go on.
+        // One held: the others go on, and it waits out 10 s after the
+        // last failure, whatever its own wait.
         due.failed("c", &held());
         assert_eq!(due.next(), Some("a"));
-        due.succeeded("a", false);
+        due.succeeded("a", true);
+        due.due.get_mut("c").unwrap().not_before = None;
         assert_eq!(due.next(), Some("b"));
-        // Two in a row: all wait.
-        due.failed("b", &held());
+        due.succeeded("b", true);
+        assert_eq!(due.budgets, ["c", "a", "b"]);
+        assert_eq!(due.next(), Some("a"));
+        // 10 s on: tried again, first in line; failing again right after
+        // pauses no one (it is known to fail), and the others go on.
+        later(&mut due);
+        assert_eq!(due.next(), Some("c"));
+        due.failed("c", &held());
+        assert_eq!(due.next(), Some("a"));
+        // A budget's first failure right after another failure: all wait.
+        due.failed("a", &held());
         assert_eq!(due.next(), None);
-        wait_over(&mut due);
-        assert_eq!(due.budgets, ["c", "b"]);
-        // One failure any share may meet: all wait at once.
+        later(&mut due);
+        due.succeeded("b", true);
+        due.succeeded("a", true);
+        due.succeeded("c", true);
+        // A failure any share may meet: all wait at once.
         for e in [down(), broken()] {
-            due.succeeded("c", true);
             due.failed("b", &e);
             assert_eq!(due.next(), None, "{e}");
-            wait_over(&mut due);
+            later(&mut due);
+            due.succeeded("b", true);
         }
-        due.succeeded("c", false);
-        due.succeeded("b", false);
+        for b in ["a", "b", "c"] {
+            due.succeeded(b, false);
+        }
         assert_eq!(due.next(), None);
         assert!(due.due.is_empty());
     }
