@@ -660,7 +660,10 @@ impl PrunesDue {
                     .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
                     || matches!(reply.error(), Some(Error::StorageFull(_))))
                 .then_some(budget),
-                Command::DeleteBudget { reply, name } => reply.value().map(|_| name),
+                // Not a replay under its key: it deleted nothing now.
+                Command::DeleteBudget { reply, name } => {
+                    (reply.value().is_some() && !reply.is_replayed()).then_some(name)
+                }
                 // Refused for a deleted namesake's usage: that usage, which
                 // a process that stopped may have left.
                 Command::PutBudget { reply, name, .. } => (reply.value().is_some()
@@ -676,7 +679,9 @@ impl PrunesDue {
                 // first row.
                 let ran = match &q.command {
                     Command::PutBudget { reply, .. } => reply.value().is_some(),
-                    Command::DeleteBudget { reply, .. } => reply.value().is_some(),
+                    Command::DeleteBudget { reply, .. } => {
+                        reply.value().is_some() && !reply.is_replayed()
+                    }
                     _ => false,
                 };
                 if ran && let Some(due) = self.due.get_mut(budget.as_str()) {
