@@ -654,22 +654,27 @@ impl PrunesDue {
     /// and its old days are room to be had.
     fn note(&mut self, batch: &[Queued]) {
         for q in batch {
-            let due = match &q.command {
-                Command::Check { reply, budget, .. } => (reply
-                    .value()
-                    .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
-                    || matches!(reply.error(), Some(Error::StorageFull(_))))
-                .then_some(budget),
+            // The budget due, and whether a put or a delete of it ran.
+            let (due, ran) = match &q.command {
+                Command::Check { reply, budget, .. } => {
+                    let more = (reply.value())
+                        .is_some_and(|d| d.pruned_rows >= budgets::PRUNE_SHARE)
+                        || matches!(reply.error(), Some(Error::StorageFull(_)));
+                    (more.then_some(budget), false)
+                }
                 // Not a replay under its key: it deleted nothing now.
                 Command::DeleteBudget { reply, name } => {
-                    (reply.value().is_some() && !reply.is_replayed()).then_some(name)
+                    let ran = reply.value().is_some() && !reply.is_replayed();
+                    (ran.then_some(name), ran)
                 }
                 // Refused for a deleted namesake's usage: that usage, which
                 // a process that stopped may have left.
-                Command::PutBudget { reply, name, .. } => (reply.value().is_some()
-                    || matches!(reply.error(), Some(Error::Purging(_))))
-                .then_some(name),
-                _ => None,
+                Command::PutBudget { reply, name, .. } => {
+                    let ran = reply.value().is_some();
+                    let purging = matches!(reply.error(), Some(Error::Purging(_)));
+                    ((ran || purging).then_some(name), ran)
+                }
+                _ => (None, false),
             };
             if let Some(budget) = due {
                 self.add(budget.as_str());
@@ -677,13 +682,6 @@ impl PrunesDue {
                 // the last share ended (days a longer window shows, a
                 // budget created again): the next share starts from the
                 // first row.
-                let ran = match &q.command {
-                    Command::PutBudget { reply, .. } => reply.value().is_some(),
-                    Command::DeleteBudget { reply, .. } => {
-                        reply.value().is_some() && !reply.is_replayed()
-                    }
-                    _ => false,
-                };
                 if ran && let Some(due) = self.due.get_mut(budget.as_str()) {
                     due.after = None;
                 }

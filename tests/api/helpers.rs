@@ -457,20 +457,13 @@ impl Binary {
                 .filter_map(|l| serde_json::from_str::<Value>(l).ok())
                 .filter_map(|v| v["fields"]["commands"].as_u64())
                 .sum();
-            let ready: Value = client
-                .get(self.url("/ready"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if taken + ready["queue_depth"].as_u64().unwrap() >= n {
+            let queued = queue_depth(&client, &self.url("")).await;
+            if taken + queued >= n {
                 return;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "only {taken} taken and {ready} queued of {n} writes"
+                "only {taken} taken and {queued} queued of {n} writes"
             );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -548,17 +541,22 @@ impl Hammer {
 
 /// Polls `/ready` at `base` (`http://host:port`) until the write queue holds
 /// at least `depth` commands.
+/// The write queue's depth as `/ready` at `base` tells it.
+pub async fn queue_depth(client: &Client, base: &str) -> u64 {
+    let ready: Value = client
+        .get(format!("{base}/ready"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    ready["queue_depth"].as_u64().unwrap()
+}
+
 pub async fn wait_for_queue_depth(client: &Client, base: &str, depth: u64) {
     for _ in 0..1000 {
-        let r: Value = client
-            .get(format!("{base}/ready"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if r["queue_depth"].as_u64().unwrap() >= depth {
+        if queue_depth(client, base).await >= depth {
             return;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
