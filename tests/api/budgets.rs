@@ -510,6 +510,51 @@ async fn a_day_of_many_visitors_is_pruned_to_the_last_row_with_no_call_after() {
     );
 }
 
+/// Puts a budget until it is created, as a client told to retry would:
+/// each refusal must be `503 /problems/budget-purge-under-way` naming the
+/// budget, with `Retry-After` in whole seconds, and the client waits
+/// `pause` before the next try, or what `Retry-After` says. How many
+/// times it was refused; fails if not created within `within_secs`.
+async fn put_until_created(
+    client: &reqwest::Client,
+    bin: &Binary,
+    name: &str,
+    spec: &Value,
+    pause: Option<std::time::Duration>,
+    within_secs: u64,
+) -> usize {
+    let started = std::time::Instant::now();
+    let mut refused = 0;
+    loop {
+        let r = client
+            .put(bin.url(&format!("/budgets/{name}")))
+            .bearer_auth(ADMIN)
+            .json(spec)
+            .send()
+            .await
+            .unwrap();
+        if r.status() == StatusCode::OK {
+            return refused;
+        }
+        let asked: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(asked >= 1, "Retry-After {asked}");
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(p["type"], "/problems/budget-purge-under-way", "{p}");
+        assert_eq!(p["budget"], name, "{p}");
+        refused += 1;
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(within_secs),
+            "refused {refused} times in {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(pause.unwrap_or(std::time::Duration::from_secs(asked))).await;
+    }
+}
+
 /// A budget deleted, then created again by a client that retries its
 /// refused `PUT` as `Retry-After` says (every second, which leaves the
 /// writer no idle second): created within a few seconds, though a far
@@ -543,34 +588,8 @@ async fn a_budget_created_again_waits_on_no_other_budgets_purge() {
             .unwrap();
         assert_eq!(r.status(), StatusCode::NO_CONTENT);
     }
-    let started = std::time::Instant::now();
-    let mut refused = 0;
-    loop {
-        let r = client
-            .put(bin.url("/budgets/small"))
-            .bearer_auth(ADMIN)
-            .json(&spec)
-            .send()
-            .await
-            .unwrap();
-        if r.status() == StatusCode::OK {
-            break;
-        }
-        let wait: u64 = r.headers()["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
-        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
-        assert_eq!(p["type"], "/problems/budget-purge-under-way", "{p}");
-        refused += 1;
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(8),
-            "refused {refused} times in {:?}",
-            started.elapsed()
-        );
-        tokio::time::sleep(std::time::Duration::from_secs(wait)).await;
-    }
+    // Within a few seconds, though `large` is far from deleted.
+    put_until_created(&client, &bin, "small", &spec, None, 8).await;
     let left = count_behind(
         &db,
         "SELECT count(*) FROM budget_visitor_usage WHERE budget = 'small'",
@@ -627,27 +646,8 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     // more of the deleted one's usage is left than a share. How many times
     // it was refused.
     let put_again = async |bin: &Binary| -> usize {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let mut refused = 0;
-        loop {
-            let r = client
-                .put(bin.url("/budgets/big"))
-                .bearer_auth(ADMIN)
-                .json(&spec)
-                .send()
-                .await
-                .unwrap();
-            if r.status() == StatusCode::OK {
-                return refused;
-            }
-            assert_eq!(r.headers()["retry-after"], "1");
-            let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
-            assert_eq!(p["type"], "/problems/budget-purge-under-way", "{p}");
-            assert_eq!(p["budget"], "big", "{p}");
-            refused += 1;
-            assert!(std::time::Instant::now() < deadline, "refused for 30 s");
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
+        let pause = std::time::Duration::from_millis(200);
+        put_until_created(&client, bin, "big", &spec, Some(pause), 30).await
     };
     // None of the old usage counts.
     let counted_anew = async |bin: &Binary| {
