@@ -20,7 +20,9 @@
 //! ([`expected`]), so one stored while the clock is behind does not expire
 //! early once it is set right. A clock that stays where it stepped to is
 //! trusted after [`HOLD`]. A step before the process started, it cannot
-//! see.
+//! see; but a hold is kept in the database ([`KeptHold`]), and a process
+//! started during one takes it over ([`StepWatch::start`]): a restart, or
+//! on PostgreSQL a new replica, holds as the process that saw the step.
 
 use std::{
     future::Future,
@@ -61,6 +63,17 @@ impl Trusted {
     }
 }
 
+/// A hold as the database keeps it, for a process started during it:
+/// the reading that showed the step, where the clock would have been
+/// without it, and when the hold ends by the stepped clock (a hold ended
+/// early, the clock back in step, ends at the reading that saw it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptHold {
+    pub stepped_to: Timestamp,
+    pub expected: Timestamp,
+    pub until: Timestamp,
+}
+
 /// The writer's watch over its wall clock.
 #[derive(Default)]
 pub struct StepWatch(Mutex<Watched>);
@@ -74,6 +87,11 @@ struct Watched {
     last: Option<(Timestamp, Instant)>,
     /// Since a step: until when it holds clean-ups back.
     held_until: Option<Instant>,
+    /// A hold begun or ended, for the database ([`StepWatch::to_keep`]).
+    to_keep: Option<KeptHold>,
+    /// The hold the database keeps, for the first reading when the start
+    /// had none ([`StepWatch::start`]).
+    kept_at_start: Option<KeptHold>,
 }
 
 /// Where the wall clock read as `wall` at `at` should be at `mono`, run on
@@ -91,6 +109,49 @@ fn step_from(from: (Timestamp, Instant), now: Timestamp, mono: Instant) -> Optio
 }
 
 impl StepWatch {
+    /// The first reading, `now`, with the hold the database keeps: taken
+    /// over if `now` is inside it, so that this process holds as the one
+    /// that saw the step would (and takes the clock set right as back in
+    /// step, not as a step of its own). Outside it (past its end, or before
+    /// the time the clock stepped to: set right since) `now` is trusted.
+    /// Whether it was taken over.
+    /// With no reading (the clock could not be read), the first reading
+    /// of a batch is the start.
+    pub fn start(&self, now: Option<Timestamp>, kept: Option<KeptHold>) -> bool {
+        match now {
+            Some(now) => self.start_at(now, kept, Instant::now()),
+            None => {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .kept_at_start = kept;
+                false
+            }
+        }
+    }
+
+    fn start_at(&self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        w.start(now, kept, mono)
+    }
+
+    /// A hold begun or ended early since the last call, for the database
+    /// to keep ([`KeptHold`]); taken once.
+    pub fn to_keep(&self) -> Option<KeptHold> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .to_keep
+            .take()
+    }
+
+    /// `hold` could not be kept: kept at the next try, unless a newer one
+    /// has come since.
+    pub fn keep_again(&self, hold: KeptHold) {
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        w.to_keep.get_or_insert(hold);
+    }
+
     /// Where the clock should be now, by the last reading in step.
     fn expected(&self) -> Option<Timestamp> {
         let w = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -106,9 +167,11 @@ impl StepWatch {
         // Poisoned only by a panic in here, with nothing half-changed.
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let Some(anchor) = w.anchor else {
-            w.anchor = Some((now, mono));
-            w.last = w.anchor;
-            return Trusted::plain(now);
+            let kept = w.kept_at_start.take();
+            return match w.start(now, kept, mono) {
+                true => w.anchor.map_or(Trusted::plain(now), |a| held(a, now, mono)),
+                false => Trusted::plain(now),
+            };
         };
         let last = w.last.unwrap_or(anchor);
         w.last = Some((now, mono));
@@ -117,6 +180,11 @@ impl StepWatch {
             (Some(_), None) => {
                 tracing::warn!("the wall clock is back in step: pruning and key expiry resume");
                 w.held_until = None;
+                w.to_keep = Some(KeptHold {
+                    stepped_to: now,
+                    expected: now,
+                    until: now,
+                });
             }
             (None, Some(off)) => return w.step(off, anchor, now, mono),
             // Held: a second step (from the last reading) holds again.
@@ -139,6 +207,35 @@ impl StepWatch {
 }
 
 impl Watched {
+    /// See [`StepWatch::start`].
+    fn start(&mut self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
+        self.last = Some((now, mono));
+        self.anchor = self.last;
+        let Some(k) = kept else { return false };
+        let stepped_from = k.stepped_to.checked_sub(STEP).unwrap_or(k.stepped_to);
+        let left = Duration::try_from(k.until.duration_since(now)).unwrap_or_default();
+        if now < stepped_from || left.is_zero() {
+            return false;
+        }
+        let off = k.stepped_to.duration_since(k.expected);
+        let Ok(expected) = now.checked_sub(off) else {
+            return false;
+        };
+        self.anchor = Some((expected, mono));
+        self.held_until = Some(mono + left.min(HOLD));
+        let direction = direction(off);
+        metrics::counter!("tally_clock_steps_total", "direction" => direction).increment(1);
+        tracing::warn!(
+            direction,
+            seconds = off.as_secs(),
+            hold_minutes = left.min(HOLD).as_secs() / 60,
+            "the wall clock stepped before this process started, as the database keeps: \
+             pruning and key expiry count from the earlier of it and where it would be \
+             without the step, until it is back in step or the hold ends"
+        );
+        true
+    }
+
     /// A step of `off` seen at `now`: counted, logged, and held from here.
     fn step(
         &mut self,
@@ -147,11 +244,7 @@ impl Watched {
         now: Timestamp,
         mono: Instant,
     ) -> Trusted {
-        let direction = if off.is_negative() {
-            "backward"
-        } else {
-            "forward"
-        };
+        let direction = direction(off);
         metrics::counter!("tally_clock_steps_total", "direction" => direction).increment(1);
         tracing::warn!(
             direction,
@@ -161,7 +254,22 @@ impl Watched {
              where it would be without the step, until it is back in step or the hold ends"
         );
         self.held_until = Some(mono + HOLD);
-        held(anchor, now, mono)
+        let trusted = held(anchor, now, mono);
+        self.to_keep = Some(KeptHold {
+            stepped_to: now,
+            expected: run_on(anchor, mono).unwrap_or(now),
+            until: now.checked_add(HOLD).unwrap_or(now),
+        });
+        trusted
+    }
+}
+
+/// A step's direction, as the metric and the log name it.
+fn direction(off: SignedDuration) -> &'static str {
+    if off.is_negative() {
+        "backward"
+    } else {
+        "forward"
     }
 }
 
@@ -299,6 +407,93 @@ mod tests {
         assert!(plain(w.read_at(at(t0, 60 + under), m0 + MINUTE)));
         let hour_on = at(t0, 60 + under + 3600 - under);
         assert!(plain(w.read_at(hour_on, m0 + MINUTE * 61)));
+    }
+
+    /// A restart during a hold: the new process takes over the hold the
+    /// database keeps, holds as the one that saw the step, and takes the
+    /// clock set right as back in step (not as a step back of its own).
+    #[test]
+    fn a_process_started_during_a_hold_takes_it_over() {
+        let (seen, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        seen.start_at(t0, None, m0);
+        assert_eq!(seen.to_keep(), None);
+        let ahead = at(t0, 10 * 86_400 + 60);
+        seen.read_at(ahead, m0 + MINUTE);
+        let kept = seen.to_keep().expect("a step is kept");
+        assert_eq!(
+            (kept.stepped_to, kept.expected),
+            (ahead, at(t0, 60)),
+            "{kept:?}"
+        );
+        assert_eq!(kept.until, ahead.checked_add(HOLD).unwrap());
+        assert_eq!(seen.to_keep(), None, "taken once");
+
+        // An hour later, by a new process's monotonic clock.
+        let (next, m1) = (StepWatch::default(), m0 + MINUTE * 600);
+        assert!(next.start_at(at(ahead, 3600), Some(kept), m1));
+        let r = next.read_at(at(ahead, 3660), m1 + MINUTE);
+        assert_eq!((r.earliest, r.latest), (at(t0, 3720), at(ahead, 3660)));
+        assert_eq!(next.to_keep(), None, "taken over, not begun again");
+        // Set right: back in step, and the end is kept.
+        let right = at(t0, 3780);
+        assert_eq!(next.read_at(right, m1 + MINUTE * 2), Trusted::plain(right));
+        let ended = next.to_keep().expect("the end is kept");
+        assert_eq!((ended.stepped_to, ended.until), (right, right));
+        // A process started after that trusts the clock.
+        let (last, m2) = (StepWatch::default(), m1 + MINUTE * 3);
+        assert!(!last.start_at(at(right, 60), Some(ended), m2));
+        assert!(plain(last.read_at(at(right, 120), m2 + MINUTE)));
+    }
+
+    /// A hold whose end has passed, or a clock read well before the time
+    /// it stepped to (set right since, the end not kept: the process that
+    /// saw it stopped first), is not taken over; the hold's rest is
+    /// counted from its end as kept, never longer than a whole hold.
+    #[test]
+    fn a_kept_hold_is_taken_over_only_while_it_lasts() {
+        let (t0, m0) = (Timestamp::now(), Instant::now());
+        let kept = KeptHold {
+            stepped_to: at(t0, 86_400),
+            expected: t0,
+            until: at(t0, 86_400 + HOLD.as_secs() as i64),
+        };
+        let hold = HOLD.as_secs() as i64;
+        let w = StepWatch::default();
+        assert!(!w.start_at(at(t0, 86_400 + hold), Some(kept), m0));
+        assert!(plain(w.read_at(at(t0, 86_400 + hold + 60), m0 + MINUTE)));
+        let w = StepWatch::default();
+        assert!(!w.start_at(at(t0, 600), Some(kept), m0));
+        assert!(plain(w.read_at(at(t0, 660), m0 + MINUTE)));
+        // Five hours into it: held for the hour left.
+        let w = StepWatch::default();
+        assert!(w.start_at(at(t0, 86_400 + 5 * 3600), Some(kept), m0));
+        let hour = Duration::from_secs(3600);
+        assert!(!plain(w.read_at(
+            at(t0, 86_400 + 5 * 3600 + 3599),
+            m0 + hour - Duration::from_secs(1)
+        )));
+        let r = w.read_at(
+            at(t0, 86_400 + 6 * 3600 + 1),
+            m0 + hour + Duration::from_secs(1),
+        );
+        assert_eq!(r, Trusted::plain(at(t0, 86_400 + 6 * 3600 + 1)));
+    }
+
+    #[test]
+    fn a_hold_not_kept_is_kept_at_the_next_try_unless_a_newer_came() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.start_at(t0, None, m0);
+        w.read_at(at(t0, 86_400), m0 + MINUTE);
+        let first = w.to_keep().unwrap();
+        w.keep_again(first);
+        assert_eq!(w.to_keep(), Some(first));
+        w.read_at(at(t0, 3 * 86_400), m0 + MINUTE * 2);
+        let second = w.to_keep().unwrap();
+        w.read_at(at(t0, 5 * 86_400), m0 + MINUTE * 3);
+        let third = w.to_keep().unwrap();
+        w.keep_again(third);
+        w.keep_again(second);
+        assert_eq!(w.to_keep(), Some(third));
     }
 
     #[tokio::test]

@@ -82,6 +82,7 @@ fn assemble(
         keys_forgotten_at: None,
         prunes_due: Default::default(),
         clock: Default::default(),
+        hold_unkept: false,
         key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]
         panic_after: opts.writer_panic_after,

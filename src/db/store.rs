@@ -17,6 +17,23 @@ use crate::meter::BudgetSpec;
 /// ([`Store::orphaned_usage`]), the same statement on both engines: one
 /// probe of the primary key per budget with usage (the next name after
 /// the last), not a scan of every row.
+/// The clock's hold, the same on both engines.
+pub(super) const CLOCK_HOLD: &str =
+    "SELECT stepped_to_us, expected_us, until_us FROM clock_hold WHERE id = 1";
+
+/// The hold's three times, in microseconds, as kept: `None` if one is past
+/// what a timestamp holds (a row written by hand).
+pub(super) fn kept_hold(
+    (stepped_to, expected, until): (i64, i64, i64),
+) -> Option<super::clock::KeptHold> {
+    let t = |us| jiff::Timestamp::from_microsecond(us).ok();
+    Some(super::clock::KeptHold {
+        stepped_to: t(stepped_to)?,
+        expected: t(expected)?,
+        until: t(until)?,
+    })
+}
+
 pub(super) const ORPHANED_USAGE: &str = "WITH RECURSIVE n (name) AS (
          SELECT min(budget) FROM budget_visitor_usage
          UNION ALL
@@ -236,6 +253,13 @@ pub(super) trait Store {
     /// The budgets that do not exist but have usage stored: a delete's
     /// purge that a restart cut short.
     async fn orphaned_usage(&mut self) -> Result<Vec<String>, Error>;
+
+    /// The clock's hold the database keeps ([`super::clock::KeptHold`]),
+    /// if a step was ever seen.
+    async fn clock_hold(&mut self) -> Result<Option<super::clock::KeptHold>, Error>;
+
+    /// Keeps `hold` in place of the one kept, in a transaction of its own.
+    async fn keep_clock_hold(&mut self, hold: &super::clock::KeptHold) -> Result<(), Error>;
 
     /// Deletes a counter; whether it existed.
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error>;

@@ -80,6 +80,8 @@ pub(super) struct WriterLoop<E: Engine> {
     /// Steps of the wall clock the batches go by, which hold pruning and
     /// forgetting keys back ([`clock`]).
     pub(super) clock: Arc<StepWatch>,
+    /// Whether keeping the clock's hold failed, and was logged.
+    pub(super) hold_unkept: bool,
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
@@ -139,6 +141,12 @@ pub(super) trait Engine: Send + 'static {
     /// The clock the batches go by (the host's; on PostgreSQL the
     /// server's), as [`super::store::Store::now`] reads it.
     async fn now(&mut self) -> Result<jiff::Timestamp, Error>;
+
+    /// The clock's hold the database keeps, if any ([`clock::KeptHold`]).
+    async fn clock_hold(&mut self) -> Result<Option<clock::KeptHold>, Error>;
+
+    /// Keeps the clock's hold, outside any batch.
+    async fn keep_clock_hold(&mut self, hold: &clock::KeptHold) -> Result<(), Error>;
 
     /// Closes the connection once every accepted command has been
     /// answered: what fails here is logged, since nothing is left to
@@ -242,17 +250,31 @@ impl<E: Engine> WriterLoop<E> {
     /// only if the database files were lost (see `sqlite::files`).
     pub async fn run(mut self) -> Result<(), WriterFailed> {
         // The clock's first reading, before any batch: a step after the
-        // start is a step from here (one before it cannot be seen).
-        match self.engine.now().await {
-            Ok(now) => {
-                self.clock.read(now);
+        // start is a step from here. One before it, this process cannot
+        // see; a process before it that saw one kept its hold.
+        let kept = match self.engine.clock_hold().await {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "could not read the clock's hold the database keeps: a step of the clock \
+                     a process before this one saw will not hold this one back"
+                );
+                None
             }
-            Err(e) => tracing::warn!(
-                error = %e,
-                "could not read the clock as the writer starts: a step of it before the first \
-                 batch will not be seen"
-            ),
-        }
+        };
+        let now = match self.engine.now().await {
+            Ok(now) => Some(now),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "could not read the clock as the writer starts: a step of it before the \
+                     first batch will not be seen"
+                );
+                None
+            }
+        };
+        self.clock.start(now, kept);
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut closing = false;
         let mut watch = tokio::time::interval(FILES_CHECK_INTERVAL);
@@ -285,6 +307,7 @@ impl<E: Engine> WriterLoop<E> {
                     // for half the interval, while nothing is
                     // queued.
                     if checked.is_ok() {
+                        self.keep_clock_hold().await;
                         self.look_for_orphans().await;
                         self.prune_while_quiet().await;
                     }
@@ -309,6 +332,7 @@ impl<E: Engine> WriterLoop<E> {
             }
         }
         tracing::info!("write queue drained");
+        self.keep_clock_hold().await;
         if let Err(lost) = self.engine.check() {
             return Err(self.lose(lost, &mut batch).await);
         }
@@ -378,6 +402,7 @@ impl<E: Engine> WriterLoop<E> {
         // forgetting expired keys makes room for them. Not when the server
         // could not be reached: the next batch would wait for it.
         if self.engine.stopped().is_none() {
+            self.keep_clock_hold().await;
             self.forget_expired_keys().await;
             // Under steady writes the writer may never be idle: one share
             // whatever is queued, more while nothing is (a client retrying
@@ -551,6 +576,29 @@ impl<E: Engine> WriterLoop<E> {
                 "test hook: the writer panics holding batch {}",
                 self.batches + 1
             );
+        }
+    }
+
+    /// Keeps a hold of the clock begun or ended since the last batch in
+    /// the database, for a process started during it ([`clock::KeptHold`]);
+    /// tried again after the next batch (or idle check) if it fails.
+    async fn keep_clock_hold(&mut self) {
+        let Some(hold) = self.clock.to_keep() else {
+            return;
+        };
+        if let Err(e) = self.engine.keep_clock_hold(&hold).await {
+            self.clock.keep_again(hold);
+            if !std::mem::replace(&mut self.hold_unkept, true) {
+                tracing::warn!(
+                    error = %e,
+                    "could not keep the clock's hold in the database: a process started \
+                     during it would not hold; trying again after each batch"
+                );
+            }
+            return;
+        }
+        if std::mem::take(&mut self.hold_unkept) {
+            tracing::info!("the clock's hold is kept in the database");
         }
     }
 

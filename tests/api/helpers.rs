@@ -599,6 +599,16 @@ pub fn faketime_library() -> PathBuf {
         .expect("libfaketime is missing: run ./scripts/install-tools")
 }
 
+/// Moves the clock libfaketime reads from `clock` (its
+/// `FAKETIME_TIMESTAMP_FILE`, read at every call with `FAKETIME_NO_CACHE`)
+/// to `offset` (as `+10d`) at once: a new file put in place, so that no
+/// process reads one half written.
+pub fn set_clock(clock: &Path, offset: &str) {
+    let next = clock.with_extension("next");
+    std::fs::write(&next, format!("{offset}\n")).unwrap();
+    std::fs::rename(&next, clock).unwrap();
+}
+
 /// Runs `sql` on the database `db` (a SQLite file or a PostgreSQL URL)
 /// from outside tally.
 pub async fn behind(db: &str, sql: &'static str) {

@@ -407,6 +407,30 @@ impl Store for PgConnection {
             .map_err(error)
     }
 
+    async fn clock_hold(&mut self) -> Result<Option<crate::db::clock::KeptHold>, Error> {
+        let row: Option<(i64, i64, i64)> = sqlx::query_as(crate::db::store::CLOCK_HOLD)
+            .fetch_optional(self)
+            .await
+            .map_err(error)?;
+        Ok(row.and_then(crate::db::store::kept_hold))
+    }
+
+    async fn keep_clock_hold(&mut self, hold: &crate::db::clock::KeptHold) -> Result<(), Error> {
+        sqlx::query(
+            "INSERT INTO clock_hold (id, stepped_to_us, expected_us, until_us) \
+             VALUES (1, $1, $2, $3) \
+             ON CONFLICT (id) DO UPDATE SET stepped_to_us = excluded.stepped_to_us, \
+             expected_us = excluded.expected_us, until_us = excluded.until_us",
+        )
+        .bind(hold.stepped_to.as_microsecond())
+        .bind(hold.expected.as_microsecond())
+        .bind(hold.until.as_microsecond())
+        .execute(self)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
     async fn delete_counter(&mut self, name: &str) -> Result<bool, Error> {
         let deleted = sqlx::query("DELETE FROM counters WHERE name = $1")
             .bind(name)

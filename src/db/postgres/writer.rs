@@ -5,7 +5,7 @@
 use tokio::time::Instant;
 
 use super::{held::HeldRows, *};
-use crate::db::budgets;
+use crate::db::{budgets, clock::KeptHold};
 
 /// The writer's connection: opened when a batch needs one, dropped when it
 /// breaks.
@@ -79,6 +79,16 @@ impl Engine for WriterConn {
 
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
         WriterConn::now(self).await
+    }
+
+    async fn clock_hold(&mut self) -> Result<Option<KeptHold>, Error> {
+        self.outside_batch(async |conn| Store::clock_hold(conn).await)
+            .await
+    }
+
+    async fn keep_clock_hold(&mut self, hold: &KeptHold) -> Result<(), Error> {
+        self.outside_batch(async |conn| Store::keep_clock_hold(conn, hold).await)
+            .await
     }
 
     async fn close(self) {

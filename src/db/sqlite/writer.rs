@@ -7,6 +7,7 @@ use sqlx::{Connection, SqliteConnection};
 use super::{files::DbFiles, space};
 use crate::db::{
     Error, budgets,
+    clock::KeptHold,
     command::{Command, Queued},
     keys,
     store::Store,
@@ -86,6 +87,14 @@ impl Engine for SqliteWriter {
 
     async fn now(&mut self) -> Result<jiff::Timestamp, Error> {
         self.conn.now().await
+    }
+
+    async fn clock_hold(&mut self) -> Result<Option<KeptHold>, Error> {
+        self.conn.clock_hold().await
+    }
+
+    async fn keep_clock_hold(&mut self, hold: &KeptHold) -> Result<(), Error> {
+        self.conn.keep_clock_hold(hold).await
     }
 
     /// Checkpoints (unless Litestream owns that) and closes the database.

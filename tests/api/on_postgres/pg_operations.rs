@@ -14,7 +14,9 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use crate::{
-    helpers::{ADMIN, Binary, failed_start, faketime_library, json, problem, put_budget},
+    helpers::{
+        ADMIN, Binary, failed_start, faketime_library, json, problem, put_budget, set_clock,
+    },
     on_postgres::scale_out::{metric, processes, stop_all},
     postgres::{self, PgServer},
 };
@@ -1387,5 +1389,97 @@ async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
         .await
         .unwrap();
     assert_eq!(left, 0);
+    stop_all(bins).await;
+}
+
+/// The server's clock stepped ahead while one process runs, and a new
+/// replica started during the hold: the new one took the stepped clock
+/// for the real one, and the first call of the stepped day it took pruned
+/// every day before the budget's retention for all (the real today among
+/// them: once the clock was set right, a visitor at its limit was allowed
+/// again). The process that saw the step keeps its hold in the database;
+/// the new one takes it over, prunes nothing and, the clock set right,
+/// is back in step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_started_during_a_hold_holds_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    set_clock(&clock, "+0");
+    let library = faketime_library();
+    let server = PgServer::start_with(&[
+        ("LD_PRELOAD", library.to_str().unwrap()),
+        ("FAKETIME_TIMESTAMP_FILE", clock.to_str().unwrap()),
+        ("FAKETIME_NO_CACHE", "1"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ]);
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let mut bins = processes(1, &url, &[]);
+    let client = Client::new();
+    let spec = json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1});
+    put_budget(&client, &bins[0], "b", spec.clone()).await;
+    put_budget(&client, &bins[0], "other", spec).await;
+    let check = async |bin: &Binary, budget: &str, visitor: &str| {
+        let r = client
+            .post(bin.url(&format!("/budgets/{budget}/check")))
+            .json(&json!({"visitor": visitor}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        json(r).await
+    };
+    for _ in 0..2 {
+        assert_eq!(check(&bins[0], "b", "v").await["allowed"], true);
+    }
+    let today = check(&bins[0], "b", "v").await;
+    assert_eq!(today["allowed"], false, "{today}");
+
+    // Seen by the first process, on another budget: `b` has no call on the
+    // stepped day yet. Its hold is kept once that batch is answered.
+    set_clock(&clock, "+10d");
+    check(&bins[0], "other", "w").await;
+    let steps = async |bin: &Binary, direction: &str| {
+        let series = format!("tally_clock_steps_total{{direction=\"{direction}\"}}");
+        metric(&client, bin, &series).await
+    };
+    assert_eq!(steps(&bins[0], "forward").await, Some(1.0));
+    let mut outside = PgConnection::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM clock_hold")
+            .fetch_one(&mut outside)
+            .await
+            .unwrap();
+        if kept == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", bins[0].log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    bins.extend(processes(1, &url, &[]));
+    let stepped = check(&bins[1], "b", "w").await;
+    assert_ne!(stepped["day"], today["day"], "{stepped}");
+    assert_eq!(steps(&bins[1], "forward").await, Some(1.0));
+    set_clock(&clock, "+0");
+    for bin in &bins {
+        let after = check(bin, "b", "v").await;
+        assert_eq!(after["day"], today["day"]);
+        assert_eq!(
+            after["allowed"], false,
+            "the replica started during the hold pruned today's calls: {after}"
+        );
+        assert_eq!(steps(bin, "backward").await, Some(0.0));
+        assert_eq!(
+            metric(&client, bin, "tally_budget_prunes_total").await,
+            Some(0.0)
+        );
+    }
+    let logs = bins[1].log_text();
+    assert!(
+        logs.contains("the wall clock stepped before this process started"),
+        "{logs}"
+    );
+    assert!(logs.contains("the wall clock is back in step"), "{logs}");
     stop_all(bins).await;
 }

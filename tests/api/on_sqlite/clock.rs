@@ -9,12 +9,17 @@ use std::{path::Path, time::Duration};
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, Binary, faketime_library, json, put_budget, sample};
+use crate::helpers::{ADMIN, Binary, faketime_library, json, put_budget, sample, set_clock};
 
 /// tally with its clock read from `clock` (libfaketime's offset, as
 /// `+10d`), which starts in step.
 fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
     set_clock(clock, "+0");
+    binary_on(dir, clock, extra)
+}
+
+/// tally with its clock read from `clock`, as it is set.
+fn binary_on(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
     let library = faketime_library();
     let db = dir.join("tally.db");
     let mut env = vec![
@@ -31,17 +36,13 @@ fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
     Binary::start(&env)
 }
 
-/// Moves the clock read from `clock` to `offset` at once: a new file put in
-/// place, so that tally never reads one half written.
-fn set_clock(clock: &Path, offset: &str) {
-    let next = clock.with_extension("next");
-    std::fs::write(&next, format!("{offset}\n")).unwrap();
-    std::fs::rename(&next, clock).unwrap();
+async fn check(client: &Client, bin: &Binary, visitor: &str) -> Value {
+    check_of(client, bin, "b", visitor).await
 }
 
-async fn check(client: &Client, bin: &Binary, visitor: &str) -> Value {
+async fn check_of(client: &Client, bin: &Binary, budget: &str, visitor: &str) -> Value {
     let r = client
-        .post(bin.url("/budgets/b/check"))
+        .post(bin.url(&format!("/budgets/{budget}/check")))
         .json(&json!({"visitor": visitor}))
         .send()
         .await
@@ -129,6 +130,75 @@ async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
     );
     let metrics = bin.metrics().await;
     assert_eq!(sample(&metrics, "tally_budget_prunes_total"), Some(0.0));
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+}
+
+/// A process started while the clock is stepped ahead (a restart during
+/// the hold) took the stepped clock for the real one: the first call of
+/// the stepped day pruned every day before its retention, the real today
+/// among them, and once the clock was set right a visitor at its limit was
+/// allowed again. The hold the first process saw is kept in the database,
+/// and the next takes it over: it prunes nothing, counts the step, and
+/// takes the clock set right as back in step, not as a step back; the end
+/// of the hold is kept too, and a third process trusts the clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_started_during_a_hold_holds_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let mut bin = stepped_binary(dir.path(), &clock, &[]);
+    let client = Client::new();
+    let spec = json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1});
+    put_budget(&client, &bin, "b", spec.clone()).await;
+    put_budget(&client, &bin, "other", spec).await;
+    for _ in 0..2 {
+        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
+    }
+    let today = check(&client, &bin, "v").await;
+    assert_eq!(today["allowed"], false, "{today}");
+
+    // Seen by a check of another budget: `b` has no call on the stepped day.
+    set_clock(&clock, "+10d");
+    check_of(&client, &bin, "other", "w").await;
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+    let logs = bin.log_text();
+    assert!(logs.contains("the wall clock stepped"), "{logs}");
+
+    let mut bin = binary_on(dir.path(), &clock, &[]);
+    let stepped = check(&client, &bin, "w").await;
+    assert_ne!(stepped["day"], today["day"], "{stepped}");
+    set_clock(&clock, "+0");
+    let after = check(&client, &bin, "v").await;
+    assert_eq!(after["day"], today["day"]);
+    assert_eq!(
+        after["allowed"], false,
+        "the process started during the hold pruned today's calls: {after}"
+    );
+    let metrics = bin.metrics().await;
+    let steps = |metrics: &str, direction: &str| {
+        sample(
+            metrics,
+            &format!("tally_clock_steps_total{{direction=\"{direction}\"}}"),
+        )
+    };
+    assert_eq!(steps(&metrics, "forward"), Some(1.0), "{metrics}");
+    assert_eq!(steps(&metrics, "backward"), Some(0.0), "{metrics}");
+    assert_eq!(sample(&metrics, "tally_budget_prunes_total"), Some(0.0));
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+    let logs = bin.log_text();
+    assert!(
+        logs.contains("the wall clock stepped before this process started"),
+        "{logs}"
+    );
+    assert!(logs.contains("the wall clock is back in step"), "{logs}");
+
+    // The clock set right and the hold's end kept: nothing held.
+    let mut bin = binary_on(dir.path(), &clock, &[]);
+    assert_eq!(check(&client, &bin, "v").await["allowed"], false);
+    let metrics = bin.metrics().await;
+    assert_eq!(steps(&metrics, "forward"), Some(0.0), "{metrics}");
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
 }
