@@ -39,6 +39,14 @@ use jiff::{SignedDuration, Timestamp};
 /// clock between two readings hours apart.
 pub const STEP: Duration = Duration::from_secs(120);
 
+/// How far apart the wall clock and the monotonic clock may drift, in
+/// parts per million of the time since the two were last found in step,
+/// before the readings in between, each under [`STEP`] from the last, add
+/// up to a step (a time source that moves the clock a little at a time, a
+/// clock that runs fast). Both clocks follow NTP's rate corrections; a
+/// clock kept by nothing drifts by tens of parts per million.
+pub const DRIFT_PPM: u32 = 1000;
+
 /// How long pruning and forgetting keys wait after a step: time for NTP,
 /// or an operator paged by `TallyClockStepped`, to set a wrong clock right.
 pub const HOLD: Duration = Duration::from_secs(6 * 3600);
@@ -85,6 +93,10 @@ struct Watched {
     /// The last reading of all, in step or not: a second step during a
     /// hold is one from here.
     last: Option<(Timestamp, Instant)>,
+    /// Where the clocks were last found in step (the start, the end of a
+    /// hold): readings each in step with the last add up to a step from
+    /// here ([`crept_from`]).
+    origin: Option<(Timestamp, Instant)>,
     /// Since a step: until when it holds clean-ups back.
     held_until: Option<Instant>,
     /// A hold begun or ended, for the database ([`StepWatch::to_keep`]).
@@ -106,6 +118,19 @@ fn run_on((wall, at): (Timestamp, Instant), mono: Instant) -> Option<Timestamp> 
 fn step_from(from: (Timestamp, Instant), now: Timestamp, mono: Instant) -> Option<SignedDuration> {
     let off = now.duration_since(run_on(from, mono).unwrap_or(now));
     (off.unsigned_abs() >= STEP).then_some(off)
+}
+
+/// How far `now` is from where the clocks last found in step say it
+/// should be, if that is more than a step and the drift allowed since
+/// ([`DRIFT_PPM`]).
+fn crept_from(
+    origin: (Timestamp, Instant),
+    now: Timestamp,
+    mono: Instant,
+) -> Option<SignedDuration> {
+    let off = now.duration_since(run_on(origin, mono)?);
+    let drift = mono.saturating_duration_since(origin.1) / 1_000_000 * DRIFT_PPM;
+    (off.unsigned_abs() >= STEP + drift).then_some(off)
 }
 
 impl StepWatch {
@@ -176,10 +201,20 @@ impl StepWatch {
         let last = w.last.unwrap_or(anchor);
         w.last = Some((now, mono));
         match (w.held_until, step_from(anchor, now, mono)) {
-            (None, None) => {}
+            // In step with the last reading; steps under a step each, with
+            // readings between them, may add up to one.
+            (None, None) => {
+                if let Some(origin) = w.origin
+                    && let Some(off) = crept_from(origin, now, mono)
+                {
+                    w.anchor = Some(origin);
+                    return w.step(off, origin, now, mono);
+                }
+            }
             (Some(_), None) => {
                 tracing::warn!("the wall clock is back in step: pruning and key expiry resume");
                 w.held_until = None;
+                w.origin = Some((now, mono));
                 w.to_keep = Some(KeptHold {
                     stepped_to: now,
                     expected: now,
@@ -198,6 +233,7 @@ impl StepWatch {
                          it again"
                     );
                     w.held_until = None;
+                    w.origin = Some((now, mono));
                 }
             },
         }
@@ -211,6 +247,7 @@ impl Watched {
     fn start(&mut self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
         self.last = Some((now, mono));
         self.anchor = self.last;
+        self.origin = self.last;
         let Some(k) = kept else { return false };
         let stepped_from = k.stepped_to.checked_sub(STEP).unwrap_or(k.stepped_to);
         let left = Duration::try_from(k.until.duration_since(now)).unwrap_or_default();
@@ -222,6 +259,7 @@ impl Watched {
             return false;
         };
         self.anchor = Some((expected, mono));
+        self.origin = self.anchor;
         self.held_until = Some(mono + left.min(HOLD));
         let direction = direction(off);
         metrics::counter!("tally_clock_steps_total", "direction" => direction).increment(1);
@@ -494,6 +532,51 @@ mod tests {
         w.keep_again(third);
         w.keep_again(second);
         assert_eq!(w.to_keep(), Some(third));
+    }
+
+    /// Steps under a step each, with a reading between them, moved the
+    /// clock by any amount unseen: each was compared with the last reading
+    /// only. They add up to a step from where the clocks were last in
+    /// step, which holds as one step would.
+    #[test]
+    fn steps_under_a_step_add_up_to_one() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.start_at(t0, None, m0);
+        let second = Duration::from_secs(1);
+        assert!(plain(w.read_at(at(t0, 101), m0 + second)));
+        let r = w.read_at(at(t0, 202), m0 + second * 2);
+        assert_eq!((r.earliest, r.latest), (at(t0, 2), at(t0, 202)));
+        let kept = w.to_keep().expect("kept as a step");
+        assert_eq!((kept.stepped_to, kept.expected), (at(t0, 202), at(t0, 2)));
+        // On, a step's worth each time: still held from where it began.
+        let r = w.read_at(at(t0, 303), m0 + second * 3);
+        assert_eq!(r.earliest, at(t0, 3));
+        // Set right: back in step, and in step from there.
+        assert_eq!(
+            w.read_at(at(t0, 4), m0 + second * 4),
+            Trusted::plain(at(t0, 4))
+        );
+        assert!(plain(w.read_at(at(t0, 105), m0 + second * 5)));
+    }
+
+    /// A clock that runs fast, twice the monotonic clock's rate, read
+    /// every ten seconds: held once it is a step ahead of where it began.
+    /// A clock drifting within what an unsynchronised one does is not.
+    #[test]
+    fn a_clock_running_fast_is_a_step_once_it_is_a_step_ahead() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.start_at(t0, None, m0);
+        let held = (1..=20)
+            .find(|&i| !plain(w.read_at(at(t0, 20 * i), m0 + Duration::from_secs(10 * i as u64))))
+            .expect("held");
+        assert_eq!(held, 13, "first past a step (and the drift allowed) ahead");
+        // 500 parts per million, read every hour for ten days.
+        let (w, hour) = (StepWatch::default(), Duration::from_secs(3600));
+        w.start_at(t0, None, m0);
+        for i in 1..=240 {
+            let wall = at(t0, 3600 * i + 3600 * i / 2000);
+            assert!(plain(w.read_at(wall, m0 + hour * i as u32)), "hour {i}");
+        }
     }
 
     #[tokio::test]

@@ -203,6 +203,55 @@ async fn a_process_started_during_a_hold_holds_too() {
     bin.wait(Duration::from_secs(20)).await;
 }
 
+/// Steps under two minutes each, with a reading between them (a time
+/// source that moves the clock a little at a time), moved it a day ahead
+/// unseen: each was compared with the reading before it only. The first
+/// call of the day they reached pruned the real today, and once the
+/// clock was set right a visitor at its limit was allowed again. They add
+/// up to a step from where the clock was last in step: held as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_under_two_minutes_add_up_to_a_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let mut bin = stepped_binary(dir.path(), &clock, &[]);
+    let client = Client::new();
+    let spec = json!({"visitor_limit": 2, "global_limit": 100_000, "retention_days": 1});
+    put_budget(&client, &bin, "b", spec.clone()).await;
+    put_budget(&client, &bin, "other", spec).await;
+    for _ in 0..2 {
+        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
+    }
+    let today = check(&client, &bin, "v").await;
+    assert_eq!(today["allowed"], false, "{today}");
+
+    // 100 s at a time, a reading after each: 50 hours ahead, past the
+    // day before (which a one-day retention keeps too).
+    for i in 1..=1800 {
+        set_clock(&clock, &format!("+{}", 100 * i));
+        check_of(&client, &bin, "other", &format!("w{i}")).await;
+    }
+    let stepped = check(&client, &bin, "w").await;
+    assert_ne!(stepped["day"], today["day"], "{stepped}");
+    set_clock(&clock, "+0");
+    let after = check(&client, &bin, "v").await;
+    assert_eq!(after["day"], today["day"]);
+    assert_eq!(
+        after["allowed"], false,
+        "today's calls were pruned: {after}"
+    );
+    let metrics = bin.metrics().await;
+    assert_eq!(
+        sample(&metrics, "tally_clock_steps_total{direction=\"forward\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(sample(&metrics, "tally_budget_prunes_total"), Some(0.0));
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+    let logs = bin.log_text();
+    assert!(logs.contains("the wall clock is back in step"), "{logs}");
+}
+
 /// A clock stepped past the keys' lifetime and set right: the writer's
 /// clean-up would forget a key stored a moment before, and its retry
 /// would run again. During the step the clean-up counts keys' ages from
