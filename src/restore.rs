@@ -165,6 +165,18 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let lock = lock_restores(db)?;
+    // An empty file holds no database (`sqlite3` leaves one when it is
+    // asked about a database that is not there): taken for one, nothing
+    // would be restored, tally would start on it as new, and Litestream
+    // would ship that empty database as the replica's latest state.
+    if std::fs::metadata(db).is_ok_and(|m| m.is_file() && m.len() == 0) {
+        tracing::warn!(
+            database = %db.display(),
+            "the database file is empty (0 bytes, as `sqlite3` leaves when it opens a \
+             database that is not there): removed, to restore in its place"
+        );
+        remove_file(db)?;
+    }
     if db.exists() {
         tracing::warn!(
             database = %db.display(),

@@ -32,6 +32,9 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         // path makes a restore step skip quietly, and a first deploy looks
         // the same. Say which it was.
         let file_existed = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+        // What `sqlite3` leaves when asked about a missing database, and
+        // what a restore that skips existing files takes for one.
+        let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if had_tables {
@@ -40,8 +43,10 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             tracing::warn!(
                 path = %path.display(),
                 file_existed,
+                empty_file,
                 "created a new, empty database; if this is not the first start, a restore \
-                 from the replica did not happen"
+                 from the replica did not happen (with empty_file, an empty file was there, \
+                 which a restore takes for a database and skips)"
             );
         }
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });

@@ -157,8 +157,14 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     let wrong = state_of(&d.db()).await;
     d.wipe();
 
-    // The restore to the instant, into an empty directory: exactly A.
+    // The restore to the instant, into a directory where the operator
+    // looked for the database with `sqlite3` (which leaves an empty file):
+    // exactly A. Taken for a database, the empty file restored nothing,
+    // and tally and Litestream made it the replica's latest state.
+    std::fs::create_dir_all(d.db().parent().unwrap()).unwrap();
+    std::fs::write(d.db(), b"").unwrap();
     let log = ok(d.restore_to(&at));
+    assert!(log.contains("the database file is empty"), "{log}");
     assert!(log.contains("restored to a point in time"), "{log}");
     assert!(log.contains(&at), "{log}");
     assert!(log.contains("\"txid\""), "{log}");
