@@ -450,17 +450,43 @@ pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()
 /// and resolves on the first. Call it before serving: until a handler is
 /// installed, SIGTERM's default action kills the process, and an
 /// orchestrator may send it right after the first answer.
-pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+///
+/// A hangup (the terminal tally was started from closing, say) would
+/// otherwise kill it on the spot, with no drain: it stops tally as SIGTERM
+/// does, unless tally runs under Litestream (`under_litestream`). There a
+/// hangup reaches Litestream too, which ends at once, without its final
+/// sync, and tally, drained cleanly, would exit `0` as if the replica had
+/// everything; so under Litestream a SIGHUP is only logged, and tally
+/// stops when Litestream does (non-zero, its parent gone: the last writes
+/// reach the replica only when Litestream runs on the file again).
+pub fn shutdown_signal(under_litestream: bool) -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::SignalKind;
-    let first = first_signal(&[
+    let stopping: &[_] = &[
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "ctrl-c"),
-        // A hangup (the terminal tally was started from closing, say)
-        // would otherwise kill it on the spot, with no drain.
         (SignalKind::hangup(), "SIGHUP"),
-    ]);
+    ];
+    let stops = first_signal(&stopping[..stopping.len() - usize::from(under_litestream)]);
+    // Listened for from now on all the same: its default action is exit.
+    let hangups = under_litestream.then(|| tokio::signal::unix::signal(SignalKind::hangup()));
     async move {
-        let name = first.await;
+        let logged = async {
+            let Some(Ok(mut hangups)) = hangups else {
+                return std::future::pending().await;
+            };
+            while hangups.recv().await.is_some() {
+                tracing::warn!(
+                    "SIGHUP received: under Litestream, which a hangup ends without its final \
+                     sync, tally stops when Litestream does (SIGTERM or ctrl-c stops both \
+                     cleanly)"
+                );
+            }
+            std::future::pending().await
+        };
+        let name = tokio::select! {
+            name = stops => name,
+            () = logged => "SIGHUP",
+        };
         tracing::info!("{name} received, shutting down");
     }
 }

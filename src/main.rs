@@ -79,7 +79,8 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     // that comes while tally starts (restoring, waiting for the first
     // replica sync, which may take minutes) ends the start: nothing has
     // been accepted yet. The parent's death ends it too.
-    let mut stop = Box::pin(stop_requested(parent, tally::app::shutdown_signal()));
+    let signal = tally::app::shutdown_signal(parent.is_some());
+    let mut stop = Box::pin(stop_requested(parent, signal));
     let app = tokio::select! {
         app = Application::build(settings) => app?,
         why = &mut stop => {

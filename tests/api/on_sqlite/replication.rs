@@ -539,3 +539,44 @@ async fn tally_stops_when_litestream_its_parent_dies() {
     );
     eprintln!("tally stopped {took:?} after Litestream was killed");
 }
+
+/// A hangup of the terminal both run from reaches both: Litestream ends at
+/// once, with no final sync, and tally, which drains on SIGHUP as on
+/// SIGTERM, exited `0` and said it stopped cleanly, though the last writes
+/// were in the local database only. Under Litestream it leaves a hangup
+/// to Litestream, and stops as when Litestream dies: non-zero, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hangup_that_ends_litestream_too_is_no_clean_stop() {
+    let s3 = S3::start().await;
+    s3.create_bucket("hangup").await;
+    let d = Deployment::new(&s3.endpoint, "hangup");
+    let mut run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let tally = run.tally_pid().expect("tally runs as Litestream's child");
+    let _guard = KillOnDrop(tally);
+    let r = Client::new()
+        .post(run.url("/counters/hangup"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+
+    // As a closing terminal signals its foreground process group.
+    run.signal(Signal::SIGHUP);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(tally), Signal::SIGHUP).unwrap();
+    let hung_up = Instant::now();
+    while running(tally) {
+        assert!(
+            hung_up.elapsed() < Duration::from_secs(10),
+            "tally still runs: {}",
+            run.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    run.wait(Duration::from_secs(10)).await;
+    let logs = run.log_text();
+    assert!(logs.contains("SIGHUP received: under Litestream"), "{logs}");
+    let gone = run.line_of("the parent process (Litestream) exited");
+    let failed = run.line_of("tally failed");
+    assert!(gone.is_some() && gone < failed, "{logs}");
+}
