@@ -338,7 +338,13 @@ async fn connection(
             }
         })
     };
-    let conn = http.serve_connection(TokioIo::new(stream), service);
+    // An answer the client does not take (it sends requests and never
+    // reads, its receive window closed) would hold the connection's slot
+    // for ever: hyper times the head it reads, not what it writes. A write
+    // that makes no progress for the header timeout ends the connection.
+    let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+    stream.set_write_timeout(Some(body_timeout));
+    let conn = http.serve_connection(TokioIo::new(Box::pin(stream)), service);
     tokio::pin!(conn);
     let ended = tokio::select! {
         ended = conn.as_mut() => ended,
@@ -379,7 +385,8 @@ async fn connection(
 /// The `kind` label of `tally_http_connection_errors_total`: how a
 /// connection ended that hyper, not tally, answered or dropped. Such
 /// requests never reach the router, so they are in no request metric.
-const CONNECTION_ERROR_KINDS: [&str; 4] = ["malformed", "too_large", "incomplete", "other"];
+const CONNECTION_ERROR_KINDS: [&str; 5] =
+    ["malformed", "too_large", "incomplete", "stalled", "other"];
 
 fn connection_error_kind(e: &hyper::Error) -> &'static str {
     if e.is_parse_too_large() {
@@ -392,6 +399,12 @@ fn connection_error_kind(e: &hyper::Error) -> &'static str {
     } else if e.is_incomplete_message() {
         // The client closed in the middle of a request.
         "incomplete"
+    } else if std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    {
+        // An answer the client took nothing of for the header timeout.
+        "stalled"
     } else {
         "other"
     }

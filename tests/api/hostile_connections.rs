@@ -281,6 +281,75 @@ async fn silent_slow_and_idle_keep_alive_connections_are_closed_after_the_header
     app.stop().await.unwrap();
 }
 
+/// Clients that send requests and never read the answers: once the
+/// answers fill the socket's buffers, hyper waits to write, and nothing
+/// timed that wait (the header timeout times what it reads), so every
+/// slot under the cap stayed taken for as long as they liked and every
+/// other client was refused `503`. A write that makes no progress for the
+/// header timeout now ends its connection.
+#[tokio::test]
+async fn clients_that_never_read_their_answers_lose_their_connections() {
+    let timeout = Duration::from_secs(1);
+    let app = spawn_with(|s| {
+        s.header_timeout = timeout;
+        s.max_connections = Some(4);
+    })
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(1024).unwrap();
+        let mut s = socket.connect(app.addr).await.unwrap();
+        // Far more answer than the buffers on both sides hold.
+        let ask = b"GET /openapi.json HTTP/1.1\r\nhost: x\r\n\r\n".repeat(400);
+        s.write_all(&ask).await.unwrap();
+        held.push(s);
+    }
+    let client = Client::new();
+    let livez = async || {
+        let r = client.get(format!("http://{}/livez", app.addr)).send();
+        r.await.unwrap().status()
+    };
+    // Every slot taken (the server accepts them in its own time).
+    let started = Instant::now();
+    while livez().await == StatusCode::OK {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the cap was never reached"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let full = Instant::now();
+    let limit = Duration::from_secs(10);
+    loop {
+        let status = livez().await;
+        if status == StatusCode::OK {
+            break;
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            full.elapsed() < limit,
+            "the clients that never read held every slot for {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = client
+        .get(format!("http://{}/metrics", app.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let stalled = sample(
+        &metrics,
+        "tally_http_connection_errors_total{listener=\"api\",kind=\"stalled\"}",
+    );
+    assert!(stalled.is_some_and(|n| n >= 1.0), "{metrics}");
+    drop(held);
+    app.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn past_the_connection_cap_new_connections_get_a_503_and_are_closed() {
     let app = spawn_with(|s| s.max_connections = Some(20)).await;
