@@ -275,8 +275,9 @@ impl From<db::Error> for Problem {
             )
             .detail(
                 "the database server cannot be reached, cannot take writes now, or did not \
-                 answer in time; nothing was done. Retrying is safe and succeeds once it \
-                 answers again",
+                 answer in time (on SQLite: every read connection stayed busy for 5 s, more \
+                 reads at once than they keep up with); nothing was done. Retrying is safe and \
+                 succeeds once it answers again",
             )
             .with("reason", "database_unavailable")
             .retry_after(UNAVAILABLE_RETRY_AFTER),

@@ -173,6 +173,10 @@ pub(crate) async fn open_readers(path: &Path, readers: u32) -> Result<SqlitePool
         .max_connections(readers)
         .min_connections(0)
         .acquire_timeout(Duration::from_secs(5))
+        // sqlx logs every read that waited over 2 s for a connection: under
+        // a burst of reads, a line per request. The wait shows in the
+        // request duration; past the timeout the read is answered `503`.
+        .acquire_slow_threshold(Duration::from_secs(3600))
         // A local file does not drop connections; a ping before every read
         // would be one more round trip to the connection's thread.
         .test_before_acquire(false)
