@@ -431,7 +431,8 @@ async fn litestream(
         .map_err(|_| {
             anyhow::anyhow!(
                 "litestream restore {} took longer than {:?} (TALLY_RESTORE_TIMEOUT): is the \
-                 object store answering? Nothing was restored in place",
+                 object store answering, and without errors (Litestream retries a 500 or 503 \
+                 quietly)? Nothing was restored in place",
                 args.join(" "),
                 ls.timeout
             )
