@@ -51,6 +51,17 @@ async fn check_of(client: &Client, bin: &Binary, budget: &str, visitor: &str) ->
     json(r).await
 }
 
+/// Visitor `v` of budget `b` (a visitor limit of 2) at its limit today:
+/// two calls allowed, the third denied, whose answer this is.
+async fn at_its_limit(client: &Client, bin: &Binary) -> Value {
+    for _ in 0..2 {
+        assert_eq!(check(client, bin, "v").await["allowed"], true);
+    }
+    let today = check(client, bin, "v").await;
+    assert_eq!(today["allowed"], false, "{today}");
+    today
+}
+
 /// A clock stepped ten days ahead and set right: the first call of the
 /// stepped day would prune every day before its retention, the real today
 /// among them, and a visitor at its limit would be allowed again. The
@@ -70,11 +81,7 @@ async fn a_clock_stepped_ahead_and_back_prunes_nothing_of_today() {
         json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1}),
     )
     .await;
-    for _ in 0..2 {
-        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
-    }
-    let today = check(&client, &bin, "v").await;
-    assert_eq!(today["allowed"], false, "{today}");
+    let today = at_its_limit(&client, &bin).await;
 
     set_clock(&clock, "+10d");
     let stepped = check(&client, &bin, "w").await;
@@ -151,11 +158,7 @@ async fn a_process_started_during_a_hold_holds_too() {
     let spec = json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1});
     put_budget(&client, &bin, "b", spec.clone()).await;
     put_budget(&client, &bin, "other", spec).await;
-    for _ in 0..2 {
-        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
-    }
-    let today = check(&client, &bin, "v").await;
-    assert_eq!(today["allowed"], false, "{today}");
+    let today = at_its_limit(&client, &bin).await;
 
     // Seen by a check of another budget: `b` has no call on the stepped day.
     set_clock(&clock, "+10d");
@@ -218,11 +221,7 @@ async fn steps_under_two_minutes_add_up_to_a_step() {
     let spec = json!({"visitor_limit": 2, "global_limit": 100_000, "retention_days": 1});
     put_budget(&client, &bin, "b", spec.clone()).await;
     put_budget(&client, &bin, "other", spec).await;
-    for _ in 0..2 {
-        assert_eq!(check(&client, &bin, "v").await["allowed"], true);
-    }
-    let today = check(&client, &bin, "v").await;
-    assert_eq!(today["allowed"], false, "{today}");
+    let today = at_its_limit(&client, &bin).await;
 
     // 100 s at a time, a reading after each: 50 hours ahead, past the
     // day before (which a one-day retention keeps too).
