@@ -19,6 +19,7 @@
 //!    a marker file beside it that `tally serve` logs at its start.
 
 use std::{
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -62,6 +63,26 @@ pub struct Marker {
     pub last_transaction_at: Option<String>,
     /// When the restore ran.
     pub restored_at: String,
+    /// The restored database file's identity ([`file_identity`]): a
+    /// database put in its place since (a plain restore writes a new file)
+    /// is not the restored one.
+    #[serde(default)]
+    pub file: Option<String>,
+}
+
+/// A file's inode and, where the file system keeps it, its birth time: an
+/// inode number is reused as soon as its file is deleted.
+fn file_identity(path: &Path) -> Option<String> {
+    let m = std::fs::metadata(path).ok()?;
+    let born = m
+        .created()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos());
+    Some(match born {
+        Some(born) => format!("{}@{born}", m.ino()),
+        None => m.ino().to_string(),
+    })
 }
 
 /// `tally.db` -> `tally.db-restored.json`.
@@ -93,8 +114,25 @@ pub fn marker(db: &Path) -> Option<Marker> {
         }
         return None;
     }
-    let text = std::fs::read_to_string(path).ok()?;
-    serde_json::from_str(&text).ok()
+    let text = std::fs::read_to_string(&path).ok()?;
+    let marker: Marker = serde_json::from_str(&text).ok()?;
+    if marker.file.is_some() && marker.file != file_identity(db) {
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(
+                marker = %path.display(),
+                target = marker.target,
+                "removed the marker of a restore to a point in time: the database was replaced \
+                 since (a later restore)"
+            ),
+            Err(e) => tracing::warn!(
+                marker = %path.display(),
+                error = %e,
+                "the marker of a restore whose database was replaced could not be removed"
+            ),
+        }
+        return None;
+    }
+    Some(marker)
 }
 
 /// Restores the database at `db` to `target` if the data directory has no
@@ -292,6 +330,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         txid: restored.txid.clone(),
         last_transaction_at,
         restored_at: restored.restored_at.clone(),
+        file: file_identity(db),
     };
     std::fs::write(marker_path(db), serde_json::to_vec(&marker)?)
         .context("writing the restore marker")?;
@@ -770,6 +809,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             txid: "0000000000000002".into(),
             last_transaction_at: None,
             restored_at: "2026-05-01T11:00:00Z".into(),
+            file: None,
         };
         std::fs::write(marker_path(&db), serde_json::to_vec(&m).unwrap()).unwrap();
         std::fs::write(&db, b"").unwrap();
@@ -777,6 +817,44 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         std::fs::remove_file(&db).unwrap();
         assert!(marker(&db).is_none());
         assert!(!marker_path(&db).exists());
+    }
+
+    /// A database put in the restored one's place since (a plain restore,
+    /// which writes a new file) is not the restored one: its marker is
+    /// removed, and not reported.
+    #[test]
+    fn a_marker_of_a_replaced_database_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        std::fs::write(&db, b"restored").unwrap();
+        let m = Marker {
+            target: "2026-05-01T10:04:00Z".into(),
+            txid: "0000000000000002".into(),
+            last_transaction_at: None,
+            restored_at: "2026-05-01T11:00:00Z".into(),
+            file: file_identity(&db),
+        };
+        std::fs::write(marker_path(&db), serde_json::to_vec(&m).unwrap()).unwrap();
+        // Written to in place: still the restored database.
+        std::fs::write(&db, b"restored, then written").unwrap();
+        assert!(marker(&db).is_some());
+        let next = dir.path().join("next.db");
+        std::fs::write(&next, b"another").unwrap();
+        std::fs::rename(&next, &db).unwrap();
+        assert!(marker(&db).is_none());
+        assert!(!marker_path(&db).exists());
+        // Deleted and made again, where its inode number may come back:
+        // told apart by its birth time, where the file system keeps one.
+        let m = Marker {
+            file: file_identity(&db),
+            ..m
+        };
+        std::fs::write(marker_path(&db), serde_json::to_vec(&m).unwrap()).unwrap();
+        std::fs::remove_file(&db).unwrap();
+        std::fs::write(&db, b"made again").unwrap();
+        if std::fs::metadata(&db).unwrap().created().is_ok() {
+            assert!(marker(&db).is_none());
+        }
     }
 
     #[test]
