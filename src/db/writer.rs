@@ -82,6 +82,8 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) clock: Arc<StepWatch>,
     /// Whether keeping the clock's hold failed, and was logged.
     pub(super) hold_unkept: bool,
+    /// When the writer last read the clock for itself ([`Self::read_clock`]).
+    pub(super) clock_read_at: Option<std::time::Instant>,
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
@@ -332,6 +334,7 @@ impl<E: Engine> WriterLoop<E> {
             }
         }
         tracing::info!("write queue drained");
+        self.read_clock(true).await;
         self.keep_clock_hold().await;
         if let Err(lost) = self.engine.check() {
             return Err(self.lose(lost, &mut batch).await);
@@ -579,10 +582,30 @@ impl<E: Engine> WriterLoop<E> {
         }
     }
 
+    /// Reads the clock against the watch (at most once a second, unless
+    /// `now`): checks, prunes and the keys' clean-up read it as they go,
+    /// increments (keyed or not) do not, and a writer serving increments
+    /// alone would not see a step, nor keep it for the process after it.
+    async fn read_clock(&mut self, now: bool) {
+        if !now
+            && self
+                .clock_read_at
+                .is_some_and(|at| at.elapsed() < FILES_CHECK_INTERVAL)
+        {
+            return;
+        }
+        self.clock_read_at = Some(std::time::Instant::now());
+        // Unread, it is read at the next chance.
+        if let Ok(wall) = self.engine.now().await {
+            self.clock.read(wall);
+        }
+    }
+
     /// Keeps a hold of the clock begun or ended since the last batch in
     /// the database, for a process started during it ([`clock::KeptHold`]);
     /// tried again after the next batch (or idle check) if it fails.
     async fn keep_clock_hold(&mut self) {
+        self.read_clock(false).await;
         let Some(hold) = self.clock.to_keep() else {
             return;
         };

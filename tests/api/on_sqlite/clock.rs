@@ -206,6 +206,55 @@ async fn a_process_started_during_a_hold_holds_too() {
     bin.wait(Duration::from_secs(20)).await;
 }
 
+/// A step before a stop, on a process that served increments alone
+/// (which go by no time): it never read the clock, kept no hold, and the
+/// process after it, started with the clock still ahead, forgot a key
+/// stored a moment before (its retry counted twice). The writer reads the
+/// clock once a second and as it stops: the step is kept and taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_before_a_stop_is_kept_whatever_was_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let ttl = [("TALLY_IDEMPOTENCY_KEY_TTL", "120s")];
+    let mut bin = stepped_binary(dir.path(), &clock, &ttl);
+    let client = Client::new();
+    let increment = async |bin: &Binary, name: &str, key: &str| {
+        let r = client
+            .post(bin.url(&format!("/counters/{name}")))
+            .header("Idempotency-Key", key)
+            .json(&json!({"by": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        r
+    };
+    increment(&bin, "a", "k0").await;
+    set_clock(&clock, "+1h");
+    let r = client.post(bin.url("/counters/b")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+
+    let mut bin = binary_on(dir.path(), &clock, &ttl);
+    // The keys' clean-up runs after this process's first batch.
+    increment(&bin, "c", "k1").await;
+    increment(&bin, "c", "k2").await;
+    set_clock(&clock, "+0");
+    let retry = increment(&bin, "a", "k0").await;
+    assert_eq!(
+        retry
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true"),
+        "the key was forgotten: {}",
+        bin.log_text()
+    );
+    bin.sigterm();
+    bin.wait(Duration::from_secs(20)).await;
+}
+
 /// Steps under two minutes each, with a reading between them (a time
 /// source that moves the clock a little at a time), moved it a day ahead
 /// unseen: each was compared with the reading before it only. The first
