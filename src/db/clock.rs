@@ -82,6 +82,10 @@ pub struct KeptHold {
     pub stepped_to: Timestamp,
     pub expected: Timestamp,
     pub until: Timestamp,
+    /// An early end's: the hold it ends (its `stepped_to`), kept only while
+    /// that hold is the one kept, so that an end written late (after a
+    /// failed try) never ends a newer hold another process kept.
+    pub ends: Option<Timestamp>,
 }
 
 /// The writer's watch over its wall clock.
@@ -103,6 +107,8 @@ struct Watched {
     held_until: Option<Instant>,
     /// A hold begun or ended, for the database ([`StepWatch::to_keep`]).
     to_keep: Option<KeptHold>,
+    /// The hold in effect, begun here or taken over: its `stepped_to`.
+    holding: Option<Timestamp>,
     /// The hold the database keeps, for the first reading when the start
     /// had none ([`StepWatch::start`]).
     kept_at_start: Option<KeptHold>,
@@ -223,6 +229,7 @@ impl StepWatch {
                     stepped_to: now,
                     expected: now,
                     until: now,
+                    ends: w.holding.take(),
                 });
             }
             (None, Some(off)) => return w.step(off, anchor, now, mono),
@@ -237,6 +244,7 @@ impl StepWatch {
                          it again"
                     );
                     w.held_until = None;
+                    w.holding = None;
                     w.origin = Some((now, mono));
                 }
             },
@@ -264,6 +272,7 @@ impl Watched {
         };
         self.anchor = Some((expected, mono));
         self.origin = self.anchor;
+        self.holding = Some(k.stepped_to);
         self.held_until = Some(mono + left.min(HOLD));
         let direction = direction(off);
         metrics::counter!("tally_clock_steps_total", "direction" => direction).increment(1);
@@ -301,7 +310,9 @@ impl Watched {
             stepped_to: now,
             expected: run_on(anchor, mono).unwrap_or(now),
             until: now.checked_add(HOLD).unwrap_or(now),
+            ends: None,
         });
+        self.holding = Some(now);
         trusted
     }
 }
@@ -481,6 +492,11 @@ mod tests {
         assert_eq!(next.read_at(right, m1 + MINUTE * 2), Trusted::plain(right));
         let ended = next.to_keep().expect("the end is kept");
         assert_eq!((ended.stepped_to, ended.until), (right, right));
+        assert_eq!(
+            ended.ends,
+            Some(kept.stepped_to),
+            "ends the hold taken over"
+        );
         // A process started after that trusts the clock.
         let (last, m2) = (StepWatch::default(), m1 + MINUTE * 3);
         assert!(!last.start_at(at(right, 60), Some(ended), m2));
@@ -498,6 +514,7 @@ mod tests {
             stepped_to: at(t0, 86_400),
             expected: t0,
             until: at(t0, 86_400 + HOLD.as_secs() as i64),
+            ends: None,
         };
         let hold = HOLD.as_secs() as i64;
         let w = StepWatch::default();

@@ -21,6 +21,20 @@ use crate::meter::BudgetSpec;
 pub(super) const CLOCK_HOLD: &str =
     "SELECT stepped_to_us, expected_us, until_us FROM clock_hold WHERE id = 1";
 
+/// Keeps a hold ([`Store::keep_clock_hold`]): `$1` to `$3` its times in
+/// microseconds. The same on both engines (SQLite takes `$1` as a
+/// parameter named so, bound in order).
+pub(super) const KEEP_CLOCK_HOLD: &str =
+    "INSERT INTO clock_hold (id, stepped_to_us, expected_us, until_us) VALUES (1, $1, $2, $3)
+     ON CONFLICT (id) DO UPDATE SET stepped_to_us = excluded.stepped_to_us,
+       expected_us = excluded.expected_us, until_us = excluded.until_us";
+
+/// Keeps a hold's early end in place of the hold it ends (`$4`, its
+/// `stepped_to`), and of no other.
+pub(super) const END_CLOCK_HOLD: &str =
+    "UPDATE clock_hold SET stepped_to_us = $1, expected_us = $2, until_us = $3
+     WHERE id = 1 AND stepped_to_us = $4";
+
 /// The hold's three times, in microseconds, as kept: `None` if one is past
 /// what a timestamp holds (a row written by hand).
 pub(super) fn kept_hold(
@@ -31,6 +45,7 @@ pub(super) fn kept_hold(
         stepped_to: t(stepped_to)?,
         expected: t(expected)?,
         until: t(until)?,
+        ends: None,
     })
 }
 
@@ -258,7 +273,9 @@ pub(super) trait Store {
     /// if a step was ever seen.
     async fn clock_hold(&mut self) -> Result<Option<super::clock::KeptHold>, Error>;
 
-    /// Keeps `hold` in place of the one kept, in a transaction of its own.
+    /// Keeps `hold` in place of the one kept, in a transaction of its own;
+    /// an early end ([`super::clock::KeptHold::ends`]) only in place of the
+    /// hold it ends.
     async fn keep_clock_hold(&mut self, hold: &super::clock::KeptHold) -> Result<(), Error>;
 
     /// Deletes a counter; whether it existed.

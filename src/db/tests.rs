@@ -1940,3 +1940,52 @@ async fn a_usage_read_straddling_a_delete_finds_the_budget_gone() {
     assert_eq!(left, 1);
     assert_eq!(read().await, None);
 }
+
+/// What the clock's hold row keeps ([`super::clock::KeptHold`]), on both
+/// engines: a hold replaces whatever is kept; an early end replaces only
+/// the hold it ends, so that one written late (after a failed try, while
+/// another process kept a newer hold) ends nothing it should not.
+async fn clock_hold_row_takes_an_end_only_of_its_own_hold(conn: &mut impl super::store::Store) {
+    use super::clock::KeptHold;
+    let t = |s: i64| Timestamp::from_second(1_800_000_000 + s).unwrap();
+    let hold = |s: i64| KeptHold {
+        stepped_to: t(s),
+        expected: t(0),
+        until: t(s + 21_600),
+        ends: None,
+    };
+    let end = |s: i64, ends: i64| KeptHold {
+        stepped_to: t(s),
+        expected: t(s),
+        until: t(s),
+        ends: Some(t(ends)),
+    };
+    let plain = |k: KeptHold| KeptHold { ends: None, ..k };
+    assert_eq!(conn.clock_hold().await.unwrap(), None);
+    // An end with nothing kept keeps nothing.
+    conn.keep_clock_hold(&end(10, 5)).await.unwrap();
+    assert_eq!(conn.clock_hold().await.unwrap(), None);
+    conn.keep_clock_hold(&hold(100)).await.unwrap();
+    assert_eq!(conn.clock_hold().await.unwrap(), Some(hold(100)));
+    conn.keep_clock_hold(&hold(200)).await.unwrap();
+    // The end of the hold before: late, and of no effect.
+    conn.keep_clock_hold(&end(300, 100)).await.unwrap();
+    assert_eq!(conn.clock_hold().await.unwrap(), Some(hold(200)));
+    conn.keep_clock_hold(&end(400, 200)).await.unwrap();
+    assert_eq!(conn.clock_hold().await.unwrap(), Some(plain(end(400, 200))));
+}
+
+#[tokio::test]
+async fn on_sqlite_the_clock_hold_row_takes_an_end_only_of_its_own_hold() {
+    clock_hold_row_takes_an_end_only_of_its_own_hold(&mut fresh_db().await).await;
+}
+
+#[tokio::test]
+async fn on_postgres_the_clock_hold_row_takes_an_end_only_of_its_own_hold() {
+    use sqlx::{Connection, PgConnection};
+    let db = FreshPostgres::new("clock_hold").await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    clock_hold_row_takes_an_end_only_of_its_own_hold(&mut conn).await;
+    drop(conn);
+    db.drop().await;
+}

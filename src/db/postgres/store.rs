@@ -416,18 +416,18 @@ impl Store for PgConnection {
     }
 
     async fn keep_clock_hold(&mut self, hold: &crate::db::clock::KeptHold) -> Result<(), Error> {
-        sqlx::query(
-            "INSERT INTO clock_hold (id, stepped_to_us, expected_us, until_us) \
-             VALUES (1, $1, $2, $3) \
-             ON CONFLICT (id) DO UPDATE SET stepped_to_us = excluded.stepped_to_us, \
-             expected_us = excluded.expected_us, until_us = excluded.until_us",
-        )
-        .bind(hold.stepped_to.as_microsecond())
-        .bind(hold.expected.as_microsecond())
-        .bind(hold.until.as_microsecond())
-        .execute(self)
-        .await
-        .map_err(error)?;
+        let sql = match hold.ends {
+            Some(_) => crate::db::store::END_CLOCK_HOLD,
+            None => crate::db::store::KEEP_CLOCK_HOLD,
+        };
+        let mut q = sqlx::query(sql)
+            .bind(hold.stepped_to.as_microsecond())
+            .bind(hold.expected.as_microsecond())
+            .bind(hold.until.as_microsecond());
+        if let Some(ends) = hold.ends {
+            q = q.bind(ends.as_microsecond());
+        }
+        q.execute(self).await.map_err(error)?;
         Ok(())
     }
 
