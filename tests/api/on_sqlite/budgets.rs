@@ -27,9 +27,17 @@ async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
 }
 
 /// Writes usage of budget `p` on `days` behind the API, as earlier days'
-/// calls would have left it (visitors `A` and `B`, so 2 global calls).
+/// calls would have left it (visitors `A` and `B`, so 2 global calls),
+/// once the writer is done with what it does after a batch: a `PUT` makes
+/// its budget due, and the writer's share after it (which runs before the
+/// writer takes its next batch) would otherwise prune rows written
+/// meanwhile. A write answered after it is the sign.
 async fn usage_behind(app: &TestApp, days: &[&str]) {
     use sqlx::ConnectOptions;
+    let r = app
+        .post_json("/counters/after-the-writers-share", json!({}))
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
     let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(&app.db_path)
         .connect()
