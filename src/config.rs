@@ -4,6 +4,7 @@
 use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use jiff::fmt::temporal::{Pieces, PiecesOffset};
 pub use secrecy::SecretString;
 
 /// Durability of a commit on the writable connection.
@@ -310,7 +311,30 @@ fn parse_instant(s: &str) -> Result<jiff::Timestamp, String> {
              [time zone] annotation"
         ));
     }
-    s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))
+    let t = s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))?;
+    // What jiff reads beyond RFC 3339, refused rather than read as some
+    // other instant: a leap second, which it reads as the second before
+    // (Unix time, and so Litestream's, has no instant of its own for it),
+    // and an offset of a day or more (RFC 3339's hours stop at 23).
+    let pieces = Pieces::parse(s).map_err(|e| format!("`{s}`: {e}"))?;
+    if let Some(PiecesOffset::Numeric(n)) = pieces.offset()
+        && n.offset().seconds().unsigned_abs() >= 24 * 3600
+    {
+        return Err(format!(
+            "`{s}`: an offset must be under 24 hours (+23:59 at most)"
+        ));
+    }
+    let leap_second = s
+        .split_once(['T', 't', ' '])
+        .and_then(|(_, time)| time.as_bytes().get(..8))
+        .is_some_and(|t| t[2] == b':' && t[5] == b':' && &t[6..8] == b"60");
+    if leap_second {
+        return Err(format!(
+            "`{s}`: a leap second (:60) has no instant of its own in Unix time; give :59 or the \
+             next minute"
+        ));
+    }
+    Ok(t)
 }
 
 /// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
@@ -500,11 +524,22 @@ mod tests {
     fn an_instant_has_an_offset_and_no_annotation() {
         let t = parse_instant("2026-05-01T12:04:00+02:00").unwrap();
         assert_eq!(t.to_string(), "2026-05-01T10:04:00Z");
+        // The widest offsets RFC 3339 has, and a 60th minute that is not a
+        // leap second.
+        let t = parse_instant("2026-05-01T23:59:59+23:59").unwrap();
+        assert_eq!(t.to_string(), "2026-05-01T00:00:59Z");
+        let t = parse_instant("2026-05-01T00:00:59-23:59").unwrap();
+        assert_eq!(t.to_string(), "2026-05-01T23:59:59Z");
+        assert!(parse_instant("2026-05-01T10:59:59.999Z").is_ok());
         for bad in [
             "2026-05-01T10:04:00+00:00[!Europe/Paris]",
             "2026-05-01T10:04:00Z[UTC]",
             "2026-05-01T10:04:00",
             "2026-05-01",
+            "2026-05-01T10:04:00+25:00",
+            "2026-05-01T10:04:00-24:00",
+            "2016-12-31T23:59:60Z",
+            "2016-12-31t23:59:60.5+00:00",
         ] {
             assert!(parse_instant(bad).is_err(), "{bad}");
         }
