@@ -92,7 +92,7 @@ pub struct KeptHold {
 #[derive(Default)]
 pub struct StepWatch(Mutex<Watched>);
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Watched {
     /// The last reading in step: the wall clock then, and the monotonic.
     anchor: Option<(Timestamp, Instant)>,
@@ -168,6 +168,34 @@ impl StepWatch {
     fn start_at(&self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
         w.start(now, kept, mono)
+    }
+
+    /// The hold the database keeps, read after the start because reading
+    /// it then failed, with a reading `now` of the clock: taken over as
+    /// [`Self::start`] takes it, unless this process has begun or taken
+    /// over a hold of its own since (the newer word). When it is not taken
+    /// over, nothing changes. Whether it was.
+    pub fn start_late(&self, now: Timestamp, kept: Option<KeptHold>) -> bool {
+        self.start_late_at(now, kept, Instant::now())
+    }
+
+    fn start_late_at(&self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
+        let Some(kept) = kept else { return false };
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if w.holding.is_some() {
+            return false;
+        }
+        if w.anchor.is_none() {
+            // No reading yet: the first takes it over, as at the start.
+            w.kept_at_start = Some(kept);
+            return false;
+        }
+        let before = w.clone();
+        let taken = w.start(now, Some(kept), mono);
+        if !taken {
+            *w = before;
+        }
+        taken
     }
 
     /// A hold begun or ended early since the last call, for the database
@@ -536,6 +564,55 @@ mod tests {
             m0 + hour + Duration::from_secs(1),
         );
         assert_eq!(r, Trusted::plain(at(t0, 86_400 + 6 * 3600 + 1)));
+    }
+
+    /// A process whose read of the kept hold failed at its start, and
+    /// that read it later: it takes it over then if the clock is still
+    /// inside it, and changes nothing if not, or if it holds already.
+    #[test]
+    fn a_hold_read_late_is_taken_over_as_at_the_start() {
+        let (t0, m0) = (Timestamp::now(), Instant::now());
+        let ahead = at(t0, 10 * 86_400);
+        let kept = KeptHold {
+            stepped_to: ahead,
+            expected: t0,
+            until: ahead.checked_add(HOLD).unwrap(),
+            ends: None,
+        };
+        // Started inside the hold without it: the stepped clock trusted.
+        let w = StepWatch::default();
+        w.start_at(at(ahead, 60), None, m0);
+        assert!(plain(w.read_at(at(ahead, 120), m0 + MINUTE)));
+        assert!(w.start_late_at(at(ahead, 180), Some(kept), m0 + MINUTE * 2));
+        let r = w.read_at(at(ahead, 240), m0 + MINUTE * 3);
+        assert_eq!((r.earliest, r.latest), (at(t0, 240), at(ahead, 240)));
+        assert_eq!(w.to_keep(), None, "taken over, not begun again");
+        assert!(!w.start_late_at(at(ahead, 300), Some(kept), m0 + MINUTE * 4));
+        // Nothing kept, or a hold over: nothing changes (a step from the
+        // last reading is still one).
+        for late in [None, Some(KeptHold { until: t0, ..kept })] {
+            let w = StepWatch::default();
+            w.start_at(t0, None, m0);
+            assert!(!w.start_late_at(at(t0, 600), late, m0 + MINUTE));
+            // Ten minutes ahead a minute later is a step from the start,
+            // as it was (from the late reading, it would be none).
+            assert!(!plain(w.read_at(at(t0, 660), m0 + MINUTE * 2)));
+        }
+        // A hold of its own since the start is the newer word.
+        let w = StepWatch::default();
+        w.start_at(t0, None, m0);
+        w.read_at(ahead, m0 + MINUTE);
+        let own = w.to_keep().unwrap();
+        assert!(!w.start_late_at(at(ahead, 60), Some(kept), m0 + MINUTE * 2));
+        assert_eq!(w.to_keep(), None);
+        let r = w.read_at(at(ahead, 120), m0 + MINUTE * 3);
+        assert_eq!(r.earliest, at(own.expected, 120));
+        // No reading yet: the first reading takes it over.
+        let w = StepWatch::default();
+        w.start(None, None);
+        assert!(!w.start_late_at(at(ahead, 60), Some(kept), m0));
+        let r = w.read_at(at(ahead, 120), m0 + MINUTE);
+        assert!(!plain(r), "{r:?}");
     }
 
     #[test]

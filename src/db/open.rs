@@ -83,6 +83,7 @@ fn assemble(
         prunes_due: Default::default(),
         clock: Default::default(),
         hold_unkept: false,
+        hold_unread: None,
         clock_read_at: None,
         key_ttl: opts.key_ttl.unwrap_or(keys::DEFAULT_KEY_TTL),
         #[cfg(feature = "test-hooks")]

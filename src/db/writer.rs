@@ -84,6 +84,9 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) hold_unkept: bool,
     /// When the writer last read the clock for itself ([`Self::read_clock`]).
     pub(super) clock_read_at: Option<std::time::Instant>,
+    /// When reading the hold the database keeps last failed, if it has
+    /// not been read yet ([`Self::read_hold_late`]).
+    pub(super) hold_unread: Option<std::time::Instant>,
     /// Test hook: panic on taking batch number N+1.
     #[cfg(feature = "test-hooks")]
     pub(super) panic_after: Option<u64>,
@@ -259,9 +262,11 @@ impl<E: Engine> WriterLoop<E> {
             Err(e) => {
                 tracing::warn!(
                     error = %e,
-                    "could not read the clock's hold the database keeps: a step of the clock \
-                     a process before this one saw will not hold this one back"
+                    "could not read the clock's hold the database keeps: until it is read \
+                     (tried again before batches, once a second at most), a step of the \
+                     clock a process before this one saw does not hold this one back"
                 );
+                self.hold_unread = Some(std::time::Instant::now());
                 None
             }
         };
@@ -303,6 +308,7 @@ impl<E: Engine> WriterLoop<E> {
                     // Timed as a batch is: a check stuck on a hung volume
                     // holds every write behind it.
                     self.stats.set_on_batch(true);
+                    self.read_hold_late().await;
                     let checked = self.engine.check();
                     // A prune left part done goes on with no batch to
                     // follow (a day's first call, then quiet): shares
@@ -321,6 +327,7 @@ impl<E: Engine> WriterLoop<E> {
                 }
             }
             self.stats.set_on_batch(true);
+            self.read_hold_late().await;
             #[cfg(feature = "test-hooks")]
             self.test_hooks(batch.len()).await;
             self.batches += 1;
@@ -598,6 +605,36 @@ impl<E: Engine> WriterLoop<E> {
         // Unread, it is read at the next chance.
         if let Ok(wall) = self.engine.now().await {
             self.clock.read(wall);
+        }
+    }
+
+    /// The hold the database keeps, if reading it at the start failed (a
+    /// PostgreSQL server lost in that instant, a lock held on its table):
+    /// read before the next batch or idle check, once a second at most,
+    /// with the clock, and taken over if the clock is still inside it
+    /// ([`StepWatch::start_late`]). Until then the batches go by the clock
+    /// as it reads, as they did before holds were kept.
+    async fn read_hold_late(&mut self) {
+        let Some(tried) = self.hold_unread else {
+            return;
+        };
+        if tried.elapsed() < FILES_CHECK_INTERVAL {
+            return;
+        }
+        let read = match self.engine.clock_hold().await {
+            Ok(kept) => self.engine.now().await.map(|now| (kept, now)),
+            Err(e) => Err(e),
+        };
+        match read {
+            Ok((kept, now)) => {
+                self.hold_unread = None;
+                let taken = self.clock.start_late(now, kept);
+                tracing::info!(
+                    held = taken,
+                    "read the clock's hold the database keeps, late (held: taken over)"
+                );
+            }
+            Err(_) => self.hold_unread = Some(std::time::Instant::now()),
         }
     }
 

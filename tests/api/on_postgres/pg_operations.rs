@@ -1402,6 +1402,20 @@ async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
 /// is back in step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_started_during_a_hold_holds_too() {
+    replica_started_during_a_hold(false).await;
+}
+
+/// As [`a_replica_started_during_a_hold_holds_too`], with the hold's table
+/// locked by an operator's session as the new replica starts: its read of
+/// the hold failed, and it took the stepped clock for the real one for as
+/// long as it ran. It reads the hold again before its batches, and takes
+/// it over once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_that_could_not_read_the_hold_at_its_start_reads_it_later() {
+    replica_started_during_a_hold(true).await;
+}
+
+async fn replica_started_during_a_hold(locked_at_start: bool) {
     let dir = tempfile::tempdir().unwrap();
     let clock = dir.path().join("clock");
     set_clock(&clock, "+0");
@@ -1457,7 +1471,35 @@ async fn a_replica_started_during_a_hold_holds_too() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    bins.extend(processes(1, &url, &[]));
+    if locked_at_start {
+        let mut admin = PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("BEGIN; LOCK TABLE clock_hold IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        bins.extend(processes(
+            1,
+            &url,
+            &[("TALLY_POSTGRES_LOCK_TIMEOUT", "0.5")],
+        ));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !bins[1]
+            .log_text()
+            .contains("could not read the clock's hold the database keeps")
+        {
+            assert!(Instant::now() < deadline, "{}", bins[1].log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
+        // Read at the next idle check, or before the next batch.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !bins[1].log_text().contains("the database keeps, late") {
+            assert!(Instant::now() < deadline, "{}", bins[1].log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    } else {
+        bins.extend(processes(1, &url, &[]));
+    }
     let stepped = check(&bins[1], "b", "w").await;
     assert_ne!(stepped["day"], today["day"], "{stepped}");
     assert_eq!(steps(&bins[1], "forward").await, Some(1.0));
