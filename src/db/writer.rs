@@ -618,7 +618,9 @@ impl<E: Engine> WriterLoop<E> {
         let Some(tried) = self.hold_unread else {
             return;
         };
-        if tried.elapsed() < FILES_CHECK_INTERVAL {
+        // Not while the server cannot be reached: the batch would wait for
+        // it twice. The first batch it answers again clears that.
+        if tried.elapsed() < FILES_CHECK_INTERVAL || self.engine.stopped().is_some() {
             return;
         }
         let read = match self.engine.clock_hold().await {
