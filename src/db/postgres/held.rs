@@ -35,8 +35,12 @@ pub const PROBES_PER_BATCH: usize = 2;
 /// forgotten.
 const MOST_ROWS: usize = 4096;
 
-/// A row no command has asked for this long is forgotten: whether it is
-/// still held is unknown.
+/// A row no command has asked for this long, while no row at all has been
+/// found held, is forgotten: whether it is still held is unknown. While
+/// rows are still found held (an operator's lock on many rows, some of them
+/// asked for seldom), none is forgotten for time: forgetting a row asked
+/// for less often than this, then finding it held again, cost its batch a
+/// wait at every ask.
 pub const FORGET_AFTER: Duration = Duration::from_secs(10);
 
 /// The rows found held, each with when it was last tried and the error
@@ -48,6 +52,9 @@ pub struct HeldRows {
     /// them, but while one is held batches are wary, so that each retry
     /// of it costs its batch the brief lock timeouts, not the whole one.
     keys: HashMap<String, Instant>,
+    /// When a row was last found held (a wait, or a try, answered
+    /// row-busy): rows are forgotten for time only [`FORGET_AFTER`] later.
+    found_held: Option<Instant>,
     /// When a batch may next try rows.
     next_probes: Option<Instant>,
     /// How many `tally_rows_held` shows.
@@ -60,6 +67,7 @@ impl Default for HeldRows {
         HeldRows {
             rows: HashMap::new(),
             keys: HashMap::new(),
+            found_held: None,
             next_probes: None,
             shown: 0,
         }
@@ -246,6 +254,7 @@ impl HeldRows {
                         _ => q.command.held_row(),
                     };
                     let error = e.clone();
+                    self.found_held = Some(now);
                     let held = Held {
                         tried: now,
                         asked: now,
@@ -264,8 +273,11 @@ impl HeldRows {
                 _ => {}
             }
         }
-        self.rows
-            .retain(|_, h| now.saturating_duration_since(h.asked) < FORGET_AFTER);
+        let found_held = self.found_held;
+        self.rows.retain(|_, h| {
+            let since = found_held.map_or(h.asked, |f| f.max(h.asked));
+            now.saturating_duration_since(since) < FORGET_AFTER
+        });
         self.keys
             .retain(|_, at| now.saturating_duration_since(*at) < FORGET_AFTER);
         while self.keys.len() > MOST_ROWS
@@ -735,6 +747,57 @@ mod tests {
             }
             held.learn(&batch[..split.probes], t);
         }
+    }
+
+    /// Many rows held, each asked for less often than `FORGET_AFTER`: as
+    /// long as rows are still found held, none is forgotten, so each costs
+    /// one wait, once. Forgotten for time before, the process kept about
+    /// the rows asked for in the last 10 s (80 of 500, on three replicas
+    /// under an operator's lock), and nearly every batch waited for a row
+    /// it had forgotten. Once none is found held any more, they go.
+    #[test]
+    fn rows_asked_for_seldom_are_kept_while_rows_are_still_found_held() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        let names: Vec<String> = (0..500).map(|i| format!("h{i}")).collect();
+        // One ask a batch, round the rows, a batch every 100 ms: each row
+        // is asked for every 50 s. A row not remembered waits, and is
+        // found held; a remembered one is refused, or now and then tried
+        // and found held again.
+        let mut t = t0;
+        let mut waits = 0;
+        for round in 0..2 {
+            for name in &names {
+                t += Duration::from_millis(100);
+                let mut batch = vec![increment(name)];
+                let split = held.split(&mut batch, t);
+                if split.normal + split.probes == 1 {
+                    if split.normal == 1 {
+                        waits += 1;
+                        assert_eq!(round, 0, "{name} was forgotten and waited again");
+                    }
+                    batch[0].command.fail(busy(HeldRow::Own));
+                }
+                held.learn(&batch, t);
+            }
+        }
+        assert_eq!(waits, 500);
+        assert_eq!(held.rows.len(), 500);
+        // Released: tries get the rows asked for, and the rest, asked for
+        // by nothing, go once no row has been found held for a while.
+        for name in &names[..10] {
+            t += PROBE_EVERY;
+            let mut batch = vec![increment(name)];
+            let split = held.split(&mut batch, t);
+            if split.probes == 1 {
+                set_ok(&mut batch[0]);
+            }
+            held.learn(&batch, t);
+        }
+        assert!(held.rows.len() < 500);
+        held.learn(&[], t + FORGET_AFTER);
+        assert!(held.rows.is_empty());
+        assert!(!held.wary());
     }
 
     /// Any answer but row-busy forgets the rows (an overflow, an unknown
