@@ -17,6 +17,25 @@ pub struct Readers {
     /// Whether reads fail for an unreachable server now: its start and end
     /// are logged once, not once per failed read.
     failing: AtomicBool,
+    /// Whether the outage under way was logged: its end is logged only then.
+    logged: AtomicBool,
+    /// Outages logged, one every [`OUTAGE_LOG_EVERY`] at most.
+    outages: crate::telemetry::Throttle,
+}
+
+/// How often an outage of reads may be logged. With too few connection
+/// slots on the server, one read gets a connection and the next does not:
+/// each was an outage begun and ended, and a replica logged 540 lines in
+/// 20 s.
+const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A line [`Readers::note_outage`] writes.
+#[derive(Debug, PartialEq, Eq)]
+enum OutageLine {
+    /// Reads fail; with the outages since the last line not logged.
+    Starts { held_back: u64 },
+    /// Reads answer again, after an outage that was logged.
+    Ends,
 }
 
 struct ReaderConnections {
@@ -60,6 +79,8 @@ impl Readers {
         Readers {
             pool,
             failing: AtomicBool::new(false),
+            logged: AtomicBool::new(false),
+            outages: crate::telemetry::Throttle::new(OUTAGE_LOG_EVERY),
         }
     }
 
@@ -110,18 +131,36 @@ impl Readers {
 
     /// Logs when reads start failing for an unreachable server, and when
     /// they stop: once each, however many reads fail in between (each is
-    /// counted by route and status in the HTTP metrics).
+    /// counted by route and status in the HTTP metrics), and one outage
+    /// every [`OUTAGE_LOG_EVERY`] at most.
     fn note_outage<T>(&self, result: &Result<T, Error>) {
-        let failing = matches!(result, Err(Error::Unavailable(_)));
-        if self.failing.swap(failing, Ordering::Relaxed) == failing {
-            return;
+        let line = self.outage_line(matches!(result, Err(Error::Unavailable(_))));
+        match (line, result) {
+            (Some(OutageLine::Starts { held_back }), Err(e)) => tracing::error!(
+                error = %e,
+                held_back,
+                "reads: the database cannot be reached (one such line every 10 s at most; \
+                 held_back: outages since the last, not logged)"
+            ),
+            (Some(OutageLine::Ends), _) => tracing::warn!("reads: the database answers again"),
+            _ => {}
         }
-        match result {
-            Err(e) if failing => {
-                tracing::error!(error = %e, "reads: the database cannot be reached")
-            }
-            _ => tracing::warn!("reads: the database answers again"),
+    }
+
+    /// What [`Self::note_outage`] logs for a read that `failed` or not.
+    fn outage_line(&self, failed: bool) -> Option<OutageLine> {
+        if self.failing.swap(failed, Ordering::Relaxed) == failed {
+            return None;
         }
+        if !failed {
+            return self
+                .logged
+                .swap(false, Ordering::Relaxed)
+                .then_some(OutageLine::Ends);
+        }
+        let held_back = self.outages.admit()?;
+        self.logged.store(true, Ordering::Relaxed);
+        Some(OutageLine::Starts { held_back })
     }
 }
 
@@ -320,4 +359,30 @@ pub async fn list_counters(
         .fetch_all(conn)
         .await
         .map_err(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads that fail and succeed in turn (a server short of connection
+    /// slots) log one outage, with its end, every 10 s at most; the next
+    /// says how many were not logged.
+    #[test]
+    fn flapping_reads_log_one_outage_every_ten_seconds() {
+        let options =
+            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
+        let readers = Readers::new(options, 2);
+        assert_eq!(readers.outage_line(false), None);
+        assert_eq!(
+            readers.outage_line(true),
+            Some(OutageLine::Starts { held_back: 0 })
+        );
+        assert_eq!(readers.outage_line(true), None);
+        assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
+        for _ in 0..100 {
+            assert_eq!(readers.outage_line(true), None);
+            assert_eq!(readers.outage_line(false), None);
+        }
+    }
 }
