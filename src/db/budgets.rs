@@ -292,6 +292,25 @@ pub async fn check_many(
         .collect();
 
     let mut usage = DayUsage::read(conn, items, &days).await?;
+    // On PostgreSQL `now` is when the transaction began, and the days'
+    // locks may have been waited for past a midnight, while another
+    // process's first call of the new day pruned by it: a day judged kept
+    // by `now` may be one that prune deleted, and counting on it would
+    // bring it back empty (a visitor at its limit allowed again). Judged
+    // again by the clock as it reads now the days are held, a check whose
+    // day is another runs again, with its batch, in a new transaction.
+    if let Some(later) = conn.clock_if_now_lags().await? {
+        let later = later.max(now);
+        let moved = items.iter().zip(&days).any(|(item, day)| match day {
+            Ok((_, was, _)) => !matches!(day_of(&budgets, item, later), Ok((_, is)) if is == *was),
+            Err(_) => false,
+        });
+        if moved {
+            return Err(Error::Raced(std::sync::Arc::new(sqlx::Error::Protocol(
+                "a day the batch counts on changed while it waited for the days' locks".into(),
+            ))));
+        }
+    }
     // Counted back from a time no step of the clock has moved on.
     let prune_from = clock::trusted(now).earliest;
     let mut decisions = Vec::with_capacity(items.len());

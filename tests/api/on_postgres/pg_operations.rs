@@ -1415,17 +1415,23 @@ async fn a_replica_that_could_not_read_the_hold_at_its_start_reads_it_later() {
     replica_started_during_a_hold(true).await;
 }
 
-async fn replica_started_during_a_hold(locked_at_start: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = dir.path().join("clock");
-    set_clock(&clock, "+0");
+/// A PostgreSQL server whose clock libfaketime reads from `clock` (see
+/// [`set_clock`]).
+fn faketime_server(clock: &std::path::Path) -> PgServer {
     let library = faketime_library();
-    let server = PgServer::start_with(&[
+    PgServer::start_with(&[
         ("LD_PRELOAD", library.to_str().unwrap()),
         ("FAKETIME_TIMESTAMP_FILE", clock.to_str().unwrap()),
         ("FAKETIME_NO_CACHE", "1"),
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-    ]);
+    ])
+}
+
+async fn replica_started_during_a_hold(locked_at_start: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    set_clock(&clock, "+0");
+    let server = faketime_server(&clock);
     let url = postgres::fresh_database_on(&server.url()).await;
     let mut bins = processes(1, &url, &[]);
     let client = Client::new();
@@ -1523,5 +1529,106 @@ async fn replica_started_during_a_hold(locked_at_start: bool) {
         "{logs}"
     );
     assert!(logs.contains("the wall clock is back in step"), "{logs}");
+    stop_all(bins).await;
+}
+
+/// A batch whose transaction began before midnight and waited for a row
+/// past it, while another process's first call of the new day pruned the
+/// day that left the window: the batch, judging its days by when it
+/// began, counted on that day, brought it back empty, and allowed a
+/// visitor at its limit there again. It judges them again once the days
+/// are held, and runs again: the day has left the window (422).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_that_waited_past_midnight_brings_back_no_pruned_day() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    // Frozen, moved by hand.
+    set_clock(&clock, "2026-05-01 23:59:58");
+    let server = faketime_server(&clock);
+    let url = postgres::fresh_database_on(&server.url()).await;
+    let bins = processes(2, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "8")]);
+    let client = Client::new();
+    let spec = json!({"visitor_limit": 2, "global_limit": 1000, "retention_days": 1});
+    put_budget(&client, &bins[0], "b", spec).await;
+    let check = async |bin: &Binary, body: serde_json::Value| {
+        client
+            .post(bin.url("/budgets/b/check"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+    // The visitor at its limit on 04-30, the oldest day kept on 05-01.
+    let on_oldest = json!({"visitor": "w", "day": "2026-04-30"});
+    for allowed in [true, true, false] {
+        let r = check(&bins[0], on_oldest.clone()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(json(r).await["allowed"], allowed);
+    }
+    for name in ["plug", "hot"] {
+        let r = client
+            .post(bins[0].url(&format!("/counters/{name}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    // The first process's writer held on `plug`, so that the increment
+    // of `hot` and the check queue behind it and go in one batch; that
+    // batch then waits on `hot` past midnight.
+    let mut plug = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'plug' FOR UPDATE")
+        .execute(&mut plug)
+        .await
+        .unwrap();
+    let mut hot = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM counters WHERE name = 'hot' FOR UPDATE")
+        .execute(&mut hot)
+        .await
+        .unwrap();
+    let plugged = tokio::spawn(client.post(bins[0].url("/counters/plug")).send());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let hot_write = tokio::spawn(client.post(bins[0].url("/counters/hot")).send());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = tokio::spawn(
+        client
+            .post(bins[0].url("/budgets/b/check"))
+            .json(&on_oldest)
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    sqlx::raw_sql("COMMIT").execute(&mut plug).await.unwrap();
+    // The batch of `hot` and the check begins, at 23:59:58, and waits on
+    // `hot`: for 250 ms at most before it is split and run again, in new
+    // transactions (which would find the day gone), so what follows must
+    // be quick for the race to be run at all (slower, the test passes
+    // without testing it).
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // Less than the lock timeout later: the server times its lock waits by
+    // this clock.
+    set_clock(&clock, "2026-05-02 00:00:01");
+    // The new day's first call, on the other process, prunes 04-30.
+    let r = check(&bins[1], json!({"visitor": "x"})).await;
+    sqlx::raw_sql("COMMIT").execute(&mut hot).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let first = json(r).await;
+    assert_eq!(first["day"], "2026-05-02", "{first}");
+    assert_eq!(plugged.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(hot_write.await.unwrap().unwrap().status(), StatusCode::OK);
+    let r = late.await.unwrap().unwrap();
+    let status = r.status();
+    let answer = json(r).await;
+    assert_eq!(
+        status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "the check counted on a day pruned under it: {answer}"
+    );
+    assert_eq!(answer["allowed"], false);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM budget_visitor_usage WHERE day < '2026-05-01'")
+            .fetch_one(&mut hot)
+            .await
+            .unwrap();
+    assert_eq!(left, 0, "a pruned day was brought back");
     stop_all(bins).await;
 }
