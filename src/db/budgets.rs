@@ -298,8 +298,13 @@ pub async fn check_many(
     // by `now` may be one that prune deleted, and counting on it would
     // bring it back empty (a visitor at its limit allowed again). Judged
     // again by the clock as it reads now the days are held, a check whose
-    // day is another runs again, with its batch, in a new transaction.
-    if let Some(later) = conn.clock_if_now_lags().await? {
+    // day is another runs again, with its batch, in a new transaction. (A
+    // batch whose every check was refused holds no day, and asks nothing.)
+    let later = match days.iter().any(Result::is_ok) {
+        true => conn.clock_if_now_lags().await?,
+        false => None,
+    };
+    if let Some(later) = later {
         let later = later.max(now);
         let moved = items.iter().zip(&days).any(|(item, day)| match day {
             Ok((_, was, _)) => !matches!(day_of(&budgets, item, later), Ok((_, is)) if is == *was),
