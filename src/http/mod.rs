@@ -131,8 +131,24 @@ pub fn router(
         .with_state(())
 }
 
-async fn not_found() -> Problem {
-    Problem::not_found("no such route")
+/// A path a client meant as a check (`/budgets/b/check/`, `/budgets/b//check`)
+/// is no route, and its 404 says `"allowed": false` as the check's own
+/// answers do: a client reading only that field denies.
+async fn not_found(uri: axum::http::Uri) -> Problem {
+    match meant_as_check(uri.path()) {
+        true => Problem::not_found(
+            "no such route; a check is POST /budgets/{name}/check, with no slash at its end",
+        )
+        .with("allowed", false),
+        false => Problem::not_found("no such route"),
+    }
+}
+
+/// Under `/budgets/`, with `check` for its last segment once empty
+/// segments are left out.
+fn meant_as_check(path: &str) -> bool {
+    let mut segments = path.split('/').filter(|s| !s.is_empty());
+    segments.next() == Some("budgets") && segments.next_back() == Some("check")
 }
 
 /// A check route's answers other than a `200` all say `"allowed": false`,

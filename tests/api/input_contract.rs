@@ -450,7 +450,22 @@ async fn unknown_routes_and_methods() {
     let app = spawn_app().await;
     problem(app.get("/nope").await, StatusCode::NOT_FOUND).await;
     problem(app.get("/counterz").await, StatusCode::NOT_FOUND).await;
-    problem(app.get("/counters/a/b").await, StatusCode::NOT_FOUND).await;
+    let p = problem(app.get("/counters/a/b").await, StatusCode::NOT_FOUND).await;
+    assert!(p.get("allowed").is_none(), "{p}");
+    // A check sent to a path that is nearly the check's is denied too.
+    app.budget("near", 5, 5).await;
+    for path in [
+        "/budgets/near/check/",
+        "/budgets/near//check",
+        "/budgets//near/check/",
+    ] {
+        let r = app.post_json(path, json!({"visitor": "v"})).await;
+        let p = problem(r, StatusCode::NOT_FOUND).await;
+        assert_eq!(p["allowed"], false, "{path}: {p}");
+        assert!(p["detail"].as_str().unwrap().contains("/check"), "{p}");
+    }
+    let u = app.usage("near", "visitor=v").await;
+    assert_eq!(u["global_calls"], 0, "{u}");
     for (m, path) in [
         (Method::DELETE, "/counter"),
         (Method::POST, "/counters"),
