@@ -4,7 +4,6 @@
 use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use jiff::fmt::temporal::{Pieces, PiecesOffset};
 pub use secrecy::SecretString;
 
 /// Durability of a commit on the writable connection.
@@ -300,10 +299,15 @@ impl std::str::FromStr for Storage {
     }
 }
 
-/// An instant as RFC 3339 writes it: a date, a time and an offset (or `Z`).
-/// A time zone annotation (`[Europe/Paris]`, RFC 9557) is refused rather
-/// than dropped: the instant is read from the offset alone, and an
-/// annotation that disagrees with it would be silently ignored.
+/// An instant as RFC 3339 writes it: a date, a time to the second (a
+/// fraction allowed) and an offset (or `Z`), nothing else. A time zone
+/// annotation (`[Europe/Paris]`, RFC 9557) is refused rather than dropped:
+/// the instant is read from the offset alone, and an annotation that
+/// disagrees with it would be silently ignored. So is what jiff reads
+/// beyond RFC 3339, rather than read as some other instant: ISO 8601's
+/// basic forms (`20161231T235960Z`, `+0200`), a leap second, which it reads
+/// as the second before (Unix time, and so Litestream's, has no instant of
+/// its own for it), and an offset of a day or more.
 fn parse_instant(s: &str) -> Result<jiff::Timestamp, String> {
     if s.contains('[') {
         return Err(format!(
@@ -311,30 +315,75 @@ fn parse_instant(s: &str) -> Result<jiff::Timestamp, String> {
              [time zone] annotation"
         ));
     }
-    let t = s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))?;
-    // What jiff reads beyond RFC 3339, refused rather than read as some
-    // other instant: a leap second, which it reads as the second before
-    // (Unix time, and so Litestream's, has no instant of its own for it),
-    // and an offset of a day or more (RFC 3339's hours stop at 23).
-    let pieces = Pieces::parse(s).map_err(|e| format!("`{s}`: {e}"))?;
-    if let Some(PiecesOffset::Numeric(n)) = pieces.offset()
-        && n.offset().seconds().unsigned_abs() >= 24 * 3600
-    {
+    let Some(shape) = Rfc3339::of(s) else {
+        return Err(format!(
+            "`{s}`: not an RFC 3339 instant: give YYYY-MM-DDTHH:MM:SS, a fraction of a second \
+             if wanted, then Z or an offset +HH:MM (2026-05-01T10:04:00Z)"
+        ));
+    };
+    if shape.offset_hours >= 24 {
         return Err(format!(
             "`{s}`: an offset must be under 24 hours (+23:59 at most)"
         ));
     }
-    let leap_second = s
-        .split_once(['T', 't', ' '])
-        .and_then(|(_, time)| time.as_bytes().get(..8))
-        .is_some_and(|t| t[2] == b':' && t[5] == b':' && &t[6..8] == b"60");
-    if leap_second {
+    if shape.second == 60 {
         return Err(format!(
             "`{s}`: a leap second (:60) has no instant of its own in Unix time; give :59 or the \
              next minute"
         ));
     }
-    Ok(t)
+    s.parse().map_err(|e: jiff::Error| format!("`{s}`: {e}"))
+}
+
+/// The fields of an RFC 3339 date-time that jiff would read otherwise
+/// than as written, found by its shape: `YYYY-MM-DD`, `T` (or `t`, or a
+/// space), `HH:MM:SS`, an optional `.` and digits, then `Z` (`z`) or
+/// `+HH:MM` / `-HH:MM`. `None` for any other shape.
+struct Rfc3339 {
+    second: u8,
+    offset_hours: u8,
+}
+
+impl Rfc3339 {
+    fn of(s: &str) -> Option<Self> {
+        let b = s.as_bytes();
+        let digits = |at: usize, n: usize| -> Option<u32> {
+            let d = b.get(at..at + n)?;
+            d.iter()
+                .all(u8::is_ascii_digit)
+                .then(|| d.iter().fold(0, |acc, c| acc * 10 + u32::from(c - b'0')))
+        };
+        let is = |at: usize, allowed: &[u8]| b.get(at).is_some_and(|c| allowed.contains(c));
+        digits(0, 4)?;
+        (is(4, b"-") && is(7, b"-") && is(10, b"Tt ") && is(13, b":") && is(16, b":"))
+            .then_some(())?;
+        digits(5, 2)?;
+        digits(8, 2)?;
+        digits(11, 2)?;
+        digits(14, 2)?;
+        let second = u8::try_from(digits(17, 2)?).ok()?;
+        let mut at = 19;
+        if is(at, b".") {
+            let n = b[at + 1..]
+                .iter()
+                .take_while(|c| c.is_ascii_digit())
+                .count();
+            (n > 0).then_some(())?;
+            at += 1 + n;
+        }
+        let offset_hours = match b.get(at..)? {
+            [b'Z' | b'z'] => 0,
+            [b'+' | b'-', ..] if b.len() == at + 6 && is(at + 3, b":") => {
+                digits(at + 4, 2)?;
+                u8::try_from(digits(at + 1, 2)?).ok()?
+            }
+            _ => return None,
+        };
+        Some(Rfc3339 {
+            second,
+            offset_hours,
+        })
+    }
 }
 
 /// A `postgres://` or `postgresql://` URL selects PostgreSQL; anything else
@@ -531,6 +580,9 @@ mod tests {
         let t = parse_instant("2026-05-01T00:00:59-23:59").unwrap();
         assert_eq!(t.to_string(), "2026-05-01T23:59:59Z");
         assert!(parse_instant("2026-05-01T10:59:59.999Z").is_ok());
+        let t = parse_instant("2026-05-01 10:04:00.5-05:30").unwrap();
+        assert_eq!(t.to_string(), "2026-05-01T15:34:00.5Z");
+        assert!(parse_instant("2026-05-01t10:04:00z").is_ok());
         for bad in [
             "2026-05-01T10:04:00+00:00[!Europe/Paris]",
             "2026-05-01T10:04:00Z[UTC]",
@@ -540,6 +592,17 @@ mod tests {
             "2026-05-01T10:04:00-24:00",
             "2016-12-31T23:59:60Z",
             "2016-12-31t23:59:60.5+00:00",
+            // ISO 8601's basic forms, which jiff reads too, a leap second
+            // among them read as :59.
+            "20161231T235960Z",
+            "2016-12-31T235960Z",
+            "2016-12-31T23:59:59+0200",
+            "2026-05-01T10:04:00+02:00:30",
+            "2026-05-01T10:04Z",
+            "2026-05-01T10:04:00.Z",
+            "2026-05-01T10:04:00Zx",
+            "2026-05-01T10:04:00+2:00",
+            "２０２６-05-01T10:04:00Z",
         ] {
             assert!(parse_instant(bad).is_err(), "{bad}");
         }
