@@ -134,8 +134,30 @@ impl Throttle {
         self.admit_at(START.elapsed().as_millis() as u64)
     }
 
+    /// [`Self::admit`] for a line held back before and asked for again
+    /// (an outage whose start was held back, still going on): a refusal
+    /// holds back no further line, and the lines held back it answers
+    /// leave out its own.
+    pub fn admit_held(&self) -> Option<u64> {
+        self.admit_held_at(START.elapsed().as_millis() as u64)
+    }
+
+    fn admit_held_at(&self, now: u64) -> Option<u64> {
+        self.due_at(now).map(|held| held.saturating_sub(1))
+    }
+
     /// [`Self::admit`] at `now`, in ms since [`START`].
     fn admit_at(&self, now: u64) -> Option<u64> {
+        let admitted = self.due_at(now);
+        if admitted.is_none() {
+            self.held.fetch_add(1, Ordering::Relaxed);
+        }
+        admitted
+    }
+
+    /// `Some(lines held back)` if a line may be written at `now`, which
+    /// it then is.
+    fn due_at(&self, now: u64) -> Option<u64> {
         let next = self.next_ms.load(Ordering::Relaxed);
         if now >= next
             && self
@@ -150,7 +172,6 @@ impl Throttle {
         {
             return Some(self.held.swap(0, Ordering::Relaxed));
         }
-        self.held.fetch_add(1, Ordering::Relaxed);
         None
     }
 }
@@ -174,6 +195,14 @@ mod tests {
         assert_eq!(t.admit_at(10_001), None);
         assert_eq!(t.admit_at(25_000), Some(1));
         assert_eq!(t.admit_at(25_000), None);
+        // A line held back (at 25 s, above) asked for again: no more held
+        // back while it waits, and written in its period, not counted.
+        for ms in [25_001, 30_000, 34_999] {
+            assert_eq!(t.admit_held_at(ms), None);
+        }
+        assert_eq!(t.admit_at(34_999), None);
+        assert_eq!(t.admit_held_at(35_000), Some(1), "the one at 34.999 s");
+        assert_eq!(t.admit_at(45_000), Some(0));
         // The clock as it is: the first line of a new throttle is written.
         assert_eq!(Throttle::new(Duration::from_secs(10)).admit(), Some(0));
     }

@@ -147,18 +147,20 @@ impl Readers {
         }
     }
 
-    /// What [`Self::note_outage`] logs for a read that `failed` or not.
+    /// What [`Self::note_outage`] logs for a read that `failed` or not. An
+    /// outage whose start was held back is logged by a later failed read
+    /// once the throttle lets it: one that lasts is always logged.
     fn outage_line(&self, failed: bool) -> Option<OutageLine> {
-        if self.failing.swap(failed, Ordering::Relaxed) == failed {
-            return None;
-        }
+        let was_failing = self.failing.swap(failed, Ordering::Relaxed);
         if !failed {
-            return self
-                .logged
-                .swap(false, Ordering::Relaxed)
+            return (was_failing && self.logged.swap(false, Ordering::Relaxed))
                 .then_some(OutageLine::Ends);
         }
-        let held_back = self.outages.admit()?;
+        let held_back = match was_failing {
+            false => self.outages.admit()?,
+            true if self.logged.load(Ordering::Relaxed) => return None,
+            true => self.outages.admit_held()?,
+        };
         self.logged.store(true, Ordering::Relaxed);
         Some(OutageLine::Starts { held_back })
     }
@@ -384,5 +386,27 @@ mod tests {
             assert_eq!(readers.outage_line(true), None);
             assert_eq!(readers.outage_line(false), None);
         }
+    }
+
+    /// An outage that begins while the throttle holds lines back, and
+    /// lasts, is logged once it lets one through; its end then too.
+    #[test]
+    fn an_outage_whose_start_was_held_back_is_logged_if_it_lasts() {
+        let options =
+            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
+        let mut readers = Readers::new(options, 2);
+        let every = Duration::from_millis(300);
+        readers.outages = crate::telemetry::Throttle::new(every);
+        let starts = |held_back| Some(OutageLine::Starts { held_back });
+        assert_eq!(readers.outage_line(true), starts(0));
+        assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
+        // Within the period: held back, however many reads fail.
+        for _ in 0..100 {
+            assert_eq!(readers.outage_line(true), None);
+        }
+        std::thread::sleep(every);
+        assert_eq!(readers.outage_line(true), starts(0), "logged late");
+        assert_eq!(readers.outage_line(true), None);
+        assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
     }
 }
