@@ -81,9 +81,19 @@ impl Engine for WriterConn {
         WriterConn::now(self).await
     }
 
+    /// Read waiting for a lock on the table briefly ([`Store::BEGIN_PROBE`]):
+    /// one left open (an operator's `LOCK TABLE`) would otherwise hold up
+    /// every write behind the read for the whole lock timeout, each time
+    /// it is tried again.
     async fn clock_hold(&mut self) -> Result<Option<KeptHold>, Error> {
-        self.outside_batch(async |conn| Store::clock_hold(conn).await)
-            .await
+        self.outside_batch(async |conn| {
+            conn.exec(<PgConnection as Store>::BEGIN_PROBE).await?;
+            let kept = Store::clock_hold(conn).await;
+            let ended = conn.exec("ROLLBACK").await;
+            let kept = kept?;
+            ended.map(|()| kept)
+        })
+        .await
     }
 
     async fn keep_clock_hold(&mut self, hold: &KeptHold) -> Result<(), Error> {

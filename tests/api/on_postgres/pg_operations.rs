@@ -1415,6 +1415,62 @@ async fn a_replica_that_could_not_read_the_hold_at_its_start_reads_it_later() {
     replica_started_during_a_hold(true).await;
 }
 
+/// A lock left on `clock_hold` (an operator's `LOCK TABLE`) while a
+/// process starts: the process reads the kept hold again every second until
+/// it can, and each read waits for the lock only briefly. Waiting the whole
+/// lock timeout, it held up every write behind it, about one in two
+/// seconds. (Here, on a server whose clock is not faked: under libfaketime
+/// the server's lock timeouts did not fire.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_left_on_the_clock_hold_table_holds_up_no_write() {
+    let url = postgres::fresh_database().await;
+    stop_all(processes(1, &url, &[])).await;
+    let mut admin = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE clock_hold IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    // The lock timeout as long as it may be.
+    let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "9")]);
+    let client = Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !bins[0]
+        .log_text()
+        .contains("could not read the clock's hold the database keeps")
+    {
+        assert!(Instant::now() < deadline, "{}", bins[0].log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let writing = Instant::now();
+    let (mut slowest, mut writes) = (Duration::ZERO, 0);
+    while writing.elapsed() < Duration::from_secs(4) {
+        let sent = Instant::now();
+        let r = client
+            .post(bins[0].url("/counters/x"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        slowest = slowest.max(sent.elapsed());
+        writes += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        slowest < Duration::from_secs(3),
+        "a write waited {slowest:?} behind a read of the locked hold: {}",
+        bins[0].log_text()
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !bins[0].log_text().contains("the database keeps, late") {
+        assert!(Instant::now() < deadline, "{}", bins[0].log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = client.get(bins[0].url("/counters/x")).send().await.unwrap();
+    assert_eq!(json(r).await["value"], writes);
+    stop_all(bins).await;
+}
+
 /// A PostgreSQL server whose clock libfaketime reads from `clock` (see
 /// [`set_clock`]).
 fn faketime_server(clock: &std::path::Path) -> PgServer {
