@@ -158,9 +158,18 @@ pub fn replay<T: Kept>(stored: &StoredKey) -> Result<T, Error> {
 /// a clock stepped past `ttl` would forget keys a retry still needs.
 pub async fn forget_expired(conn: &mut impl Store, ttl: Duration) -> Result<u64, Error> {
     let from = clock::trusted(conn.now().await?).earliest;
-    let ttl = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
-    conn.forget_keys_stored_before(from.as_second().saturating_sub(ttl))
+    conn.forget_keys_stored_before(expired_before(from, ttl))
         .await
+}
+
+/// The stamp (unix seconds, rounded down) before which a key stored is
+/// older than `ttl` at `now`. A part of a second of `ttl` counts as a
+/// whole one: `1.9s` counted as 1 forgot keys 1.1 s after they were
+/// stored.
+fn expired_before(now: jiff::Timestamp, ttl: Duration) -> i64 {
+    let ttl = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    now.as_second()
+        .saturating_sub(i64::try_from(ttl).unwrap_or(i64::MAX))
 }
 
 /// This process's clock in unix seconds: the keys' clock on SQLite, where
@@ -210,4 +219,35 @@ fn decode_decision(s: &str) -> Result<Decision, String> {
         timezone: load_timezone(&d.timezone).map_err(|e| e.0)?,
         decided_at: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No key is forgotten before it is `ttl` old, whatever part of a
+    /// second it was stored at and however `ttl` ends.
+    #[test]
+    fn a_key_is_kept_for_its_whole_ttl() {
+        let base = jiff::Timestamp::from_second(1_800_000_000).unwrap();
+        for ttl_ms in [1_000, 1_500, 1_900, 2_000, 90_000, 86_400_000] {
+            let ttl = Duration::from_millis(ttl_ms);
+            for stored_ms in (0..1_000).step_by(50) {
+                let stored = base + jiff::SignedDuration::from_millis(stored_ms);
+                let stamp = stored.as_second();
+                // The last seconds of it (a later `now` forgets more).
+                let mut now = (stored + ttl - Duration::from_secs(3)).max(stored);
+                while now < stored + ttl {
+                    assert!(
+                        stamp >= expired_before(now, ttl),
+                        "ttl {ttl:?}: stored at {stored}, forgotten at {now}"
+                    );
+                    now += jiff::SignedDuration::from_millis(10);
+                }
+                // And forgotten within a second or two after it.
+                let late = stored + ttl + Duration::from_secs(2);
+                assert!(stamp < expired_before(late, ttl), "ttl {ttl:?}");
+            }
+        }
+    }
 }
