@@ -291,6 +291,39 @@ impl Storage {
     }
 }
 
+impl Storage {
+    /// Refuses a SQLite path that would start a new, empty database
+    /// somewhere else than meant, or defeat the checks on the open file.
+    /// Checked at start rather than when the value is parsed, whose error
+    /// would show the value: a mistyped URL may hold a password.
+    pub fn check(&self) -> Result<(), &'static str> {
+        let Storage::Sqlite(path) = self else {
+            return Ok(());
+        };
+        let s = path.to_string_lossy();
+        if s.trim() != s {
+            return Err(
+                "the database path begins or ends with white space: give the SQLite file's \
+                 path, or the postgres:// URL, without it",
+            );
+        }
+        if has_scheme(&s) {
+            return Err(
+                "the database is a SQLite file's path or a postgres:// or postgresql:// URL; \
+                 this one begins with another scheme (such as `sqlite:` or `file:`), which \
+                 would be taken for a directory's name",
+            );
+        }
+        if s.ends_with('/') {
+            return Err(
+                "the database path ends in `/`: name the SQLite file, not a directory (the \
+                 checks that the open file is still the one at its path would look in vain)",
+            );
+        }
+        Ok(())
+    }
+}
+
 impl std::str::FromStr for Storage {
     type Err = String;
 
@@ -398,6 +431,17 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
         return Err("the database path is empty".into());
     }
     Ok(Storage::Sqlite(PathBuf::from(s)))
+}
+
+/// Whether `s` begins as a URL does: a letter, then letters, digits, `+`,
+/// `-` or `.`, then `:`.
+fn has_scheme(s: &str) -> bool {
+    s.split_once(':').is_some_and(|(scheme, _)| {
+        scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+    })
 }
 
 fn parse_secret(s: &str) -> Result<SecretString, String> {
@@ -675,6 +719,31 @@ mod tests {
         assert_eq!(s.database, Storage::Sqlite("./postgres/tally.db".into()));
         assert_eq!(s.database.engine(), "sqlite");
         assert!(parse("").is_err());
+        for ok in [
+            "data/tally.db",
+            "/data/tally.db",
+            "./a:b/t.db",
+            "t.db/x",
+            "9x:/t.db",
+        ] {
+            assert_eq!(parse(ok).unwrap().database.check(), Ok(()), "{ok}");
+        }
+        // What would start a new, empty database somewhere else than meant,
+        // refused without showing the value.
+        for bad in [
+            " /data/t.db",
+            "/data/t.db ",
+            "/data/t.db\n",
+            " postgres://u:hunter2@db/x",
+            "/data/t.db/",
+            "sqlite:///data/t.db",
+            "file:/data/t.db?mode=ro",
+            "postgres:/u:hunter2@db/x",
+            "SQLite:t.db",
+        ] {
+            let e = parse(bad).unwrap().database.check().unwrap_err();
+            assert!(!e.contains("hunter2") && !e.contains("t.db"), "{bad}: {e}");
+        }
         // Passwords the URL syntax makes hard to find are hidden all the
         // same, or the URL is not shown.
         for (url, secret) in [

@@ -23,6 +23,11 @@ async fn main() -> ExitCode {
         eprintln!("tally: {e}");
         return ExitCode::FAILURE;
     }
+    if let Err(e) = cli.settings.database.check() {
+        tracing::error!(error = e, "tally failed");
+        eprintln!("tally: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => serve(cli.settings, parent).await,
         Command::Contention { writers, hold_ms } => {
