@@ -43,6 +43,17 @@ impl Database {
                             .into(),
                     });
                 }
+                // Asked for by name (the default is `full`): a commit's
+                // durability is the server's own (`synchronous_commit`).
+                if opts.synchronous == crate::config::Synchronous::Normal {
+                    return Err(OpenError::Postgres {
+                        url: url.to_string(),
+                        reason: "TALLY_SYNCHRONOUS=normal applies to a SQLite database only (a \
+                                 commit on PostgreSQL is as durable as the server's \
+                                 synchronous_commit makes it): unset it"
+                            .into(),
+                    });
+                }
                 let (readers, engine) = postgres::open(url, opts).await?;
                 // Other processes write too: reads go to the database.
                 Ok(assemble(readers, engine, None, opts))

@@ -1415,6 +1415,25 @@ async fn a_replica_that_could_not_read_the_hold_at_its_start_reads_it_later() {
     replica_started_during_a_hold(true).await;
 }
 
+/// Settings of a SQLite database alone, given with PostgreSQL, are refused
+/// at start rather than silently ignored.
+#[tokio::test]
+async fn settings_of_sqlite_alone_are_refused_on_postgres() {
+    let url = postgres::fresh_database().await;
+    for (setting, value) in [
+        ("TALLY_STORAGE_LIMIT", "1Gi"),
+        ("TALLY_SYNCHRONOUS", "normal"),
+    ] {
+        let e = failed_start(&[("TALLY_DATABASE", &url), (setting, value)]);
+        assert!(
+            e.contains(setting) && e.contains("SQLite database only"),
+            "{e}"
+        );
+    }
+    // `full`, the default, said by name: nothing to refuse.
+    stop_all(processes(1, &url, &[("TALLY_SYNCHRONOUS", "full")])).await;
+}
+
 /// A lock left on `clock_hold` (an operator's `LOCK TABLE`) while a
 /// process starts: the process reads the kept hold again every second until
 /// it can, and each read waits for the lock only briefly. Waiting the whole
