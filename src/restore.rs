@@ -298,7 +298,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     // into place: a restore that fails (or is killed) before it is recorded
     // leaves no database, so the next start restores again rather than
     // serving, and replicating, a restore no later start would know of.
-    let restoring = beside(db, "-restoring");
+    let restoring = restoring_path(db);
     remove_sqlite_files(&restoring)?;
     litestream(
         ls,
@@ -384,6 +384,12 @@ pub fn lock_database(db: &Path) -> anyhow::Result<Option<std::fs::File>> {
             Err(e).with_context(|| format!("locking {}", path.display()))
         }
     }
+}
+
+/// Where a restore to an instant writes the database before it is moved
+/// into place: `tally.db` -> `tally.db-restoring`.
+pub fn restoring_path(db: &Path) -> PathBuf {
+    beside(db, "-restoring")
 }
 
 /// `tally.db` -> `tally.db.lock`.
@@ -489,7 +495,7 @@ async fn litestream(
     Ok(out.stdout)
 }
 
-fn beside(db: &Path, suffix: &str) -> PathBuf {
+pub(crate) fn beside(db: &Path, suffix: &str) -> PathBuf {
     let mut name = db.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
     db.with_file_name(name)

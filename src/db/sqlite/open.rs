@@ -35,6 +35,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         // What `sqlite3` leaves when asked about a missing database, and
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
+        refuse_other_names(path)?;
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if had_tables {
@@ -96,6 +97,46 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             space,
         };
         Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
+    }
+}
+
+/// Refuses a database file that has other names (hard links): the lock
+/// that keeps a second tally off a database is the file beside its name
+/// (`tally.db.lock`), and SQLite's WAL is the file beside it too, so a
+/// tally started on another name took neither, and each kept writes in a
+/// WAL of its own, where the other's reads and checkpoints missed them:
+/// writes answered `200` were lost. (A copy is safe to keep.)
+///
+/// One name is left by a restore stopped right after it moved the
+/// restored file into place (a link made, the restore's own name not yet
+/// removed): that one is removed here, as the restore would have (this
+/// process holds the lock, so no restore runs).
+fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
+    use std::os::unix::fs::MetadataExt;
+    let restoring = crate::restore::restoring_path(path);
+    if let (Ok(db), Ok(left)) = (std::fs::metadata(path), std::fs::metadata(&restoring))
+        && (db.dev(), db.ino()) == (left.dev(), left.ino())
+    {
+        tracing::info!(
+            path = %restoring.display(),
+            "removing the name a restore left on the database as it moved it into place"
+        );
+        std::fs::remove_file(&restoring).map_err(|source| OpenError::Open {
+            path: restoring.clone(),
+            source: sqlx::Error::Io(source),
+        })?;
+    }
+    match std::fs::metadata(path) {
+        Ok(m) if m.nlink() > 1 => Err(OpenError::Refused {
+            path: path.to_owned(),
+            reason: format!(
+                "the file has {} names (hard links): a tally started on another of them would \
+                 take neither this one's lock nor its WAL, and writes would be lost; remove the \
+                 other names (keep a copy instead: `cp`, or `sqlite3 ... .backup`)",
+                m.nlink()
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -228,6 +228,35 @@ async fn a_deleted_database_refuses_writes_and_exits_non_zero() {
     assert_eq!(read(&client, &bin, "gone").await, 0);
 }
 
+/// A second name of the database file (a hard link) escapes the lock
+/// beside the first name and the WAL too: a tally started on it, beside
+/// one serving the first, kept its writes in a WAL of its own, lost once
+/// both stopped. A file with other names is refused at start, whichever.
+#[tokio::test]
+async fn a_database_file_with_another_name_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let client = Client::new();
+    let bin = Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert_eq!(increment(&client, &bin, "a").await.status(), StatusCode::OK);
+    let other = dir.path().join("other.db");
+    std::fs::hard_link(&db, &other).unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", other.to_str().unwrap())]);
+    assert!(err.contains("2 names (hard links)"), "{err}");
+    assert_eq!(increment(&client, &bin, "a").await.status(), StatusCode::OK);
+    drop(bin);
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(err.contains("2 names (hard links)"), "{err}");
+    std::fs::remove_file(&other).unwrap();
+    // The one name a restore stopped as it moved its file into place
+    // leaves (`tally.db-restoring`) is removed, as the restore would have.
+    let restoring = dir.path().join("tally.db-restoring");
+    std::fs::hard_link(&db, &restoring).unwrap();
+    let bin = Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert_eq!(read(&client, &bin, "a").await, 2);
+    assert!(!restoring.exists());
+}
+
 /// Under load: no write sent after the files were deleted is acknowledged.
 #[tokio::test]
 async fn under_load_no_write_sent_after_the_delete_is_acknowledged() {
