@@ -57,6 +57,9 @@ pub struct HeldRows {
     found_held: Option<Instant>,
     /// When a batch may next try rows.
     next_probes: Option<Instant>,
+    /// When a batch may next try a row not tried for [`FORGET_AFTER`],
+    /// between the batches that try rows.
+    next_long_untried: Option<Instant>,
     /// How many `tally_rows_held` shows.
     shown: usize,
 }
@@ -69,6 +72,7 @@ impl Default for HeldRows {
             keys: HashMap::new(),
             found_held: None,
             next_probes: None,
+            next_long_untried: None,
             shown: 0,
         }
     }
@@ -122,19 +126,30 @@ impl HeldRows {
             })
             .collect();
         let mut probing: Vec<(String, usize)> = Vec::new();
-        if self.next_probes.is_none_or(|t| now >= t) {
+        // Between the batches that try rows, one row not tried for
+        // `FORGET_AFTER` may be, one every `PROBE_EVERY`: while other rows
+        // are still found held none is forgotten, and a row found held once,
+        // long ago, and free since, was refused without a try at nearly
+        // every ask (the batches that try rows taken by the rows asked for
+        // most).
+        let probes_due = self.next_probes.is_none_or(|t| now >= t);
+        let (untried_for, most) = match probes_due {
+            true => (PROBE_EVERY, PROBES_PER_BATCH),
+            false => (FORGET_AFTER, 1),
+        };
+        if probes_due || self.next_long_untried.is_none_or(|t| now >= t) {
             // Due rows, each by its first command, tried longest ago first.
             let mut due: Vec<(Instant, String, usize)> = Vec::new();
             for (i, row) in remembered.iter().enumerate() {
                 let Some(row) = row else { continue };
                 let tried = self.rows[row].tried;
-                if now >= tried + PROBE_EVERY && !due.iter().any(|(_, r, _)| r == row) {
+                if now >= tried + untried_for && !due.iter().any(|(_, r, _)| r == row) {
                     due.push((tried, row.clone(), i));
                 }
             }
             due.sort_by_key(|(tried, _, _)| *tried);
             for (_, row, i) in due {
-                if probing.len() == PROBES_PER_BATCH {
+                if probing.len() == most {
                     break;
                 }
                 let out_of_order = remembered
@@ -146,8 +161,10 @@ impl HeldRows {
                 }
             }
         }
-        if !probing.is_empty() {
-            self.next_probes = Some(now + PROBE_EVERY);
+        match (probing.is_empty(), probes_due) {
+            (true, _) => {}
+            (false, true) => self.next_probes = Some(now + PROBE_EVERY),
+            (false, false) => self.next_long_untried = Some(now + PROBE_EVERY),
         }
         let mut answered = 0;
         for (i, (q, row)) in batch.iter_mut().zip(&remembered).enumerate() {
@@ -778,7 +795,8 @@ mod tests {
                     }
                     batch[0].command.fail(busy(HeldRow::Own));
                 }
-                held.learn(&batch, t);
+                // As the writer does: what ran, not what was refused.
+                held.learn(&batch[..split.normal + split.probes], t);
             }
         }
         assert_eq!(waits, 500);
@@ -792,7 +810,7 @@ mod tests {
             if split.probes == 1 {
                 set_ok(&mut batch[0]);
             }
-            held.learn(&batch, t);
+            held.learn(&batch[..split.normal + split.probes], t);
         }
         assert!(held.rows.len() < 500);
         held.learn(&[], t + FORGET_AFTER);
@@ -830,5 +848,77 @@ mod tests {
             held.learn(&[], t);
         }
         assert!(!held.wary());
+    }
+
+    /// One row stays held (an operator's lock, asked for often, found held
+    /// at every try); another was found held once and is free since. Asked
+    /// for again a minute later, in a batch between those that try rows, it
+    /// is tried, not refused: none is forgotten while a row is still found
+    /// held, and before, it stayed refused, free, at nearly every ask.
+    #[test]
+    fn a_row_long_untried_is_tried_between_the_batches_that_try_rows() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(
+            &mut held,
+            vec![increment("held"), increment("freed"), increment("freed2")],
+            HeldRow::Own,
+            t0,
+        );
+        // A minute of batches asking for "held" alone, one every 10 ms.
+        let mut t = t0;
+        loop {
+            t += Duration::from_millis(10);
+            let mut batch = vec![increment("held")];
+            let split = held.split(&mut batch, t);
+            let tried = split.probes == 1;
+            if tried {
+                batch[0].command.fail(busy(HeldRow::Own));
+            }
+            held.learn(&batch[..split.normal + split.probes], t);
+            if tried && t >= t0 + Duration::from_secs(60) {
+                break;
+            }
+        }
+        assert_eq!(held.rows.len(), 3, "none forgotten while one is found held");
+        // Right after a batch that tried "held": no batch may try rows yet.
+        t += Duration::from_millis(10);
+        let mut batch = vec![increment("freed"), increment("held")];
+        let split = held.split(&mut batch, t);
+        assert_eq!(
+            split,
+            Split {
+                normal: 0,
+                probes: 1
+            },
+            "freed is tried"
+        );
+        assert_eq!(rows(&batch[..1]), ["c:freed"]);
+        set_ok(&mut batch[0]);
+        held.learn(&batch[..1], t);
+        assert_eq!(held.rows.len(), 2, "freed is forgotten once had");
+        // That a row was had again lets the next batch try rows at once;
+        // found held, it would not: one such try every `PROBE_EVERY`.
+        held.next_probes = Some(t + PROBE_EVERY);
+        t += Duration::from_millis(10);
+        let mut batch = vec![increment("freed2")];
+        let split = held.split(&mut batch, t);
+        assert_eq!(
+            split,
+            Split {
+                normal: 0,
+                probes: 0
+            },
+            "refused"
+        );
+        let mut batch = vec![increment("freed2")];
+        let split = held.split(&mut batch, t + PROBE_EVERY);
+        assert_eq!(
+            split,
+            Split {
+                normal: 0,
+                probes: 1
+            }
+        );
     }
 }
