@@ -112,6 +112,9 @@ struct Watched {
     /// The hold the database keeps, for the first reading when the start
     /// had none ([`StepWatch::start`]).
     kept_at_start: Option<KeptHold>,
+    /// Whether a hold was begun here: a hold read late is then an older
+    /// word, whether or not this process's own has ended since.
+    stepped_here: bool,
 }
 
 /// Where the wall clock read as `wall` at `at` should be at `mono`, run on
@@ -173,8 +176,9 @@ impl StepWatch {
     /// The hold the database keeps, read after the start because reading
     /// it then failed, with a reading `now` of the clock: taken over as
     /// [`Self::start`] takes it, unless this process has begun or taken
-    /// over a hold of its own since (the newer word). When it is not taken
-    /// over, nothing changes. Whether it was.
+    /// over a hold of its own since (the newer word, even once ended: the
+    /// hold read may be that very one, its end not yet kept). When it is
+    /// not taken over, nothing changes. Whether it was.
     pub fn start_late(&self, now: Timestamp, kept: Option<KeptHold>) -> bool {
         self.start_late_at(now, kept, Instant::now())
     }
@@ -182,7 +186,7 @@ impl StepWatch {
     fn start_late_at(&self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
         let Some(kept) = kept else { return false };
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if w.holding.is_some() {
+        if w.holding.is_some() || w.stepped_here {
             return false;
         }
         if w.anchor.is_none() {
@@ -341,6 +345,7 @@ impl Watched {
             ends: None,
         });
         self.holding = Some(now);
+        self.stepped_here = true;
         trusted
     }
 }
@@ -689,5 +694,26 @@ mod tests {
         .await;
         assert!(r.earliest < ahead);
         assert_eq!(trusted(ahead), Trusted::plain(ahead));
+    }
+
+    /// The start's read of the kept hold failed; the process then saw a
+    /// step back of its own, kept it, and saw the clock set right, the
+    /// end's write failing. Read late, the hold it finds is its own, ended:
+    /// not taken over again as a step made before the start.
+    #[test]
+    fn a_hold_read_late_is_not_the_processs_own_ended_hold() {
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.start_at(t0, None, m0);
+        assert!(!plain(w.read_at(at(t0, 60 - 3600), m0 + MINUTE)));
+        let own = w.to_keep().unwrap();
+        assert_eq!(own.ends, None);
+        assert!(
+            plain(w.read_at(at(t0, 120), m0 + MINUTE * 2)),
+            "back in step"
+        );
+        let end = w.to_keep().unwrap();
+        w.keep_again(end);
+        assert!(!w.start_late_at(at(t0, 180), Some(own), m0 + MINUTE * 3));
+        assert!(plain(w.read_at(at(t0, 240), m0 + MINUTE * 4)));
     }
 }
