@@ -429,6 +429,20 @@ impl Binary {
         self.logs.lock().unwrap().join("\n")
     }
 
+    /// Waits until the log holds `text`, failing with the log after
+    /// `limit`.
+    pub async fn logs_within(&self, text: &str, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while !self.log_text().contains(text) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no `{text}` in {limit:?}: {}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// How many batches a writer slowed by `TALLY_TEST_WRITER_DELAY_MS`
     /// has taken and held so far.
     pub fn batches_held(&self) -> usize {

@@ -1452,14 +1452,12 @@ async fn a_lock_left_on_the_clock_hold_table_holds_up_no_write() {
     // The lock timeout as long as it may be.
     let bins = processes(1, &url, &[("TALLY_POSTGRES_LOCK_TIMEOUT", "9")]);
     let client = Client::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !bins[0]
-        .log_text()
-        .contains("could not read the clock's hold the database keeps")
-    {
-        assert!(Instant::now() < deadline, "{}", bins[0].log_text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    bins[0]
+        .logs_within(
+            "could not read the clock's hold the database keeps",
+            Duration::from_secs(20),
+        )
+        .await;
     let writing = Instant::now();
     let (mut slowest, mut writes) = (Duration::ZERO, 0);
     while writing.elapsed() < Duration::from_secs(4) {
@@ -1480,11 +1478,9 @@ async fn a_lock_left_on_the_clock_hold_table_holds_up_no_write() {
         bins[0].log_text()
     );
     sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !bins[0].log_text().contains("the database keeps, late") {
-        assert!(Instant::now() < deadline, "{}", bins[0].log_text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    bins[0]
+        .logs_within("the database keeps, late", Duration::from_secs(20))
+        .await;
     let r = client.get(bins[0].url("/counters/x")).send().await.unwrap();
     assert_eq!(json(r).await["value"], writes);
     stop_all(bins).await;
@@ -1563,21 +1559,17 @@ async fn replica_started_during_a_hold(locked_at_start: bool) {
             &url,
             &[("TALLY_POSTGRES_LOCK_TIMEOUT", "0.5")],
         ));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !bins[1]
-            .log_text()
-            .contains("could not read the clock's hold the database keeps")
-        {
-            assert!(Instant::now() < deadline, "{}", bins[1].log_text());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        bins[1]
+            .logs_within(
+                "could not read the clock's hold the database keeps",
+                Duration::from_secs(20),
+            )
+            .await;
         sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
         // Read at the next idle check, or before the next batch.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !bins[1].log_text().contains("the database keeps, late") {
-            assert!(Instant::now() < deadline, "{}", bins[1].log_text());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        bins[1]
+            .logs_within("the database keeps, late", Duration::from_secs(20))
+            .await;
     } else {
         bins.extend(processes(1, &url, &[]));
     }
