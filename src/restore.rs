@@ -242,7 +242,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     remove_file(&marker_path(db))?;
 
     // 2. The latest state, to see whether it records this restore.
-    let latest = beside(db, "-latest");
+    let latest = latest_path(db);
     remove_sqlite_files(&latest)?;
     match litestream(ls, &["-o", path_str(&latest)?], db, &lock).await {
         Ok(_) => {}
@@ -390,6 +390,19 @@ pub fn lock_database(db: &Path) -> anyhow::Result<Option<std::fs::File>> {
 /// into place: `tally.db` -> `tally.db-restoring`.
 pub fn restoring_path(db: &Path) -> PathBuf {
     beside(db, "-restoring")
+}
+
+/// Where a restore writes the replica's latest state, moved into place
+/// when it records the restore asked for: `tally.db` -> `tally.db-latest`.
+pub fn latest_path(db: &Path) -> PathBuf {
+    beside(db, "-latest")
+}
+
+/// The names a restore moves into place as `db` ([`put_in_place`]: a
+/// link, then the old name removed): a restore stopped between the two
+/// leaves one of them on the database.
+pub fn names_moved_into_place(db: &Path) -> [PathBuf; 2] {
+    [restoring_path(db), latest_path(db)]
 }
 
 /// `tally.db` -> `tally.db.lock`.

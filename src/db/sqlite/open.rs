@@ -107,24 +107,25 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
 /// WAL of its own, where the other's reads and checkpoints missed them:
 /// writes answered `200` were lost. (A copy is safe to keep.)
 ///
-/// One name is left by a restore stopped right after it moved the
-/// restored file into place (a link made, the restore's own name not yet
-/// removed): that one is removed here, as the restore would have (this
-/// process holds the lock, so no restore runs).
+/// A name is left by a restore stopped right after it moved its file into
+/// place (a link made, the restore's own name not yet removed): that one is
+/// removed here, as the restore would have (this process holds the lock, so
+/// no restore runs).
 fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
     use std::os::unix::fs::MetadataExt;
-    let restoring = crate::restore::restoring_path(path);
-    if let (Ok(db), Ok(left)) = (std::fs::metadata(path), std::fs::metadata(&restoring))
-        && (db.dev(), db.ino()) == (left.dev(), left.ino())
-    {
-        tracing::info!(
-            path = %restoring.display(),
-            "removing the name a restore left on the database as it moved it into place"
-        );
-        std::fs::remove_file(&restoring).map_err(|source| OpenError::Open {
-            path: restoring.clone(),
-            source: sqlx::Error::Io(source),
-        })?;
+    for left in crate::restore::names_moved_into_place(path) {
+        if let (Ok(db), Ok(other)) = (std::fs::metadata(path), std::fs::metadata(&left))
+            && (db.dev(), db.ino()) == (other.dev(), other.ino())
+        {
+            tracing::info!(
+                path = %left.display(),
+                "removing the name a restore left on the database as it moved it into place"
+            );
+            std::fs::remove_file(&left).map_err(|source| OpenError::Open {
+                path: left.clone(),
+                source: sqlx::Error::Io(source),
+            })?;
+        }
     }
     match std::fs::metadata(path) {
         Ok(m) if m.nlink() > 1 => Err(OpenError::Refused {
