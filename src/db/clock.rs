@@ -112,9 +112,10 @@ struct Watched {
     /// The hold the database keeps, for the first reading when the start
     /// had none ([`StepWatch::start`]).
     kept_at_start: Option<KeptHold>,
-    /// Whether a hold was begun here: a hold read late is then an older
-    /// word, whether or not this process's own has ended since.
-    stepped_here: bool,
+    /// The holds begun here (their `stepped_to`, in microseconds as the
+    /// database keeps it), the latest few: a hold read late that is one of
+    /// them is this process's own, ended or not, not one to take over.
+    begun_here: Vec<i64>,
 }
 
 /// Where the wall clock read as `wall` at `at` should be at `mono`, run on
@@ -176,9 +177,9 @@ impl StepWatch {
     /// The hold the database keeps, read after the start because reading
     /// it then failed, with a reading `now` of the clock: taken over as
     /// [`Self::start`] takes it, unless this process has begun or taken
-    /// over a hold of its own since (the newer word, even once ended: the
-    /// hold read may be that very one, its end not yet kept). When it is
-    /// not taken over, nothing changes. Whether it was.
+    /// over a hold of its own since (the newer word), or it is one this
+    /// process began (ended since, its end not yet kept). When it is not
+    /// taken over, nothing changes. Whether it was.
     pub fn start_late(&self, now: Timestamp, kept: Option<KeptHold>) -> bool {
         self.start_late_at(now, kept, Instant::now())
     }
@@ -186,7 +187,7 @@ impl StepWatch {
     fn start_late_at(&self, now: Timestamp, kept: Option<KeptHold>, mono: Instant) -> bool {
         let Some(kept) = kept else { return false };
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if w.holding.is_some() || w.stepped_here {
+        if w.holding.is_some() || w.begun_here.contains(&kept.stepped_to.as_microsecond()) {
             return false;
         }
         if w.anchor.is_none() {
@@ -345,7 +346,10 @@ impl Watched {
             ends: None,
         });
         self.holding = Some(now);
-        self.stepped_here = true;
+        if self.begun_here.len() == 8 {
+            self.begun_here.remove(0);
+        }
+        self.begun_here.push(now.as_microsecond());
         trusted
     }
 }
@@ -715,5 +719,18 @@ mod tests {
         w.keep_again(end);
         assert!(!w.start_late_at(at(t0, 180), Some(own), m0 + MINUTE * 3));
         assert!(plain(w.read_at(at(t0, 240), m0 + MINUTE * 4)));
+        // Another process's hold, read late, is still taken over: the
+        // clock stepped two days ahead a minute before this start.
+        let (w, t0, m0) = (StepWatch::default(), Timestamp::now(), Instant::now());
+        w.start_at(t0, None, m0);
+        assert!(!plain(w.read_at(at(t0, 60 - 3600), m0 + MINUTE)));
+        assert!(plain(w.read_at(at(t0, 120), m0 + MINUTE * 2)));
+        let theirs = KeptHold {
+            stepped_to: at(t0, -60),
+            expected: at(t0, -60 - 2 * 86_400),
+            until: at(t0, -60 + 6 * 3600),
+            ends: None,
+        };
+        assert!(w.start_late_at(at(t0, 180), Some(theirs), m0 + MINUTE * 3));
     }
 }
