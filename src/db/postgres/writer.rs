@@ -84,7 +84,7 @@ impl Engine for WriterConn {
     /// Read waiting for a lock on the table briefly ([`Store::BEGIN_PROBE`]):
     /// one left open (an operator's `LOCK TABLE`) would otherwise hold up
     /// every write behind the read for the whole lock timeout, each time
-    /// it is tried again.
+    /// it is tried again (and so behind the write of a hold, below).
     async fn clock_hold(&mut self) -> Result<Option<KeptHold>, Error> {
         self.outside_batch(async |conn| {
             conn.exec(<PgConnection as Store>::BEGIN_PROBE).await?;
@@ -96,9 +96,22 @@ impl Engine for WriterConn {
         .await
     }
 
+    /// Waiting for a lock on the table briefly too, committed; tried again
+    /// after the next batch if it fails ([`StepWatch::keep_again`]).
+    ///
+    /// [`StepWatch::keep_again`]: crate::db::clock::StepWatch::keep_again
     async fn keep_clock_hold(&mut self, hold: &KeptHold) -> Result<(), Error> {
-        self.outside_batch(async |conn| Store::keep_clock_hold(conn, hold).await)
-            .await
+        self.outside_batch(async |conn| {
+            conn.exec(<PgConnection as Store>::BEGIN_PROBE).await?;
+            match Store::keep_clock_hold(conn, hold).await {
+                Ok(()) => conn.exec("COMMIT").await,
+                Err(e) => {
+                    let _ = conn.exec("ROLLBACK").await;
+                    Err(e)
+                }
+            }
+        })
+        .await
     }
 
     async fn close(self) {
