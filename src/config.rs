@@ -304,14 +304,16 @@ impl Storage {
         if s.trim() != s {
             return Err(
                 "the database path begins or ends with white space: give the SQLite file's \
-                 path, or the postgres:// URL, without it",
+                 path, or the postgres:// URL, without it (a database already kept under \
+                 such a name: rename the file, its -wal and -shm first, tally stopped)",
             );
         }
         if has_scheme(&s) {
             return Err(
                 "the database is a SQLite file's path or a postgres:// or postgresql:// URL; \
                  this one begins with another scheme (such as `sqlite:` or `file:`), which \
-                 would be taken for a directory's name",
+                 would be taken for a directory's name (a database already kept in such a \
+                 directory: move it, tally stopped, and give its path)",
             );
         }
         if s.ends_with('/') {
@@ -433,14 +435,21 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
     Ok(Storage::Sqlite(PathBuf::from(s)))
 }
 
-/// Whether `s` begins as a URL does: a letter, then letters, digits, `+`,
-/// `-` or `.`, then `:`.
+/// Whether `s` begins as a URL does: a scheme (a letter, then letters,
+/// digits, `+`, `-` or `.`), `:`, and then `//` or, for the schemes a
+/// database is named by (`sqlite:`, `file:`, ...), anything. A directory
+/// whose name holds a colon (`restore-2026-05-01T10:04/`) is none.
 fn has_scheme(s: &str) -> bool {
-    s.split_once(':').is_some_and(|(scheme, _)| {
+    const DATABASE_SCHEMES: [&str; 5] = ["sqlite", "sqlite3", "file", "postgres", "postgresql"];
+    s.split_once(':').is_some_and(|(scheme, rest)| {
         scheme.starts_with(|c: char| c.is_ascii_alphabetic())
             && scheme
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+            && (rest.starts_with("//")
+                || DATABASE_SCHEMES
+                    .iter()
+                    .any(|d| scheme.eq_ignore_ascii_case(d)))
     })
 }
 
@@ -725,6 +734,7 @@ mod tests {
             "./a:b/t.db",
             "t.db/x",
             "9x:/t.db",
+            "restore-2026-05-01T10:04/tally.db",
         ] {
             assert_eq!(parse(ok).unwrap().database.check(), Ok(()), "{ok}");
         }
@@ -740,6 +750,7 @@ mod tests {
             "file:/data/t.db?mode=ro",
             "postgres:/u:hunter2@db/x",
             "SQLite:t.db",
+            "mysql://db/t.db",
         ] {
             let e = parse(bad).unwrap().database.check().unwrap_err();
             assert!(!e.contains("hunter2") && !e.contains("t.db"), "{bad}: {e}");
