@@ -898,8 +898,9 @@ mod tests {
         held.learn(&batch[..1], t);
         assert_eq!(held.rows.len(), 2, "freed is forgotten once had");
         // That a row was had again lets the next batch try rows at once;
-        // found held, it would not: one such try every `PROBE_EVERY`.
-        held.next_probes = Some(t + PROBE_EVERY);
+        // found held, it would not: one such try every `PROBE_EVERY`
+        // (the batches that try rows kept away here).
+        held.next_probes = Some(t + FORGET_AFTER);
         t += Duration::from_millis(10);
         let mut batch = vec![increment("freed2")];
         let split = held.split(&mut batch, t);
