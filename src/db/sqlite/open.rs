@@ -113,8 +113,35 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
 /// no restore runs).
 fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
     use std::os::unix::fs::MetadataExt;
+    let refused = |reason: String| OpenError::Refused {
+        path: path.to_owned(),
+        reason,
+    };
+    // The path's own entry, not what a symbolic link points to.
+    let Ok(db) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if db.file_type().is_symlink() {
+        // The lock and Litestream go by the link's name, SQLite's WAL by
+        // the file's: two tallies, one on each name, both served.
+        return Err(refused(
+            "the database path is a symbolic link: give the file's own path (the lock beside \
+             it, Litestream and SQLite's WAL would each go by a different name)"
+                .into(),
+        ));
+    }
+    if db.is_dir() {
+        return Err(refused(
+            "the database path names a directory: give the SQLite file's path in it (such as \
+             /data/tally.db)"
+                .into(),
+        ));
+    }
     for left in crate::restore::names_moved_into_place(path) {
-        if let (Ok(db), Ok(other)) = (std::fs::metadata(path), std::fs::metadata(&left))
+        // Only a plain file that is the database itself: never through a
+        // link, where removing the name would remove the only copy.
+        if let Ok(other) = std::fs::symlink_metadata(&left)
+            && other.is_file()
             && (db.dev(), db.ino()) == (other.dev(), other.ino())
         {
             tracing::info!(
@@ -127,16 +154,14 @@ fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
             })?;
         }
     }
-    match std::fs::metadata(path) {
-        Ok(m) if m.nlink() > 1 => Err(OpenError::Refused {
-            path: path.to_owned(),
-            reason: format!(
-                "the file has {} names (hard links): a tally started on another of them would \
-                 take neither this one's lock nor its WAL, and writes would be lost; remove the \
-                 other names (keep a copy instead: `cp`, or `sqlite3 ... .backup`)",
-                m.nlink()
-            ),
-        }),
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.nlink() > 1 => Err(refused(format!(
+            "the file has {} names (hard links): a tally started on another of them would take \
+             neither this one's lock nor its WAL, and writes would be lost; remove the other \
+             names (`find DIR -samefile FILE` lists them; keep a copy instead: `cp`, or \
+             `sqlite3 ... .backup`)",
+            m.nlink()
+        ))),
         _ => Ok(()),
     }
 }

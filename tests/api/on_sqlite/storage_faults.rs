@@ -258,6 +258,25 @@ async fn a_database_file_with_another_name_is_refused() {
         assert_eq!(read(&client, &bin, "a").await, 2);
         assert!(!left.exists());
     }
+    // A symbolic link is no name of the file's own: never the one removed
+    // (it would remove the only copy), and a database reached through one
+    // is refused (the lock and Litestream would go by the link's name,
+    // SQLite's WAL by the file's).
+    let moved = dir.path().join("tally.db-restoring");
+    std::fs::rename(&db, &moved).unwrap();
+    std::os::unix::fs::symlink(&moved, &db).unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(err.contains("is a symbolic link"), "{err}");
+    assert!(moved.exists());
+    std::fs::remove_file(&db).unwrap();
+    std::fs::rename(&moved, &db).unwrap();
+    // A directory's links are not a file's names.
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", sub.to_str().unwrap())]);
+    assert!(err.contains("names a directory"), "{err}");
+    let bin = Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert_eq!(read(&client, &bin, "a").await, 2);
 }
 
 /// Under load: no write sent after the files were deleted is acknowledged.
