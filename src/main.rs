@@ -158,12 +158,21 @@ async fn restore_to(
     // A stop (the pod deleted while it restores) ends the restore at once:
     // the Litestream it runs is killed with it, and nothing half-restored
     // is in place, so the next start restores again.
-    tokio::select! {
-        restored = tally::restore::restore_to(db, timestamp, &ls) => restored.map(drop),
-        signal = restore_stopped() => {
-            bail!("stopped by {signal} while restoring: nothing restored (the next start restores again)")
+    let signal = tokio::select! {
+        restored = tally::restore::restore_to(db, timestamp, &ls) => return restored.map(drop),
+        signal = restore_stopped() => signal,
+    };
+    // Killed as the restore was dropped, Litestream holds the lock until it
+    // is gone, a few milliseconds: a restore run again at once was refused
+    // as if one still ran.
+    let waited = std::time::Instant::now();
+    while waited.elapsed() < Duration::from_secs(5) {
+        if tally::restore::lock_database(db).is_ok_and(|lock| lock.is_some()) {
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    bail!("stopped by {signal} while restoring: nothing restored (the next start restores again)")
 }
 
 /// SIGTERM or SIGINT, whichever comes first. Not SIGHUP: a restore run by

@@ -255,7 +255,14 @@ async fn a_restore_to_an_instant_before_any_backup_fails_and_leaves_nothing() {
 #[tokio::test]
 async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (fake, pid_file) = waiting_litestream(dir.path());
+    // As `waiting_litestream`, and what it leaves behind holds its
+    // standard input, the restore's lock, for half a second more.
+    let pid_file = dir.path().join("litestream.pid");
+    let script = format!(
+        "exec 3<&0\nsleep 0.5 <&3 &\necho $$ > {}\nexec sleep 120\n",
+        pid_file.display()
+    );
+    let fake = fake_litestream(dir.path(), &script);
     let db = dir.path().join("data").join("tally.db");
     let mut restore = restore_to_with(&db, &fake)
         .stderr(std::process::Stdio::piped())
@@ -283,6 +290,12 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
         "{stderr}"
     );
     assert!(!db.exists());
+    // Gone as the restore ends: a restore run again at once is not
+    // refused for the lock the killed Litestream (or what it left) held.
+    let lock = std::fs::File::open(dir.path().join("data").join("tally.db.lock")).unwrap();
+    lock.try_lock()
+        .expect("the lock is free once the restore has ended");
+    drop(lock);
     ended_within(litestream_pid, Duration::from_secs(5), "litestream").await;
 }
 
