@@ -322,6 +322,21 @@ impl Storage {
                  checks that the open file is still the one at its path would look in vain)",
             );
         }
+        // A shell would have expanded these; tally takes them as written,
+        // while Litestream, reading the same variable in its configuration,
+        // expands `~` and drops the quotes: the two would go by two files.
+        if s.starts_with('~') {
+            return Err(
+                "the database path begins with `~`, which tally does not expand (Litestream \
+                 would): give the whole path",
+            );
+        }
+        if s.starts_with(['"', '\'']) || s.ends_with(['"', '\'']) {
+            return Err(
+                "the database path begins or ends with a quote, which would be part of the \
+                 file's name here (and not in Litestream's): give it without quotes",
+            );
+        }
         Ok(())
     }
 }
@@ -751,6 +766,10 @@ mod tests {
             "postgres:/u:hunter2@db/x",
             "SQLite:t.db",
             "mysql://db/t.db",
+            "~/t.db",
+            "~tally/t.db",
+            "\"/data/t.db\"",
+            "'/data/t.db'",
         ] {
             let e = parse(bad).unwrap().database.check().unwrap_err();
             assert!(!e.contains("hunter2") && !e.contains("t.db"), "{bad}: {e}");
