@@ -11,7 +11,7 @@ use jiff::Timestamp;
 use super::{
     Error, clock,
     command::{Deleted, Stored},
-    store::{BudgetRow, Store},
+    store::{BudgetRow, Store, in_transaction},
 };
 use crate::meter::{
     self, Budget, BudgetSpec, Counts, Day, Decision, Name, Refusal, Step, VisitorId,
@@ -233,9 +233,8 @@ pub async fn prune_more<S: Store>(
     name: &str,
     after: &mut Option<RowKey>,
 ) -> Result<(u64, bool), Error> {
-    conn.exec(S::BEGIN_SET_BASED).await?;
     let mut next = after.clone();
-    let pruned = async {
+    let pruned = in_transaction(conn, S::BEGIN_SET_BASED, async |conn| {
         let now = conn.now().await?;
         let Some(budget) = from_rows(conn.load_budgets(&[name]).await?)?.remove(name) else {
             return delete_share(
@@ -251,19 +250,10 @@ pub async fn prune_more<S: Store>(
         let cutoff = budget.spec.kept_days(clock::trusted(now).earliest).oldest;
         let cutoff = cutoff.to_string();
         delete_share(conn, name, &cutoff, Some(PRUNE_SHARE), false, &mut next).await
-    }
-    .await;
-    match pruned {
-        Ok(pruned) => {
-            conn.exec("COMMIT").await?;
-            *after = next;
-            Ok(pruned)
-        }
-        Err(e) => {
-            let _ = conn.exec("ROLLBACK").await;
-            Err(e)
-        }
-    }
+    })
+    .await?;
+    *after = next;
+    Ok(pruned)
 }
 
 /// Runs the checks in order, as if each ran alone at its place in the

@@ -307,3 +307,23 @@ pub(super) trait Store {
     /// [`super::keys::FORGET_SHARE`]); returns how many.
     async fn forget_keys_stored_before(&mut self, cutoff: i64) -> Result<u64, Error>;
 }
+
+/// `work` in a transaction of its own, opened with `begin`: committed if it
+/// succeeds, rolled back if not.
+pub(super) async fn in_transaction<S: Store, T>(
+    conn: &mut S,
+    begin: &'static str,
+    work: impl AsyncFnOnce(&mut S) -> Result<T, Error>,
+) -> Result<T, Error> {
+    conn.exec(begin).await?;
+    match work(conn).await {
+        Ok(done) => {
+            conn.exec("COMMIT").await?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = conn.exec("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}

@@ -5,7 +5,7 @@
 use tokio::time::Instant;
 
 use super::{held::HeldRows, *};
-use crate::db::{budgets, clock::KeptHold};
+use crate::db::{budgets, clock::KeptHold, store::in_transaction};
 
 /// The writer's connection: opened when a batch needs one, dropped when it
 /// breaks.
@@ -87,29 +87,24 @@ impl Engine for WriterConn {
     /// it is tried again (and so behind the write of a hold, below).
     async fn clock_hold(&mut self) -> Result<Option<KeptHold>, Error> {
         self.outside_batch(async |conn| {
-            conn.exec(<PgConnection as Store>::BEGIN_PROBE).await?;
-            let kept = Store::clock_hold(conn).await;
-            let ended = conn.exec("ROLLBACK").await;
-            let kept = kept?;
-            ended.map(|()| kept)
+            in_transaction(conn, PgConnection::BEGIN_PROBE, async |conn| {
+                Store::clock_hold(conn).await
+            })
+            .await
         })
         .await
     }
 
-    /// Waiting for a lock on the table briefly too, committed; tried again
-    /// after the next batch if it fails ([`StepWatch::keep_again`]).
+    /// Waiting for a lock on the table briefly too; tried again after the
+    /// next batch if it fails ([`StepWatch::keep_again`]).
     ///
     /// [`StepWatch::keep_again`]: crate::db::clock::StepWatch::keep_again
     async fn keep_clock_hold(&mut self, hold: &KeptHold) -> Result<(), Error> {
         self.outside_batch(async |conn| {
-            conn.exec(<PgConnection as Store>::BEGIN_PROBE).await?;
-            match Store::keep_clock_hold(conn, hold).await {
-                Ok(()) => conn.exec("COMMIT").await,
-                Err(e) => {
-                    let _ = conn.exec("ROLLBACK").await;
-                    Err(e)
-                }
-            }
+            in_transaction(conn, PgConnection::BEGIN_PROBE, async |conn| {
+                Store::keep_clock_hold(conn, hold).await
+            })
+            .await
         })
         .await
     }
