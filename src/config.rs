@@ -289,15 +289,13 @@ impl Storage {
             Storage::Postgres(_) => None,
         }
     }
-}
 
-impl Storage {
     /// Refuses a SQLite path that would start a new, empty database
     /// somewhere else than meant, or defeat the checks on the open file.
     /// Checked at start rather than when the value is parsed, whose error
     /// would show the value: a mistyped URL may hold a password.
     pub fn check(&self) -> Result<(), &'static str> {
-        let Storage::Sqlite(path) = self else {
+        let Some(path) = self.sqlite_path() else {
             return Ok(());
         };
         let s = path.to_string_lossy();

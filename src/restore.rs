@@ -388,13 +388,13 @@ pub fn lock_database(db: &Path) -> anyhow::Result<Option<std::fs::File>> {
 
 /// Where a restore to an instant writes the database before it is moved
 /// into place: `tally.db` -> `tally.db-restoring`.
-pub fn restoring_path(db: &Path) -> PathBuf {
+fn restoring_path(db: &Path) -> PathBuf {
     beside(db, "-restoring")
 }
 
 /// Where a restore writes the replica's latest state, moved into place
 /// when it records the restore asked for: `tally.db` -> `tally.db-latest`.
-pub fn latest_path(db: &Path) -> PathBuf {
+fn latest_path(db: &Path) -> PathBuf {
     beside(db, "-latest")
 }
 
@@ -508,7 +508,7 @@ async fn litestream(
     Ok(out.stdout)
 }
 
-pub(crate) fn beside(db: &Path, suffix: &str) -> PathBuf {
+fn beside(db: &Path, suffix: &str) -> PathBuf {
     let mut name = db.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
     db.with_file_name(name)
