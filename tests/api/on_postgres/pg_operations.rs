@@ -1332,7 +1332,10 @@ async fn a_put_that_waits_past_midnight_reckons_from_after_its_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
     let url = postgres::fresh_database().await;
-    let mut bins = processes(1, &url, &[]);
+    // The schema made by a process that then stops; the usage below is
+    // written after it stopped, so that it never looks at it (had it run
+    // while the rows were written, it could purge some before the lock).
+    stop_all(processes(1, &url, &[])).await;
     let client = Client::new();
     // Usage of 40 budgets that no longer exist, left by a process that
     // stopped: the next process to start purges it.
@@ -1349,12 +1352,19 @@ async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
         .execute(&mut holder)
         .await
         .unwrap();
-    stop_all(std::mem::take(&mut bins)).await;
     let bins = processes(1, &url, &[]);
     let bin = &bins[0];
     let found = Instant::now() + Duration::from_secs(20);
-    while metric(&client, bin, "tally_budget_prunes_due").await != Some(40.0) {
-        assert!(Instant::now() < found, "{}", bin.log_text());
+    loop {
+        let due = metric(&client, bin, "tally_budget_prunes_due").await;
+        if due == Some(40.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < found,
+            "{due:?} budgets due, not 40\n{}",
+            bin.log_text()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Each write a batch, each batch followed by a share: at most two
