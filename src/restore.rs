@@ -323,17 +323,28 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
             "recording the restore in the database: the record is still in the WAL after closing"
         );
     }
-    put_in_place(&restoring, db).context("moving the restored database into place")?;
-    remove_sqlite_files(&restoring)?;
+    // The marker first, naming the restored file (a link into place keeps
+    // its identity): a restore stopped once the file is in place, before
+    // it ends, still leaves it. One whose file never got there is removed
+    // (by the next restore, or at the next start: its database is absent
+    // or another).
     let marker = Marker {
         target,
         txid: restored.txid.clone(),
         last_transaction_at,
         restored_at: restored.restored_at.clone(),
-        file: file_identity(db),
+        file: file_identity(&restoring),
     };
-    std::fs::write(marker_path(db), serde_json::to_vec(&marker)?)
+    let marker_at = marker_path(db);
+    std::fs::write(&marker_at, serde_json::to_vec(&marker)?)
         .context("writing the restore marker")?;
+    if let Err(e) = put_in_place(&restoring, db) {
+        if file_identity(db) != marker.file {
+            let _ = std::fs::remove_file(&marker_at);
+        }
+        return Err(e.context("moving the restored database into place"));
+    }
+    remove_sqlite_files(&restoring)?;
     tracing::info!(
         target = marker.target,
         txid = marker.txid,
@@ -754,6 +765,59 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             assert!(!db.exists(), "an unrecorded restore was left in place");
             assert!(marker(&db).is_none());
         }
+    }
+
+    /// A stand-in for Litestream whose restores leave an empty file (an
+    /// empty database to SQLite); `then` runs after the restore to the
+    /// instant, with `$db` the database's path.
+    fn empty_litestream(dir: &Path, then: &str) -> Litestream {
+        litestream_that(
+            dir,
+            &format!(
+                r#"out=""; ts=""; dry=""; db=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift ;;
+    -timestamp) ts="$2"; shift ;;
+    -dry-run) dry=1 ;;
+    -config) shift ;;
+    *) db="$1" ;;
+  esac
+  shift
+done
+if [ -n "$dry" ]; then echo '{{"max_txid":"0000000000000002","files":[]}}'; exit 0; fi
+: > "$out"
+if [ -n "$ts" ]; then
+{then}
+fi
+exit 0"#
+            ),
+        )
+    }
+
+    /// The marker names the restored file, so it is the database's once the
+    /// file is in place (it is written before, and a restore stopped between
+    /// the two still leaves it); a restore whose file could not be put in
+    /// place (a database appeared meanwhile) leaves no marker beside that
+    /// other database.
+    #[tokio::test]
+    async fn the_marker_names_the_restored_file_and_only_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        let db = dir.path().join("a").join("tally.db");
+        let ls = empty_litestream(dir.path(), ":");
+        let Outcome::Restored(r) = restore_to(&db, target, &ls).await.unwrap() else {
+            panic!("not restored")
+        };
+        let m = marker(&db).expect("a marker");
+        assert_eq!((m.txid, m.file), (r.txid, file_identity(&db)));
+
+        let db = dir.path().join("b").join("tally.db");
+        let ls = empty_litestream(dir.path(), r#"echo another > "$db""#);
+        let e = restore_to(&db, target, &ls).await.unwrap_err();
+        assert!(format!("{e:#}").contains("a database appeared"), "{e:#}");
+        assert_eq!(std::fs::read(&db).unwrap(), b"another\n");
+        assert!(!marker_path(&db).exists());
     }
 
     /// An instant not reached yet is refused before anything is restored:
