@@ -559,9 +559,15 @@ fn present_leftovers(db: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Removes the file at `path`, if there is one.
+/// Removes the file at `path`, if there is one. A directory there is not
+/// one of the restore's files: never removed, and said so.
 fn remove_file(path: &Path) -> anyhow::Result<()> {
     match std::fs::remove_file(path) {
+        Err(_) if path.symlink_metadata().is_ok_and(|m| m.is_dir()) => bail!(
+            "{} is a directory: the restore keeps its own files under that name. Move the \
+             directory aside (or out of the data directory) and run this again",
+            path.display()
+        ),
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             Err(e).with_context(|| format!("removing {}", path.display()))
         }
@@ -818,6 +824,31 @@ exit 0"#
         assert!(format!("{e:#}").contains("a database appeared"), "{e:#}");
         assert_eq!(std::fs::read(&db).unwrap(), b"another\n");
         assert!(!marker_path(&db).exists());
+    }
+
+    /// A directory under one of the names the restore works with is
+    /// nobody's file to remove: the restore stops, says which, and leaves
+    /// it as it is.
+    #[tokio::test]
+    async fn a_directory_under_a_working_name_is_named_and_left() {
+        for name in [
+            "tally.db-latest",
+            "tally.db-restoring",
+            "tally.db-restored.json",
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let ls = empty_litestream(dir.path(), ":");
+            let db = dir.path().join("tally.db");
+            let there = dir.path().join(name);
+            std::fs::create_dir(&there).unwrap();
+            std::fs::write(there.join("kept"), b"x").unwrap();
+            let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            let e = format!("{e:#}");
+            assert!(e.contains(&format!("{name} is a directory")), "{e}");
+            assert!(there.join("kept").exists());
+            assert!(!db.exists());
+        }
     }
 
     /// An instant not reached yet is refused before anything is restored:
