@@ -244,7 +244,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     // 2. The latest state, to see whether it records this restore.
     let latest = latest_path(db);
     remove_sqlite_files(&latest)?;
-    match litestream(ls, &["-o", path_str(&latest)?], db, &lock).await {
+    match litestream_into(ls, &[], &latest, db, &lock).await {
         Ok(_) => {}
         // Before any instant is asked for: a replica with no backup at all
         // is the wrong place (a mistyped bucket or path, a release renamed),
@@ -283,16 +283,19 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     remove_sqlite_files(&latest)?;
 
     // 3. The restore to the instant: what it will bring back, then do it.
-    let plan: Plan = serde_json::from_slice(
-        &litestream(ls, &["-dry-run", "-json", "-timestamp", &target], db, &lock)
-            .await
-            .context(
+    let plan = match litestream(ls, &["-dry-run", "-json", "-timestamp", &target], db, &lock).await
+    {
+        Ok(plan) => plan,
+        Err(e) if killed(&e) => return Err(e.context("planning the restore")),
+        Err(e) => {
+            return Err(e.context(
                 "planning the restore (is the instant within the replica's history? it holds \
                  backups, so an instant it has nothing before is older than the history it \
                  keeps)",
-            )?,
-    )
-    .context("reading Litestream's restore plan")?;
+            ));
+        }
+    };
+    let plan: Plan = serde_json::from_slice(&plan).context("reading Litestream's restore plan")?;
     let last_transaction_at = plan.files.last().map(|f| f.timestamp.clone());
     // Into a file beside the database, recorded there, and only then moved
     // into place: a restore that fails (or is killed) before it is recorded
@@ -300,14 +303,9 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     // serving, and replicating, a restore no later start would know of.
     let restoring = restoring_path(db);
     remove_sqlite_files(&restoring)?;
-    litestream(
-        ls,
-        &["-timestamp", &target, "-o", path_str(&restoring)?],
-        db,
-        &lock,
-    )
-    .await
-    .context("restoring to the instant")?;
+    litestream_into(ls, &["-timestamp", &target], &restoring, db, &lock)
+        .await
+        .context("restoring to the instant")?;
     let restored = Restored {
         target: target.clone(),
         txid: plan.max_txid.clone(),
@@ -365,6 +363,50 @@ struct Plan {
 #[derive(Deserialize)]
 struct PlanFile {
     timestamp: String,
+}
+
+/// Litestream ended by a signal from outside (an operator's `kill`, the
+/// kernel out of memory): not an answer about the replica.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "litestream restore {args} was killed by signal {signal}, from outside this restore (by \
+     hand, or the kernel out of memory?): nothing was restored in place; run this again"
+)]
+struct Killed {
+    args: String,
+    signal: i32,
+}
+
+/// Whether `e` is a Litestream killed from outside ([`Killed`]).
+fn killed(e: &anyhow::Error) -> bool {
+    e.chain().any(|e| e.is::<Killed>())
+}
+
+/// `litestream restore -o OUT ...`, which must leave a file at `out`: one
+/// that says it succeeded and wrote nothing (another program under its
+/// name, a configuration that names another database) is said to have.
+async fn litestream_into(
+    ls: &Litestream,
+    args: &[&str],
+    out: &Path,
+    db: &Path,
+    lock: &std::fs::File,
+) -> anyhow::Result<()> {
+    let mut all = args.to_vec();
+    all.extend(["-o", path_str(out)?]);
+    litestream(ls, &all, db, lock).await?;
+    if !out.is_file() {
+        bail!(
+            "litestream restore {} said it succeeded but wrote no file at {}: is {} \
+             Litestream, and does {} name this database ({})?",
+            all.join(" "),
+            out.display(),
+            ls.binary.display(),
+            ls.config.display(),
+            db.display()
+        );
+    }
+    Ok(())
 }
 
 /// What Litestream says when the replica holds nothing for the database.
@@ -507,6 +549,13 @@ async fn litestream(
             )
         })?
         .with_context(|| format!("running {}", ls.binary.display()))?;
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
+        return Err(Killed {
+            args: args.join(" "),
+            signal,
+        }
+        .into());
+    }
     if !out.status.success() {
         bail!(
             "litestream restore {} failed ({}): {}{}",
@@ -849,6 +898,37 @@ exit 0"#
             assert!(there.join("kept").exists());
             assert!(!db.exists());
         }
+    }
+
+    /// A Litestream killed from outside is said to have been, not taken
+    /// for an answer about the replica (an instant outside its history);
+    /// one that says it succeeded and wrote nothing is named, not left to
+    /// SQLite's "unable to open database file".
+    #[tokio::test]
+    async fn a_litestream_killed_or_writing_nothing_is_said_so() {
+        let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        let ls = litestream_that(
+            dir.path(),
+            r#"case "$*" in *-dry-run*) kill -9 $$ ;; esac
+out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
+: > "$out""#,
+        );
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(
+            e.contains("planning the restore: litestream restore -dry-run")
+                && e.contains("killed by signal 9"),
+            "{e}"
+        );
+        assert!(!e.contains("history"), "{e}");
+        assert!(!db.exists());
+
+        let ls = litestream_that(dir.path(), "exit 0");
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(e.contains("said it succeeded but wrote no file at"), "{e}");
+        assert!(e.contains("tally.db-latest"), "{e}");
+        assert!(!db.exists());
     }
 
     /// An instant not reached yet is refused before anything is restored:
