@@ -615,6 +615,20 @@ fn parse_duration(s: &str) -> Result<f64, String> {
     Ok(value * factor)
 }
 
+/// The name of the first `TALLY_*` variable in `vars` whose value is not
+/// UTF-8. Every setting is read as text, a path included, and clap's own
+/// refusal ("invalid UTF-8 was detected in one or more arguments") names
+/// no variable.
+pub fn variable_not_utf8(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Option<String> {
+    vars.into_iter()
+        .find(|(name, value)| {
+            name.as_encoded_bytes().starts_with(b"TALLY_") && value.to_str().is_none()
+        })
+        .map(|(name, _)| name.to_string_lossy().into_owned())
+}
+
 impl Settings {
     /// Settings for a SQLite database at `path`, everything else at its
     /// default.
@@ -634,6 +648,22 @@ impl Settings {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn a_variable_that_is_not_utf8_is_named() {
+        use std::{ffi::OsString, os::unix::ffi::OsStringExt};
+        let var = |n: &str, v: &[u8]| (OsString::from(n), OsString::from_vec(v.to_vec()));
+        let vars = || {
+            [
+                var("HOME", b"/\xff"),
+                var("TALLY_LISTEN", b"127.0.0.1:0"),
+                var("TALLY_DATABASE", b"/data/\xfft.db"),
+                var("TALLY_LOG", b"\xc3"),
+            ]
+        };
+        assert_eq!(variable_not_utf8(vars()).as_deref(), Some("TALLY_DATABASE"));
+        assert_eq!(variable_not_utf8(vars().into_iter().take(2)), None);
+    }
 
     #[test]
     fn an_instant_has_an_offset_and_no_annotation() {

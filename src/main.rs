@@ -18,6 +18,13 @@ async fn main() -> ExitCode {
     // Read before anything else: the later the read, the longer a parent
     // could die unnoticed (see `stop_requested`).
     let parent = std::os::unix::process::parent_id();
+    if let Some(name) = tally::config::variable_not_utf8(std::env::vars_os()) {
+        eprintln!(
+            "tally: the value of {name} is not valid UTF-8: every TALLY_* setting, a path \
+             included, is read as UTF-8 text"
+        );
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     if let Err(e) = tally::telemetry::init() {
         eprintln!("tally: {e}");

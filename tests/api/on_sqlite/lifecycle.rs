@@ -97,6 +97,35 @@ fn log_settings_that_cannot_be_used_stop_the_start() {
     assert!(!dir.path().join("t.db").exists(), "nothing was opened");
 }
 
+/// A setting whose value is not UTF-8 is refused by name, before anything
+/// is opened (clap's own refusal named no variable).
+#[test]
+fn a_setting_that_is_not_utf8_is_refused_by_name() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("t.db");
+    for (name, value) in [
+        ("TALLY_QUEUE_CAPACITY", &b"1\xff"[..]),
+        ("TALLY_DATABASE", b"/tmp/\xfft.db"),
+        ("TALLY_LOG", b"info\xc3"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .env_clear()
+            .env("TALLY_LISTEN", "127.0.0.1:0")
+            .env("TALLY_DATABASE", &db)
+            .env(name, std::ffi::OsStr::from_bytes(value))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        assert!(
+            err.contains(&format!("the value of {name} is not valid UTF-8")),
+            "{name}: {err}"
+        );
+    }
+    assert!(!db.exists(), "nothing was opened");
+}
+
 /// A database a newer tally migrated (a rollback after an upgrade that
 /// brought a migration) is served, with a warning naming what this tally
 /// does not know; before, every start failed on it, and a rollback
