@@ -314,6 +314,13 @@ impl Storage {
                  directory: move it, tally stopped, and give its path)",
             );
         }
+        if lacks_its_colon(&s) {
+            return Err(
+                "the database path begins as a URL without its colon (such as `postgres//`): \
+                 give postgres://... for PostgreSQL (a SQLite file in a directory really named \
+                 so: give its path as ./postgres//...)",
+            );
+        }
         if s.ends_with('/') {
             return Err(
                 "the database path ends in `/`: name the SQLite file, not a directory (the \
@@ -453,17 +460,28 @@ fn parse_storage(s: &str) -> Result<Storage, String> {
 /// database is named by (`sqlite:`, `file:`, ...), anything. A directory
 /// whose name holds a colon (`restore-2026-05-01T10:04/`) is none.
 fn has_scheme(s: &str) -> bool {
-    const DATABASE_SCHEMES: [&str; 5] = ["sqlite", "sqlite3", "file", "postgres", "postgresql"];
     s.split_once(':').is_some_and(|(scheme, rest)| {
         scheme.starts_with(|c: char| c.is_ascii_alphabetic())
             && scheme
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
-            && (rest.starts_with("//")
-                || DATABASE_SCHEMES
-                    .iter()
-                    .any(|d| scheme.eq_ignore_ascii_case(d)))
+            && (rest.starts_with("//") || names_a_database(scheme))
     })
+}
+
+/// Whether `s` begins as a database's URL with its colon left out
+/// (`postgres//u:pw@db/x`): one of the schemes a database is named by,
+/// then `//`.
+fn lacks_its_colon(s: &str) -> bool {
+    s.split_once("//")
+        .is_some_and(|(scheme, _)| names_a_database(scheme))
+}
+
+/// `sqlite`, `file`, `postgres`, ...: the schemes a database is named by.
+fn names_a_database(scheme: &str) -> bool {
+    ["sqlite", "sqlite3", "file", "postgres", "postgresql"]
+        .iter()
+        .any(|d| scheme.eq_ignore_ascii_case(d))
 }
 
 fn parse_secret(s: &str) -> Result<SecretString, String> {
@@ -778,6 +796,8 @@ mod tests {
             "t.db/x",
             "9x:/t.db",
             "restore-2026-05-01T10:04/tally.db",
+            "postgres/tally.db",
+            "data/postgres//tally.db",
         ] {
             assert_eq!(parse(ok).unwrap().database.check(), Ok(()), "{ok}");
         }
@@ -792,6 +812,8 @@ mod tests {
             "sqlite:///data/t.db",
             "file:/data/t.db?mode=ro",
             "postgres:/u:hunter2@db/x",
+            "postgres//u:hunter2@db/x",
+            "PostgreSQL//db/x",
             "SQLite:t.db",
             "mysql://db/t.db",
             "~/t.db",
