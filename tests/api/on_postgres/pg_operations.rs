@@ -16,8 +16,9 @@ use sqlx::{Connection, PgConnection};
 use crate::{
     helpers::{
         ADMIN, Binary, failed_start, faketime_library, json, problem, put_budget, set_clock,
+        wait_for_queue_depth,
     },
-    on_postgres::scale_out::{metric, processes, stop_all},
+    on_postgres::scale_out::{a_writer_waits_for_a_lock, metric, processes, stop_all},
     postgres::{self, PgServer},
 };
 
@@ -246,8 +247,11 @@ async fn names_lock_in_byte_order_whatever_the_databases_collation() {
         let retries = metric(&client, bin, "tally_write_retries_total").await;
         assert_eq!(retries, Some(0.0), "deadlocks were broken and rerun");
     }
+    // Lock waits between batches taking names in two orders would cost a
+    // deadlock check (1 s) each, and the rate far more than this margin
+    // (kept wide: another test's burst may land on one kind of round).
     assert!(
-        mixed * 2.0 >= control,
+        mixed * 4.0 >= control,
         "{mixed:.0}/s against {control:.0}/s"
     );
     stop_all(bins).await;
@@ -529,7 +533,7 @@ async fn a_row_locked_outside_tally_holds_up_only_its_own_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
     // Long, so that a write held up by it stands out from a slow machine.
-    const LOCK_TIMEOUT: Duration = Duration::from_secs(4);
+    const LOCK_TIMEOUT: Duration = Duration::from_secs(8);
     const ROUNDS: i64 = 12;
     let url = postgres::fresh_database().await;
     // A slow writer, so that the writes sent together share a batch.
@@ -538,7 +542,7 @@ async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
         &url,
         &[
             ("TALLY_TEST_WRITER_DELAY_MS", "30"),
-            ("TALLY_POSTGRES_LOCK_TIMEOUT", "4"),
+            ("TALLY_POSTGRES_LOCK_TIMEOUT", "8"),
         ],
     );
     let client = Client::new();
@@ -1183,11 +1187,11 @@ async fn a_prune_held_up_by_a_locked_row_holds_up_no_other_budget() {
         .await
         .unwrap()
     };
-    // Four shares of 10,000 rows: well under the 10 s a failed share
-    // used to hold every budget's.
+    // Four shares of 10,000 rows (on a quiet host, within 2 s): under the
+    // 10 s a failed share used to hold every budget's.
     while old_rows("free").await > 0 {
         assert!(
-            put.elapsed() < Duration::from_secs(6),
+            put.elapsed() < Duration::from_secs(8),
             "free's prune waited on held's: {} rows left after {:?}",
             old_rows("free").await,
             put.elapsed()
@@ -1368,21 +1372,24 @@ async fn a_held_table_holds_up_no_write_for_the_shares_it_fails() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Each write a batch, each batch followed by a share: at most two
-    // shares wait out their lock timeout (250 ms) before all wait.
+    // shares wait out their lock timeout (250 ms) before all wait, rather
+    // than one after each write (60 of them: 15 s).
+    let failed = || {
+        bin.log_text()
+            .matches("could not prune a budget's usage")
+            .count()
+    };
+    let failed_before = failed();
     let started = Instant::now();
-    let mut slow = 0;
     for _ in 0..60 {
-        let sent = Instant::now();
         let r = client.post(bin.url("/counters/c")).send().await.unwrap();
         assert_eq!(r.status(), StatusCode::OK);
-        if sent.elapsed() >= Duration::from_millis(200) {
-            slow += 1;
-        }
     }
     let took = started.elapsed();
+    let shares_failed = failed() - failed_before;
     assert!(
-        slow <= 4 && took < Duration::from_secs(8),
-        "{slow} of 60 writes waited on a share; all took {took:?}"
+        shares_failed <= 2 && took < Duration::from_secs(8),
+        "{shares_failed} shares failed during 60 writes, which took {took:?}"
     );
     sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
     // Released: every budget's usage goes at the next turn.
@@ -1673,24 +1680,27 @@ async fn batch_waits_past_midnight() -> bool {
         .execute(&mut hot)
         .await
         .unwrap();
+    // The server's clock is frozen, and its lock waits are timed by it:
+    // nothing here gives up while the test waits for each step.
+    let mut watch = PgConnection::connect(&url).await.unwrap();
     let plugged = tokio::spawn(client.post(bins[0].url("/counters/plug")).send());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    a_writer_waits_for_a_lock(&mut watch).await;
     let hot_write = tokio::spawn(client.post(bins[0].url("/counters/hot")).send());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_for_queue_depth(&client, &bins[0].url(""), 1).await;
     let late = tokio::spawn(
         client
             .post(bins[0].url("/budgets/b/check"))
             .json(&on_oldest)
             .send(),
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_for_queue_depth(&client, &bins[0].url(""), 2).await;
     sqlx::raw_sql("COMMIT").execute(&mut plug).await.unwrap();
+    let plugged = plugged.await.unwrap().unwrap();
+    assert_eq!(plugged.status(), StatusCode::OK);
     // The batch of `hot` and the check begins, at 23:59:58, and waits on
-    // `hot`: for 250 ms at most before it is split and run again, in new
-    // transactions (which would find the day gone), so what follows must
-    // be quick for the race to be run at all (slower, the test passes
-    // without testing it).
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // `hot` (for 250 ms of the server's clock before it is split and run
+    // again, in new transactions: the clock moves 3 s below).
+    a_writer_waits_for_a_lock(&mut watch).await;
     // Less than the lock timeout later: the server times its lock waits by
     // this clock.
     set_clock(&clock, "2026-05-02 00:00:01");
@@ -1700,7 +1710,6 @@ async fn batch_waits_past_midnight() -> bool {
     assert_eq!(r.status(), StatusCode::OK);
     let first = json(r).await;
     assert_eq!(first["day"], "2026-05-02", "{first}");
-    assert_eq!(plugged.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(hot_write.await.unwrap().unwrap().status(), StatusCode::OK);
     let r = late.await.unwrap().unwrap();
     let status = r.status();

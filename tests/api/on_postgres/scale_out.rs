@@ -38,6 +38,30 @@ pub(crate) async fn stop_all(bins: Vec<Binary>) {
     }
 }
 
+/// Waits (20 s at most) until a tally writer on `watch`'s database waits
+/// for a lock: a batch that has begun and met a row held elsewhere.
+pub(crate) async fn a_writer_waits_for_a_lock(watch: &mut sqlx::PgConnection) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = 'tally-writer' AND wait_event_type = 'Lock'
+               AND datname = current_database()",
+        )
+        .fetch_one(&mut *watch)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no writer waited for a lock in 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Budget `name`'s calls today, as `bin` reads them.
 pub(crate) async fn global_calls(client: &Client, bin: &Binary, name: &str) -> i64 {
     let url = bin.url(&format!("/budgets/{name}/usage"));
@@ -562,13 +586,10 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
     use sqlx::Connection;
     let url = postgres::fresh_database().await;
     // A slow writer, so that the two deletes below share a batch.
-    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "300")]);
+    let bins = processes(1, &url, &[("TALLY_TEST_WRITER_DELAY_MS", "1500")]);
+    let bin = &bins[0];
     let client = Client::new();
-    let post = |name: &str| {
-        client
-            .post(bins[0].url(&format!("/counters/{name}")))
-            .send()
-    };
+    let post = |name: &str| client.post(bin.url(&format!("/counters/{name}"))).send();
     for name in ["a", "b"] {
         assert_eq!(post(name).await.unwrap().status(), StatusCode::OK);
     }
@@ -584,38 +605,20 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
     // is waited for up to the lock timeout (2 s), past PostgreSQL's
     // deadlock_timeout (1 s): a set-based batch would give up on `b` after
     // 250 ms, before a deadlock could be found.
-    let c = post("c");
-    let c = tokio::spawn(c);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let c = tokio::spawn(post("c"));
+    bin.writer_holds(3).await;
     let delete = |name: &str| {
         client
-            .delete(bins[0].url(&format!("/counters/{name}")))
+            .delete(bin.url(&format!("/counters/{name}")))
             .bearer_auth(ADMIN)
             .send()
     };
     let (a, b) = (delete("a"), delete("b"));
     let batch = tokio::spawn(async move { futures_util::future::join(a, b).await });
+    wait_for_queue_depth(&client, &bin.url(""), 2).await;
     // Until tally's writer waits for the lock on `b`.
     let mut watch = sqlx::PgConnection::connect(&url).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE application_name = 'tally-writer' AND wait_event_type = 'Lock'
-               AND datname = current_database()",
-        )
-        .fetch_one(&mut watch)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "tally's batch never waited for `b`"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    a_writer_waits_for_a_lock(&mut watch).await;
     // The other transaction now waits for `a`: a deadlock. tally's backend
     // has waited longer, so its deadlock check runs first and it is the
     // one cancelled; the other transaction goes on and commits, and the
@@ -634,7 +637,7 @@ async fn a_batch_that_loses_a_deadlock_is_run_again_unseen() {
         .await
         .unwrap();
     assert_eq!(left, 0);
-    let retries = metric(&client, &bins[0], "tally_write_retries_total")
+    let retries = metric(&client, bin, "tally_write_retries_total")
         .await
         .unwrap();
     assert!(retries >= 1.0, "{retries}");
