@@ -138,7 +138,7 @@ async fn a_closed_queue_is_not_ready_and_refuses_writes() {
 #[tokio::test]
 async fn one_failing_command_does_not_fail_its_batch() {
     // Held long enough for every command below to queue, one at a time.
-    let app = spawn_with(|s| s.test_writer_delay_ms = Some(1500)).await;
+    let app = spawn_with(|s| s.test_writer_delay_ms = Some(3000)).await;
     app.budget("gc", 1, 10).await;
     app.sql_behind("INSERT INTO counters (name, value) VALUES ('big', 9223372036854775000)")
         .await;

@@ -433,32 +433,42 @@ async fn a_batch_cut_off_says_whether_its_commit_went_out() {
 async fn many_requests_under_one_key_cost_their_batch_nothing() {
     // A slow writer, so that everything below shares one batch.
     let (distant, bins, _) =
-        far_with_a_slow_writer(Duration::from_millis(25), "1500", "real", 1000).await;
+        far_with_a_slow_writer(Duration::from_millis(25), "4000", "real", 1000).await;
     let bin = &bins[0];
     let client = Client::new();
     let busy = hold_the_writer(&client, bin).await;
-    let hostile = (0..200).map(|i| {
-        client
-            .post(bin.url(&format!("/budgets/nope{i:03}/check")))
-            .header("idempotency-key", "one-key")
-            .json(&json!({"visitor": "v"}))
-            .send()
-    });
-    let increment = client.post(bin.url("/counters/innocent")).send();
-    let check = client
-        .post(bin.url("/budgets/real/check"))
-        .header("idempotency-key", "alice-1")
-        .json(&json!({"visitor": "alice"}))
-        .send();
     let started = Instant::now();
-    let (hostile, increment, check) = tokio::join!(join_all(hostile), increment, check);
+    let hostile: Vec<_> = (0..200)
+        .map(|i| {
+            tokio::spawn(
+                client
+                    .post(bin.url(&format!("/budgets/nope{i:03}/check")))
+                    .header("idempotency-key", "one-key")
+                    .json(&json!({"visitor": "v"}))
+                    .send(),
+            )
+        })
+        .collect();
+    let increment = tokio::spawn(client.post(bin.url("/counters/innocent")).send());
+    let check = tokio::spawn(
+        client
+            .post(bin.url("/budgets/real/check"))
+            .header("idempotency-key", "alice-1")
+            .json(&json!({"visitor": "alice"}))
+            .send(),
+    );
+    // All of them behind the held batch, so in the next one together.
+    queued(&client, bin, 202).await;
+    let (hostile, increment, check) = (join_all(hostile).await, increment.await, check.await);
     let took = started.elapsed();
     assert_eq!(busy.await.unwrap().unwrap().status(), StatusCode::OK);
-    assert_eq!(increment.unwrap().status(), StatusCode::OK);
-    assert_eq!(check.unwrap().status(), StatusCode::OK);
+    assert_eq!(increment.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(check.unwrap().unwrap().status(), StatusCode::OK);
     let mut statuses = std::collections::BTreeMap::new();
     for r in hostile {
-        *statuses.entry(r.unwrap().status().as_u16()).or_insert(0) += 1;
+        *statuses
+            .entry(r.unwrap().unwrap().status().as_u16())
+            .or_insert(0) += 1;
     }
     assert_eq!(statuses, [(404, 1), (422, 199)].into(), "{took:?}");
     assert!(took < Duration::from_secs(12), "{took:?}");
@@ -760,7 +770,7 @@ async fn a_held_row_in_a_distant_batch_costs_only_its_own_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_stopped_part_way_remembers_the_held_row_it_found() {
     // A slow writer, so that the writes below share one batch.
-    let (distant, bins, url) = far_with_a_slow_writer(Duration::ZERO, "1500", "hot", 10).await;
+    let (distant, bins, url) = far_with_a_slow_writer(Duration::ZERO, "4000", "hot", 10).await;
     let bin = &bins[0];
     let client = Client::new();
     let mut holder = held_counter(&client, bin, &url, "a-held").await;
