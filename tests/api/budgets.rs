@@ -693,6 +693,17 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     gone(&bin).await;
     // 25,000 visitors and the global row, then the new budget's two.
     counted(&bin, 25_003.0).await;
+    // The writer's share after the delete (of nothing left) has run: one
+    // still to come would take the rows written next.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let due = sample(&bin.metrics().await, "tally_budget_prunes_due");
+        if due == Some(0.0) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{due:?} prunes due");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 
     // Left while this process runs and knows nothing of it (as a process
     // that stopped leaves it; on PostgreSQL, another process's): a PUT
