@@ -692,10 +692,14 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
     #[tokio::test]
     async fn a_second_restore_into_one_directory_is_refused_while_the_first_runs() {
         let dir = tempfile::tempdir().unwrap();
-        let started = dir.path().join("started");
+        let (started, release) = (dir.path().join("started"), dir.path().join("release"));
         let ls = litestream_that(
             dir.path(),
-            &format!("touch {}; sleep 1; exit 1", started.display()),
+            &format!(
+                "touch {}; while [ ! -e {} ]; do sleep 0.02; done; exit 1",
+                started.display(),
+                release.display()
+            ),
         );
         let db = dir.path().join("data").join("tally.db");
         let at: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
@@ -711,6 +715,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             format!("{e:#}").contains("another process is using"),
             "{e:#}"
         );
+        std::fs::write(&release, b"").unwrap();
         let e = first.await.unwrap().unwrap_err();
         assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
         let e = restore_to(&db, at, &ls).await.unwrap_err();

@@ -382,19 +382,21 @@ async fn past_the_connection_cap_new_connections_get_a_503_and_are_closed() {
         assert_eq!(r.headers()["connection"], "close");
         let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
         assert_eq!(body["type"], "/problems/too-many-connections");
-        assert!(took < Duration::from_millis(500), "refused after {took:?}");
+        // At once (the refusal waits 250 ms at most for the request),
+        // not after the header timeout; wide for a loaded host.
+        assert!(took < Duration::from_millis(1500), "refused after {took:?}");
     }
     // Closed by the server right after the answer, even when the client
     // says nothing.
     let mut silent = TcpStream::connect(app.addr).await.unwrap();
     let opened = Instant::now();
     let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(2), silent.read_to_end(&mut answer))
+    tokio::time::timeout(Duration::from_secs(5), silent.read_to_end(&mut answer))
         .await
         .expect("the refused connection is closed at once")
         .unwrap();
     assert!(answer.starts_with(b"HTTP/1.1 503 "));
-    assert!(opened.elapsed() < Duration::from_millis(500));
+    assert!(opened.elapsed() < Duration::from_millis(1500));
 
     // Once connections go away, new ones are served.
     drop(held);
