@@ -321,6 +321,13 @@ impl Storage {
                  so: give its path as ./postgres//...)",
             );
         }
+        if holds_credentials(&s) {
+            return Err(
+                "the database path holds `user:password@host`, as a PostgreSQL URL does: give \
+                 the URL as postgres://user:password@host/database (a mistyped one is taken for \
+                 a SQLite file's path)",
+            );
+        }
         if s.ends_with('/') {
             return Err(
                 "the database path ends in `/`: name the SQLite file, not a directory (the \
@@ -469,12 +476,24 @@ fn has_scheme(s: &str) -> bool {
     })
 }
 
-/// Whether `s` begins as a database's URL with its colon left out
-/// (`postgres//u:pw@db/x`): one of the schemes a database is named by,
-/// then `//`.
+/// Whether `s` begins as a database's URL with its colon left out or
+/// mistyped (`postgres//u:pw@db/x`, `postgres;//...`): one of the schemes
+/// a database is named by, then at most one stray character, then `//`.
 fn lacks_its_colon(s: &str) -> bool {
-    s.split_once("//")
-        .is_some_and(|(scheme, _)| names_a_database(scheme))
+    s.split_once("//").is_some_and(|(scheme, _)| {
+        let scheme = scheme.strip_suffix([';', '.', ',', ' ']).unwrap_or(scheme);
+        names_a_database(scheme)
+    })
+}
+
+/// Whether a part of the path `s` reads as a URL's `user:password@host`:
+/// no file is named so, and a mistyped URL taken for a path would start a
+/// database in directories named after its password.
+fn holds_credentials(s: &str) -> bool {
+    s.split('/').any(|part| {
+        part.split_once('@')
+            .is_some_and(|(user, _)| user.contains(':'))
+    })
 }
 
 /// `sqlite`, `file`, `postgres`, ...: the schemes a database is named by.
@@ -798,6 +817,8 @@ mod tests {
             "restore-2026-05-01T10:04/tally.db",
             "postgres/tally.db",
             "data/postgres//tally.db",
+            "data/a@b:c/t.db",
+            "data/a:b/c@d.db",
         ] {
             assert_eq!(parse(ok).unwrap().database.check(), Ok(()), "{ok}");
         }
@@ -814,6 +835,10 @@ mod tests {
             "postgres:/u:hunter2@db/x",
             "postgres//u:hunter2@db/x",
             "PostgreSQL//db/x",
+            "postgres;//db/x",
+            "postgres;//u:hunter2@db/x",
+            "postgres/u:hunter2@db/x",
+            "postgress//u:hunter2@db/x",
             "SQLite:t.db",
             "mysql://db/t.db",
             "~/t.db",
