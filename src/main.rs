@@ -165,9 +165,12 @@ async fn restore_to(
     // A stop (the pod deleted while it restores) ends the restore at once:
     // the Litestream it runs is killed with it, and nothing half-restored
     // is in place, so the next start restores again.
+    // The signal first: Ctrl-C reaches Litestream too, and its death
+    // would otherwise often be told as a kill from outside.
     let signal = tokio::select! {
-        restored = tally::restore::restore_to(db, timestamp, &ls) => return restored.map(drop),
+        biased;
         signal = restore_stopped() => signal,
+        restored = tally::restore::restore_to(db, timestamp, &ls) => return restored.map(drop),
     };
     // Killed as the restore was dropped, Litestream holds the lock until it
     // is gone, a few milliseconds: a restore run again at once was refused

@@ -215,13 +215,37 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         );
         remove_file(db)?;
     }
+    match db.symlink_metadata() {
+        Ok(m) if m.is_dir() => bail!(
+            "{} is a directory, not a database (a volume mounted on a file that was not \
+             there makes one): move it aside and run this again",
+            db.display()
+        ),
+        Ok(m) if m.is_symlink() => bail!(
+            "{} is a symbolic link: tally serves no database through one (the lock, \
+             Litestream and SQLite's WAL would go by different names); give the file's own \
+             path",
+            db.display()
+        ),
+        _ => {}
+    }
     if db.exists() {
-        tracing::warn!(
-            database = %db.display(),
-            target,
-            "the database exists: nothing restored (a restore only fills an empty data \
-             directory: move the directory aside first, never from under a running tally)"
-        );
+        match marker(db) {
+            // A run stopped after it put the file in place, before it ended.
+            Some(m) if m.target == target => tracing::info!(
+                target,
+                txid = m.txid,
+                database = %db.display(),
+                "the database is the restore to this instant that an earlier run put in place \
+                 (it was stopped before it ended): nothing more to do"
+            ),
+            _ => tracing::warn!(
+                database = %db.display(),
+                target,
+                "the database exists: nothing restored (a restore only fills an empty data \
+                 directory: move the directory aside first, never from under a running tally)"
+            ),
+        }
         return Ok(Outcome::DatabaseExists);
     }
     // What a database leaves beside it belongs to it: SQLite would replay a
@@ -269,7 +293,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         .context("reading the restores recorded in the latest state")?
     {
         put_in_place(&latest, db).context("moving the latest state into place")?;
-        remove_sqlite_files(&latest)?;
+        tidy(&latest);
         tracing::warn!(
             target = done.target,
             txid = done.txid,
@@ -342,7 +366,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         }
         return Err(e.context("moving the restored database into place"));
     }
-    remove_sqlite_files(&restoring)?;
+    tidy(&restoring);
     tracing::info!(
         target = marker.target,
         txid = marker.txid,
@@ -366,15 +390,28 @@ struct PlanFile {
 }
 
 /// Litestream ended by a signal from outside (an operator's `kill`, the
-/// kernel out of memory): not an answer about the replica.
+/// kernel out of memory, a stop sent to the process group): not an answer
+/// about the replica.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "litestream restore {args} was killed by signal {signal}, from outside this restore (by \
-     hand, or the kernel out of memory?): nothing was restored in place; run this again"
-)]
+#[error("litestream restore {args} {}: nothing was restored in place", how_killed(*.signal))]
 struct Killed {
     args: String,
     signal: i32,
+}
+
+/// What a signal that ended Litestream says of who sent it.
+fn how_killed(signal: i32) -> String {
+    match signal {
+        9 => "was killed (SIGKILL) from outside this restore: by hand, or by the kernel out of \
+              memory (in a pod, the init container's memory limit)"
+            .to_owned(),
+        2 | 15 => format!(
+            "was stopped by {} as this restore was (sent to its process group too: Ctrl-C, or \
+             the container stopping)",
+            if signal == 2 { "SIGINT" } else { "SIGTERM" }
+        ),
+        _ => format!("was killed by signal {signal} from outside this restore"),
+    }
 }
 
 /// Whether `e` is a Litestream killed from outside ([`Killed`]).
@@ -493,7 +530,13 @@ fn put_in_place(from: &Path, db: &Path) -> anyhow::Result<()> {
         );
     }
     match std::fs::hard_link(from, db) {
-        Ok(()) => remove_file(from),
+        Ok(()) => {
+            #[cfg(test)]
+            if tests::STOP_AFTER_LINK.get() {
+                bail!("stopped after the link, as a test asked");
+            }
+            Ok(())
+        }
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => bail!(
             "a database appeared at {} during the restore: something else (a tally started \
              meanwhile?) uses this directory. It was left as it is; the restored file is at {}",
@@ -574,6 +617,20 @@ fn beside(db: &Path, suffix: &str) -> PathBuf {
     db.with_file_name(name)
 }
 
+/// Removes the working name `from` a file was put in place under, and what
+/// SQLite left beside it. The database is in place by then: a name that
+/// cannot be removed is said, and left to the next start (which removes a
+/// second name of its database left by a restore).
+fn tidy(from: &Path) {
+    if let Err(e) = remove_sqlite_files(from) {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "the restored database is in place, but its working name could not be removed \
+             (the next start removes it)"
+        );
+    }
+}
+
 fn remove_sqlite_files(db: &Path) -> anyhow::Result<()> {
     for path in [
         db.to_path_buf(),
@@ -632,6 +689,13 @@ fn path_str(p: &Path) -> anyhow::Result<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes [`put_in_place`] stop right after its link, as a restore
+        /// killed there would (on this thread: a test's runtime).
+        pub(super) static STOP_AFTER_LINK: std::cell::Cell<bool> =
+            const { std::cell::Cell::new(false) };
+    }
 
     #[test]
     fn the_marker_sits_beside_the_database() {
@@ -872,6 +936,23 @@ exit 0"#
         let m = marker(&db).expect("a marker");
         assert_eq!((m.txid, m.file), (r.txid, file_identity(&db)));
 
+        // Stopped right after the link, before its working name is removed
+        // or it returns: the marker is there already and names the
+        // database; run again, the restore finds it in place.
+        let db = dir.path().join("c").join("tally.db");
+        STOP_AFTER_LINK.set(true);
+        let stopped = restore_to(&db, target, &ls).await;
+        STOP_AFTER_LINK.set(false);
+        assert!(stopped.is_err());
+        let m = marker(&db).expect("a marker as the file is put in place");
+        assert_eq!(m.file, file_identity(&db));
+        assert_eq!(m.file, file_identity(&restoring_path(&db)));
+        assert_eq!(
+            restore_to(&db, target, &ls).await.unwrap(),
+            Outcome::DatabaseExists
+        );
+        assert!(marker(&db).is_some());
+
         let db = dir.path().join("b").join("tally.db");
         let ls = empty_litestream(dir.path(), r#"echo another > "$db""#);
         let e = restore_to(&db, target, &ls).await.unwrap_err();
@@ -903,6 +984,15 @@ exit 0"#
             assert!(there.join("kept").exists());
             assert!(!db.exists());
         }
+        // At the database's own name (a volume mounted on a file that was
+        // not there): not "the database exists, nothing restored".
+        let dir = tempfile::tempdir().unwrap();
+        let ls = empty_litestream(dir.path(), ":");
+        let db = dir.path().join("tally.db");
+        std::fs::create_dir(&db).unwrap();
+        let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(e.contains("tally.db is a directory, not a database"), "{e}");
     }
 
     /// A Litestream killed from outside is said to have been, not taken
@@ -923,11 +1013,15 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
         assert!(
             e.contains("planning the restore: litestream restore -dry-run")
-                && e.contains("killed by signal 9"),
+                && e.contains("was killed (SIGKILL) from outside"),
             "{e}"
         );
         assert!(!e.contains("history"), "{e}");
         assert!(!db.exists());
+        let ls = litestream_that(dir.path(), "kill -TERM $$");
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(e.contains("was stopped by SIGTERM"), "{e}");
+        assert!(!e.contains("memory"), "{e}");
 
         let ls = litestream_that(dir.path(), "exit 0");
         let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
