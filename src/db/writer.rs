@@ -32,7 +32,7 @@ use super::{
     stats::{CommitClock, QueueStats},
     txn::{self, Applied},
 };
-use crate::telemetry::Throttle;
+use crate::{meter::Refusal, telemetry::Throttle};
 
 /// The writer, ready to run on its own thread ([`Writer::spawn`]):
 /// created by [`super::Database::open`] around the engine it opened.
@@ -992,16 +992,25 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
         // Usage rows a command's own transaction deleted, now committed
         // (the writer's later shares count their own).
         let pruned_rows = match &q.command {
-            Command::Check { reply, budget, .. } => reply.value().map_or(0, |d| {
-                // Budget names are configured by the operator: a bounded set.
-                crate::prometheus::budget_decisions(budget.as_str(), d.reason.label()).increment(1);
-                if d.pruned_rows > 0 {
-                    metrics::counter!("tally_budget_prunes_total").increment(1);
+            Command::Check { reply, budget, .. } => {
+                if let Some(Error::Refused(Refusal::UnknownBudget(_))) = reply.error() {
+                    // Deleted, here or by another process.
+                    crate::prometheus::budget_gone(budget.as_str());
                 }
-                d.pruned_rows
-            }),
+                reply.value().map_or(0, |d| {
+                    // Budget names are the operator's: a bounded set.
+                    crate::prometheus::budget_decided(budget.as_str(), d.reason);
+                    if d.pruned_rows > 0 {
+                        metrics::counter!("tally_budget_prunes_total").increment(1);
+                    }
+                    d.pruned_rows
+                })
+            }
             Command::PutBudget { reply, .. } => reply.value().map_or(0, |s| s.pruned_rows),
-            Command::DeleteBudget { reply, .. } => reply.value().map_or(0, |d| d.usage_rows),
+            Command::DeleteBudget { reply, name } => reply.value().map_or(0, |d| {
+                crate::prometheus::budget_gone(name.as_str());
+                d.usage_rows
+            }),
             _ => 0,
         };
         if pruned_rows > 0 {

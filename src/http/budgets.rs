@@ -250,9 +250,7 @@ pub async fn check(
 fn meter_failed(err: &db::Error) -> Problem {
     // Whether the budget exists is unknown here: keep its name out of the
     // labels, so bad input cannot grow them.
-    metrics::counter!("tally_budget_decisions_total",
-        "budget" => "", "reason" => "meter_error")
-    .increment(1);
+    crate::prometheus::budget_meter_error();
     // An unreachable server, a full disk (or the storage limit) and a lost
     // file are logged by the writer when they start and when they end, a
     // held row once per batch: not once per denied check.

@@ -197,7 +197,7 @@ async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
         )],
-        m.handle.render(),
+        crate::prometheus::render(&m.handle),
     )
 }
 

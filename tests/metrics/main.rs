@@ -226,6 +226,70 @@ async fn metrics_are_valid_and_move_with_traffic() {
         "histograms must have buckets, not summaries"
     );
 
+    // A deleted budget's series go with it (the recorder would have kept
+    // them for as long as the process runs: created and deleted budgets
+    // grew /metrics without bound); created again, it counts from 0.
+    let scrape = async || {
+        client
+            .get(format!("http://{metrics_addr}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let r = client
+        .delete(url("/budgets/m"))
+        .bearer_auth("t")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    let text = scrape().await;
+    assert!(!text.contains(r#"budget="m""#), "{text}");
+    assert!(text.contains(r#"tally_budget_decisions_total{budget="",reason="meter_error"} 0"#));
+    let r = client
+        .put(url("/budgets/m"))
+        .bearer_auth("t")
+        .json(&json!({"visitor_limit": 1, "global_limit": 100}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = client
+        .post(url("/budgets/m/check"))
+        .json(&json!({"visitor": "a"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let m = samples(&scrape().await);
+    assert_eq!(
+        m.get(r#"tally_budget_decisions_total{budget="m",reason="ok"}"#),
+        Some(&1.0)
+    );
+    assert_eq!(
+        m.get(r#"tally_budget_decisions_total{budget="m",reason="visitor_limit"}"#),
+        None
+    );
+    // Deleted behind this process's back (as another process on the same
+    // PostgreSQL would): gone from here at the first check that finds it
+    // gone.
+    sqlx::query("DELETE FROM budgets WHERE name = 'm'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let r = client
+        .post(url("/budgets/m/check"))
+        .json(&json!({"visitor": "a"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let text = scrape().await;
+    assert!(!text.contains(r#"budget="m""#), "{text}");
+
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(20), task)
         .await
