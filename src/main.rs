@@ -75,6 +75,20 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
         tally::Storage::Postgres(_) => None,
     };
     if let tally::Storage::Sqlite(db) = &settings.database
+        && let Some(m) = tally::restore::unfinished(db)
+    {
+        bail!(
+            "a restore to {} was stopped before it put the restored database in place (it is \
+             at {}-restoring, recorded): run `tally restore-to --timestamp {}` again to finish \
+             it (the chart's init container does), or, to start without it, remove that file \
+             and {}",
+            m.target,
+            db.display(),
+            m.target,
+            tally::restore::marker_path(db).display()
+        );
+    }
+    if let tally::Storage::Sqlite(db) = &settings.database
         && let Some(m) = tally::restore::marker(db)
     {
         tracing::info!(

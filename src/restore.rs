@@ -135,6 +135,21 @@ pub fn marker(db: &Path) -> Option<Marker> {
     Some(marker)
 }
 
+/// The marker of a restore stopped before it put its file in place, if
+/// that is what the directory holds: no database, and the marker naming
+/// the restored, recorded file still under its working name. Started on
+/// as if empty, tally would begin a new database beside the restore asked
+/// for (and, under Litestream, replicate it as the latest state).
+pub fn unfinished(db: &Path) -> Option<Marker> {
+    if db.symlink_metadata().is_ok() {
+        return None;
+    }
+    let text = std::fs::read_to_string(marker_path(db)).ok()?;
+    let marker: Marker = serde_json::from_str(&text).ok()?;
+    let restoring = file_identity(&restoring_path(db))?;
+    (marker.file.as_deref() == Some(restoring.as_str())).then_some(marker)
+}
+
 /// Restores the database at `db` to `target` if the data directory has no
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
@@ -935,6 +950,24 @@ exit 0"#
         };
         let m = marker(&db).expect("a marker");
         assert_eq!((m.txid, m.file), (r.txid, file_identity(&db)));
+
+        // Stopped before the link (here: the link undone): the directory
+        // says so, until a rerun finishes the restore.
+        let db = dir.path().join("d").join("tally.db");
+        STOP_AFTER_LINK.set(true);
+        let stopped = restore_to(&db, target, &ls).await;
+        STOP_AFTER_LINK.set(false);
+        assert!(stopped.is_err());
+        assert!(unfinished(&db).is_none(), "the file is in place");
+        std::fs::remove_file(&db).unwrap();
+        let m = unfinished(&db).expect("an unfinished restore");
+        assert_eq!(m.target, target.to_string());
+        assert!(matches!(
+            restore_to(&db, target, &ls).await.unwrap(),
+            Outcome::Restored(_)
+        ));
+        assert!(unfinished(&db).is_none());
+        assert!(marker(&db).is_some());
 
         // Stopped right after the link, before its working name is removed
         // or it returns: the marker is there already and names the

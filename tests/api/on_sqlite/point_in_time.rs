@@ -440,6 +440,36 @@ if [ -n "$ts" ]; then echo other > {}; fi
     );
 }
 
+/// A restore stopped after it recorded the restored file and wrote its
+/// marker, before it put the file in place: a start refuses to begin a new
+/// database beside it (under Litestream, replicated as the latest state)
+/// and says how to finish it; `restore-to` run again does.
+#[tokio::test]
+async fn a_start_after_a_restore_stopped_short_of_its_link_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("data").join("tally.db");
+    let fake = planning_litestream(dir.path(), r#": > "$out""#);
+    ok(restore_to_with(&db, &fake).output().unwrap());
+    // The file back under its working name (a rename keeps the identity
+    // the marker names): as a restore stopped just before its link leaves
+    // the directory.
+    let restoring = db.with_file_name("tally.db-restoring");
+    std::fs::rename(&db, &restoring).unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        err.contains("was stopped before it put the restored database in place")
+            && err.contains("tally restore-to --timestamp 2026-05-01T10:04:00Z"),
+        "{err}"
+    );
+    assert!(!db.exists(), "no database was begun");
+    ok(restore_to_with(&db, &fake).output().unwrap());
+    let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        bin.log_text()
+            .contains("the database comes from a restore to a point in time")
+    );
+}
+
 /// A restore that runs out of room says so: the file system holding the
 /// data directory is named as full, beside what failed (SQLite, writing
 /// the record into the restored file's WAL, says only `disk I/O error`).
