@@ -44,18 +44,30 @@ async fn metrics_are_valid_and_move_with_traffic() {
     let client = Client::new();
     let url = |p: &str| format!("http://{api}{p}");
 
-    // Before any traffic, every counter whose labels are known in advance
-    // is already there at 0: an alert on its increase sees the first event.
-    let fresh = samples(
-        &client
+    let scrape = async || {
+        client
             .get(format!("http://{metrics_addr}/metrics"))
             .send()
             .await
             .unwrap()
             .text()
             .await
-            .unwrap(),
-    );
+            .unwrap()
+    };
+    let put_m = async || {
+        let r = client
+            .put(url("/budgets/m"))
+            .bearer_auth("t")
+            .json(&json!({"visitor_limit": 1, "global_limit": 100}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    };
+
+    // Before any traffic, every counter whose labels are known in advance
+    // is already there at 0: an alert on its increase sees the first event.
+    let fresh = samples(&scrape().await);
     for series in [
         "tally_write_rejected_total",
         "tally_write_outcome_unknown_total",
@@ -70,14 +82,7 @@ async fn metrics_are_valid_and_move_with_traffic() {
         assert_eq!(fresh.get(series), Some(&0.0), "{series} at start");
     }
 
-    let r = client
-        .put(url("/budgets/m"))
-        .bearer_auth("t")
-        .json(&json!({"visitor_limit": 1, "global_limit": 100}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
+    put_m().await;
     // Concurrent writes into a 2-slot queue: some are refused.
     let mut tasks = Vec::new();
     for _ in 0..30 {
@@ -229,15 +234,14 @@ async fn metrics_are_valid_and_move_with_traffic() {
     // A deleted budget's series go with it (the recorder would have kept
     // them for as long as the process runs: created and deleted budgets
     // grew /metrics without bound); created again, it counts from 0.
-    let scrape = async || {
+    let check_a = async || {
         client
-            .get(format!("http://{metrics_addr}/metrics"))
+            .post(url("/budgets/m/check"))
+            .json(&json!({"visitor": "a"}))
             .send()
             .await
             .unwrap()
-            .text()
-            .await
-            .unwrap()
+            .status()
     };
     let r = client
         .delete(url("/budgets/m"))
@@ -249,21 +253,8 @@ async fn metrics_are_valid_and_move_with_traffic() {
     let text = scrape().await;
     assert!(!text.contains(r#"budget="m""#), "{text}");
     assert!(text.contains(r#"tally_budget_decisions_total{budget="",reason="meter_error"} 0"#));
-    let r = client
-        .put(url("/budgets/m"))
-        .bearer_auth("t")
-        .json(&json!({"visitor_limit": 1, "global_limit": 100}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-    let r = client
-        .post(url("/budgets/m/check"))
-        .json(&json!({"visitor": "a"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
+    put_m().await;
+    assert_eq!(check_a().await, StatusCode::OK);
     let m = samples(&scrape().await);
     assert_eq!(
         m.get(r#"tally_budget_decisions_total{budget="m",reason="ok"}"#),
@@ -280,13 +271,7 @@ async fn metrics_are_valid_and_move_with_traffic() {
         .execute(&mut conn)
         .await
         .unwrap();
-    let r = client
-        .post(url("/budgets/m/check"))
-        .json(&json!({"visitor": "a"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(check_a().await, StatusCode::NOT_FOUND);
     let text = scrape().await;
     assert!(!text.contains(r#"budget="m""#), "{text}");
 
