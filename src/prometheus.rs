@@ -371,8 +371,10 @@ fn reason_index(reason: Reason) -> usize {
 }
 
 /// Counts one check of `budget` decided for `reason`. Budget names are
-/// the operator's (a check of an unknown budget decides nothing).
-pub fn budget_decided(budget: &str, reason: Reason) {
+/// the operator's (a check of an unknown budget decides nothing). Without
+/// `new`, only in series already there: a replayed answer may be of a
+/// budget deleted since.
+pub fn budget_decided(budget: &str, reason: Reason, new: bool) {
     use std::sync::atomic::Ordering::Relaxed;
     let found = DECISIONS
         .by_budget
@@ -381,6 +383,7 @@ pub fn budget_decided(budget: &str, reason: Reason) {
         .and_then(|b| b.get(budget).cloned());
     let counts = match found {
         Some(c) => c,
+        None if !new => return,
         None => match DECISIONS.by_budget.write() {
             Ok(mut b) => b.entry(budget.into()).or_default().clone(),
             Err(_) => return,
@@ -452,9 +455,9 @@ mod tests {
         let series = |reason: &str| {
             format!(r#"tally_budget_decisions_total{{budget="unit-gone",reason="{reason}"}}"#)
         };
-        budget_decided("unit-gone", Reason::Ok);
-        budget_decided("unit-gone", Reason::Ok);
-        budget_decided("unit-gone", Reason::GlobalLimit);
+        budget_decided("unit-gone", Reason::Ok, true);
+        budget_decided("unit-gone", Reason::Ok, false);
+        budget_decided("unit-gone", Reason::GlobalLimit, true);
         let text = render(&handle);
         assert!(text.contains(&format!("{} 2\n", series("ok"))), "{text}");
         assert!(
@@ -468,7 +471,10 @@ mod tests {
         );
         budget_gone("unit-gone");
         assert!(!render(&handle).contains("unit-gone"));
-        budget_decided("unit-gone", Reason::VisitorLimit);
+        // A replay of an answer given before the budget went: not back.
+        budget_decided("unit-gone", Reason::Ok, false);
+        assert!(!render(&handle).contains("unit-gone"));
+        budget_decided("unit-gone", Reason::VisitorLimit, true);
         let text = render(&handle);
         assert!(
             text.contains(&format!("{} 1\n", series("visitor_limit"))),

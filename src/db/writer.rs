@@ -998,8 +998,14 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
                     crate::prometheus::budget_gone(budget.as_str());
                 }
                 reply.value().map_or(0, |d| {
-                    // Budget names are the operator's: a bounded set.
-                    crate::prometheus::budget_decided(budget.as_str(), d.reason);
+                    // Budget names are the operator's: a bounded set. A
+                    // replay (a stored answer) is counted again, but never
+                    // brings back the series of a budget deleted since.
+                    crate::prometheus::budget_decided(
+                        budget.as_str(),
+                        d.reason,
+                        !reply.is_replayed(),
+                    );
                     if d.pruned_rows > 0 {
                         metrics::counter!("tally_budget_prunes_total").increment(1);
                     }
@@ -1008,7 +1014,10 @@ fn answer(mut q: Queued, commit: &Result<(), Error>) {
             }
             Command::PutBudget { reply, .. } => reply.value().map_or(0, |s| s.pruned_rows),
             Command::DeleteBudget { reply, name } => reply.value().map_or(0, |d| {
-                crate::prometheus::budget_gone(name.as_str());
+                // A replay deleted nothing now: the budget may be a new one.
+                if !reply.is_replayed() {
+                    crate::prometheus::budget_gone(name.as_str());
+                }
                 d.usage_rows
             }),
             _ => 0,

@@ -243,13 +243,16 @@ async fn metrics_are_valid_and_move_with_traffic() {
             .unwrap()
             .status()
     };
-    let r = client
-        .delete(url("/budgets/m"))
-        .bearer_auth("t")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    let delete_m = async || {
+        let r = client
+            .delete(url("/budgets/m"))
+            .bearer_auth("t")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    };
+    delete_m().await;
     let text = scrape().await;
     assert!(!text.contains(r#"budget="m""#), "{text}");
     assert!(text.contains(r#"tally_budget_decisions_total{budget="",reason="meter_error"} 0"#));
@@ -264,6 +267,26 @@ async fn metrics_are_valid_and_move_with_traffic() {
         m.get(r#"tally_budget_decisions_total{budget="m",reason="visitor_limit"}"#),
         None
     );
+    // A keyed check replayed after its budget was deleted gets its stored
+    // answer, and brings no series back (anyone could, for every budget
+    // ever deleted).
+    let keyed = async || {
+        let r = client
+            .post(url("/budgets/m/check"))
+            .header("idempotency-key", "k-1")
+            .json(&json!({"visitor": "b"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    };
+    keyed().await;
+    delete_m().await;
+    keyed().await;
+    let text = scrape().await;
+    assert!(!text.contains(r#"budget="m""#), "{text}");
+    put_m().await;
+    assert_eq!(check_a().await, StatusCode::OK);
     // Deleted behind this process's back (as another process on the same
     // PostgreSQL would): gone from here at the first check that finds it
     // gone.
