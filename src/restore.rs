@@ -114,15 +114,15 @@ pub fn marker(db: &Path) -> Option<Marker> {
         }
         return None;
     }
-    let text = std::fs::read_to_string(&path).ok()?;
+    let text = read_marker_file(&path)?;
     let marker: Marker = serde_json::from_str(&text).ok()?;
     if marker.file.is_some() && marker.file != file_identity(db) {
         match std::fs::remove_file(&path) {
             Ok(()) => tracing::info!(
                 marker = %path.display(),
                 target = marker.target,
-                "removed the marker of a restore to a point in time: the database was replaced \
-                 since (a later restore)"
+                "removed the marker of a restore to a point in time: the database is not the \
+                 file it restored (replaced since by a later restore, or copied)"
             ),
             Err(e) => tracing::warn!(
                 marker = %path.display(),
@@ -135,6 +135,17 @@ pub fn marker(db: &Path) -> Option<Marker> {
     Some(marker)
 }
 
+/// The text of the marker at `path`, if it is a plain file of a marker's
+/// size: a pipe there would hold the start forever, a link to a device
+/// would be read without end.
+fn read_marker_file(path: &Path) -> Option<String> {
+    let m = path.symlink_metadata().ok()?;
+    if !m.is_file() || m.len() > 64 * 1024 {
+        return None;
+    }
+    std::fs::read_to_string(path).ok()
+}
+
 /// The marker of a restore stopped before it put its file in place, if
 /// that is what the directory holds: no database, and the marker naming
 /// the restored, recorded file still under its working name. Started on
@@ -144,7 +155,7 @@ pub fn unfinished(db: &Path) -> Option<Marker> {
     if db.symlink_metadata().is_ok() {
         return None;
     }
-    let text = std::fs::read_to_string(marker_path(db)).ok()?;
+    let text = read_marker_file(&marker_path(db))?;
     let marker: Marker = serde_json::from_str(&text).ok()?;
     let restoring = file_identity(&restoring_path(db))?;
     (marker.file.as_deref() == Some(restoring.as_str())).then_some(marker)
@@ -236,6 +247,11 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
              there makes one): move it aside and run this again",
             db.display()
         ),
+        Ok(m) if !m.is_file() && !m.is_symlink() => bail!(
+            "{} is not a regular file (a pipe, a socket or a device): no database; move it \
+             aside and run this again",
+            db.display()
+        ),
         Ok(m) if m.is_symlink() => bail!(
             "{} is a symbolic link: tally serves no database through one (the lock, \
              Litestream and SQLite's WAL would go by different names); give the file's own \
@@ -246,13 +262,13 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     }
     if db.exists() {
         match marker(db) {
-            // A run stopped after it put the file in place, before it ended.
+            // Run again (stopped before it ended, or not).
             Some(m) if m.target == target => tracing::info!(
                 target,
                 txid = m.txid,
                 database = %db.display(),
-                "the database is the restore to this instant that an earlier run put in place \
-                 (it was stopped before it ended): nothing more to do"
+                "the database is the restore to this instant that an earlier run put in place: \
+                 nothing more to do"
             ),
             _ => tracing::warn!(
                 database = %db.display(),
@@ -277,8 +293,11 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         );
     }
     // A marker with no database describes one that is gone; the latest
-    // state restored below writes none.
+    // state restored below writes none. What an earlier run that failed
+    // left under the working names goes first: on a volume short of room,
+    // a stale copy would fail this run too.
     remove_file(&marker_path(db))?;
+    remove_sqlite_files(&restoring_path(db))?;
 
     // 2. The latest state, to see whether it records this restore.
     let latest = latest_path(db);
@@ -408,10 +427,16 @@ struct PlanFile {
 /// kernel out of memory, a stop sent to the process group): not an answer
 /// about the replica.
 #[derive(Debug, thiserror::Error)]
-#[error("litestream restore {args} {}: nothing was restored in place", how_killed(*.signal))]
+#[error(
+    "litestream restore {args} {}: nothing was restored in place{}",
+    how_killed(*.signal),
+    if .said.is_empty() { String::new() } else { format!(" (it said: {})", .said) }
+)]
 struct Killed {
     args: String,
     signal: i32,
+    /// Its standard error, trimmed.
+    said: String,
 }
 
 /// What a signal that ended Litestream says of who sent it.
@@ -421,10 +446,11 @@ fn how_killed(signal: i32) -> String {
               memory (in a pod, the init container's memory limit)"
             .to_owned(),
         2 | 15 => format!(
-            "was stopped by {} as this restore was (sent to its process group too: Ctrl-C, or \
-             the container stopping)",
+            "was stopped by {} (sent to it, or to its process group: Ctrl-C, the container \
+             stopping)",
             if signal == 2 { "SIGINT" } else { "SIGTERM" }
         ),
+        4 | 6 | 7 | 8 | 11 => format!("crashed (signal {signal})"),
         _ => format!("was killed by signal {signal} from outside this restore"),
     }
 }
@@ -611,6 +637,7 @@ async fn litestream(
         return Err(Killed {
             args: args.join(" "),
             signal,
+            said: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
         }
         .into());
     }
@@ -675,7 +702,9 @@ fn leftovers(db: &Path) -> [PathBuf; 3] {
 fn present_leftovers(db: &Path) -> Vec<String> {
     leftovers(db)
         .into_iter()
-        .filter(|p| p.exists())
+        // A symbolic link counts even when it leads nowhere: SQLite and
+        // Litestream would follow it.
+        .filter(|p| p.symlink_metadata().is_ok())
         .map(|p| p.display().to_string())
         .collect()
 }
@@ -1055,6 +1084,12 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
         assert!(e.contains("was stopped by SIGTERM"), "{e}");
         assert!(!e.contains("memory"), "{e}");
+        let ls = litestream_that(dir.path(), "echo 'panic: out of range' >&2; kill -SEGV $$");
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(
+            e.contains("crashed (signal 11)") && e.contains("it said: panic: out of range"),
+            "{e}"
+        );
 
         let ls = litestream_that(dir.path(), "exit 0");
         let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
@@ -1121,7 +1156,52 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
             );
             assert!(!db.exists(), "{left}: restored beside it");
             assert!(path.exists(), "{left} was touched");
+            // A symbolic link there counts, even one that leads nowhere
+            // (SQLite and Litestream would follow it).
+            if path.is_dir() {
+                std::fs::remove_dir(&path).unwrap();
+            } else {
+                std::fs::remove_file(&path).unwrap();
+            }
+            std::os::unix::fs::symlink(dir.path().join("nowhere"), &path).unwrap();
+            let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+            assert!(e.contains(left), "{left} as a dangling link: {e}");
         }
+    }
+
+    /// Not a regular file at the database's path, or at the marker's: no
+    /// "database exists" for a pipe, and no start or restore held forever
+    /// reading one as the marker.
+    #[tokio::test]
+    async fn a_pipe_is_no_database_and_no_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let ls = empty_litestream(dir.path(), ":");
+        let db = dir.path().join("tally.db");
+        let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &db,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        assert!(e.contains("is not a regular file"), "{e}");
+        std::fs::remove_file(&db).unwrap();
+        std::fs::write(&db, b"a database").unwrap();
+        let marker_at = marker_path(&db);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &marker_at,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(marker(&db).is_none());
+        std::fs::remove_file(&db).unwrap();
+        assert!(unfinished(&db).is_none());
     }
 
     /// A marker whose database is gone is not reported, and is removed: a
