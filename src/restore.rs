@@ -359,8 +359,8 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     // into place: a restore that fails (or is killed) before it is recorded
     // leaves no database, so the next start restores again rather than
     // serving, and replicating, a restore no later start would know of.
+    // (Cleared of an earlier run's copy as this one started.)
     let restoring = restoring_path(db);
-    remove_sqlite_files(&restoring)?;
     litestream_into(ls, &["-timestamp", &target], &restoring, db, &lock)
         .await
         .context("restoring to the instant")?;
@@ -556,10 +556,11 @@ fn lock_restores(db: &Path) -> anyhow::Result<std::fs::File> {
     }
 }
 
-/// Moves the file at `from` into place as `db`, unless something has put a
-/// database there since the start of the restore (or left its WAL there):
-/// a process that does not take the lock (an older tally, a tool). A link
-/// fails where a rename would replace.
+/// Links the file at `from` into place as `db` (its name `from` is removed
+/// after, by [`tidy`]), unless something has put a database there since
+/// the start of the restore (or left its WAL there): a process that does
+/// not take the lock (an older tally, a tool). A link fails where a rename
+/// would replace.
 fn put_in_place(from: &Path, db: &Path) -> anyhow::Result<()> {
     let left = present_leftovers(db);
     if !left.is_empty() {
@@ -1178,27 +1179,22 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         let ls = empty_litestream(dir.path(), ":");
         let db = dir.path().join("tally.db");
         let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &db,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        let fifo = |path: &Path| {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                path,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                0,
+            )
+            .unwrap();
+        };
+        fifo(&db);
         let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
         assert!(e.contains("is not a regular file"), "{e}");
         std::fs::remove_file(&db).unwrap();
         std::fs::write(&db, b"a database").unwrap();
-        let marker_at = marker_path(&db);
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &marker_at,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        fifo(&marker_path(&db));
         assert!(marker(&db).is_none());
         std::fs::remove_file(&db).unwrap();
         assert!(unfinished(&db).is_none());
