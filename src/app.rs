@@ -491,6 +491,29 @@ pub fn shutdown_signal(under_litestream: bool) -> impl Future<Output = ()> + Sen
     }
 }
 
+/// Whether this process was started with `kind` ignored (as `nohup` starts
+/// its command with SIGHUP ignored): listening for it would undo that.
+/// Read from `/proc/self/status`; not ignored where that cannot be read.
+pub fn ignored_from_start(kind: tokio::signal::unix::SignalKind) -> bool {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    ignored_in(&status, kind.as_raw_value())
+}
+
+/// Whether `status` (as `/proc/PID/status` reads) has `signal` in its
+/// `SigIgn` mask.
+fn ignored_in(status: &str, signal: i32) -> bool {
+    let Some(mask) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+    else {
+        return false;
+    };
+    (1..=64).contains(&signal) && mask & (1 << (signal - 1)) != 0
+}
+
 /// Listens for `signals` from the moment it is called, and resolves with
 /// the name of the first to arrive. One that cannot be listened for is
 /// logged, and never arrives.
@@ -519,6 +542,20 @@ pub fn first_signal(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signal_ignored_from_the_start_is_read_from_its_mask() {
+        // SIGHUP (1) and SIGPIPE (13) ignored, as `nohup` under a shell
+        // that ignores SIGPIPE starts a command.
+        let status = "Name:\ttally\nSigBlk:\t0000000000000000\nSigIgn:\t0000000000001001\n\
+                      SigCgt:\t0000000180004000\n";
+        assert!(ignored_in(status, 1));
+        assert!(ignored_in(status, 13));
+        assert!(!ignored_in(status, 15), "SIGTERM is caught, not ignored");
+        assert!(!ignored_in(status, 0));
+        assert!(!ignored_in(status, 65));
+        assert!(!ignored_in("Name:\ttally\n", 1), "no mask: not ignored");
+    }
 
     #[test]
     fn two_addresses_share_a_port_when_one_covers_the_other() {

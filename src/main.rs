@@ -197,12 +197,20 @@ async fn restore_to(
     bail!("stopped by {signal} while restoring: nothing restored (the next start restores again)")
 }
 
-/// SIGTERM or SIGINT, whichever comes first. Not SIGHUP: a restore run by
-/// hand under `nohup` goes on when its terminal closes.
+/// SIGTERM, SIGINT, SIGQUIT or SIGHUP, whichever comes first: any of them
+/// left to its default would end this process at once and leave its
+/// Litestream running, holding the restore's lock. Not SIGHUP where it is
+/// ignored: a restore run by hand under `nohup` goes on when its terminal
+/// closes.
 fn restore_stopped() -> impl Future<Output = &'static str> {
     use tokio::signal::unix::SignalKind;
-    tally::app::first_signal(&[
+    let mut signals = vec![
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "SIGINT"),
-    ])
+        (SignalKind::quit(), "SIGQUIT"),
+    ];
+    if !tally::app::ignored_from_start(SignalKind::hangup()) {
+        signals.push((SignalKind::hangup(), "SIGHUP"));
+    }
+    tally::app::first_signal(&signals)
 }

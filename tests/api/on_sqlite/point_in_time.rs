@@ -249,11 +249,71 @@ async fn a_restore_to_an_instant_before_any_backup_fails_and_leaves_nothing() {
 }
 
 /// A restore stopped while Litestream waits on an object store that never
-/// answers (the pod deleted during its init container) ends at once, not
-/// at the end of the grace period, and the Litestream it ran goes with it:
-/// none is left to write into the data directory later.
+/// answers (the pod deleted during its init container, its terminal
+/// closed, Ctrl-\\) ends at once, not at the end of the grace period, and
+/// the Litestream it ran goes with it: none is left to write into the data
+/// directory later, or to hold the restore's lock. (Left to its default, a
+/// SIGHUP or SIGQUIT ended tally alone.)
 #[tokio::test]
 async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
+    for signal in [Signal::SIGTERM, Signal::SIGHUP, Signal::SIGQUIT] {
+        let (mut restore, stderr, litestream_pid, dir) = stopped_restore(signal, &[]).await;
+        let status = ends_within(&mut restore, Duration::from_secs(5), signal).await;
+        let stderr = stderr.join().unwrap();
+        assert_eq!(status.code(), Some(1), "{signal}: {stderr}");
+        assert!(
+            stderr.contains(&format!("stopped by {signal} while restoring")),
+            "{stderr}"
+        );
+        let data = dir.path().join("data");
+        assert!(!data.join("tally.db").exists());
+        // Gone as the restore ends: a restore run again at once is not
+        // refused for the lock the killed Litestream (or what it left) held.
+        let lock = std::fs::File::open(data.join("tally.db.lock")).unwrap();
+        lock.try_lock()
+            .expect("the lock is free once the restore has ended");
+        drop(lock);
+        ended_within(litestream_pid, Duration::from_secs(5), "litestream").await;
+    }
+}
+
+/// A restore run by hand under `nohup` goes on when its terminal closes:
+/// a SIGHUP it was started ignoring is not taken for a stop.
+#[tokio::test]
+async fn a_restore_under_nohup_goes_on_through_a_hangup() {
+    let (mut restore, stderr, litestream_pid, _dir) =
+        stopped_restore(Signal::SIGHUP, &["nohup"]).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        restore.try_wait().unwrap().is_none(),
+        "a SIGHUP under nohup stopped the restore"
+    );
+    nix::sys::signal::kill(litestream_pid, None).expect("its Litestream still runs");
+    let tally = nix::unistd::Pid::from_raw(restore.id() as i32);
+    nix::sys::signal::kill(tally, Signal::SIGTERM).unwrap();
+    let status = ends_within(&mut restore, Duration::from_secs(5), Signal::SIGTERM).await;
+    let stderr = stderr.join().unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("stopped by SIGTERM while restoring"),
+        "{stderr}"
+    );
+    ended_within(litestream_pid, Duration::from_secs(5), "litestream").await;
+}
+
+/// A restore (started through `prefix`, which execs it) waiting on a
+/// Litestream that never ends, sent `signal` once that Litestream runs:
+/// the restore, its standard error as it will read once it ends, the
+/// Litestream's pid and the directory it all lives in.
+async fn stopped_restore(
+    signal: Signal,
+    prefix: &[&str],
+) -> (
+    std::process::Child,
+    std::thread::JoinHandle<String>,
+    nix::unistd::Pid,
+    tempfile::TempDir,
+) {
     let dir = tempfile::tempdir().unwrap();
     // As `waiting_litestream`, and what it leaves behind holds its
     // standard input, the restore's lock, for half a second more.
@@ -264,39 +324,49 @@ async fn a_stopped_restore_ends_at_once_and_takes_litestream_with_it() {
     );
     let fake = fake_litestream(dir.path(), &script);
     let db = dir.path().join("data").join("tally.db");
-    let mut restore = restore_to_with(&db, &fake)
+    let restore = restore_to_with(&db, &fake);
+    let mut command = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut c = std::process::Command::new(program);
+            c.args(args)
+                .arg(restore.get_program())
+                .args(restore.get_args())
+                .envs(restore.get_envs().filter_map(|(k, v)| Some((k, v?))));
+            c
+        }
+        None => restore,
+    };
+    let mut restore = command
+        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let mut pipe = restore.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+        text
+    });
     let litestream_pid = started_litestream(&pid_file).await;
     let tally = nix::unistd::Pid::from_raw(restore.id() as i32);
-    nix::sys::signal::kill(tally, Signal::SIGTERM).unwrap();
+    nix::sys::signal::kill(tally, signal).unwrap();
+    (restore, stderr, litestream_pid, dir)
+}
+
+/// How `process` ended, failing unless it did within `limit` of `signal`.
+async fn ends_within(
+    process: &mut std::process::Child,
+    limit: Duration,
+    signal: Signal,
+) -> std::process::ExitStatus {
     let stopped = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = restore.try_wait().unwrap() {
-            break status;
+    loop {
+        if let Some(status) = process.try_wait().unwrap() {
+            return status;
         }
-        assert!(
-            stopped.elapsed() < Duration::from_secs(5),
-            "SIGTERM ignored"
-        );
+        assert!(stopped.elapsed() < limit, "{signal} ignored");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut restore.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert_eq!(status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("stopped by SIGTERM while restoring"),
-        "{stderr}"
-    );
-    assert!(!db.exists());
-    // Gone as the restore ends: a restore run again at once is not
-    // refused for the lock the killed Litestream (or what it left) held.
-    let lock = std::fs::File::open(dir.path().join("data").join("tally.db.lock")).unwrap();
-    lock.try_lock()
-        .expect("the lock is free once the restore has ended");
-    drop(lock);
-    ended_within(litestream_pid, Duration::from_secs(5), "litestream").await;
+    }
 }
 
 /// A Litestream that writes its pid to the file given back and waits two
