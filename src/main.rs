@@ -74,28 +74,19 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
         tally::Storage::Sqlite(db) => Some(lock_database(db)?),
         tally::Storage::Postgres(_) => None,
     };
-    if let Some(db) = settings.database.sqlite_path() {
-        if let Some(m) = tally::restore::unfinished(db) {
-            bail!(
-                "a restore to {} was stopped before it put the restored database in place (it \
-                 is at {}-restoring, recorded): run `tally restore-to --timestamp {}` again to \
-                 finish it (the chart's init container does), or, to start without it, remove \
-                 that file and {}",
-                m.target,
-                db.display(),
-                m.target,
-                tally::restore::marker_path(db).display()
-            );
-        }
-        if let Some(m) = tally::restore::marker(db) {
-            tracing::info!(
-                target = m.target,
-                txid = m.txid,
-                last_transaction_at = m.last_transaction_at,
-                restored_at = m.restored_at,
-                "the database comes from a restore to a point in time"
-            );
-        }
+    if let Some(db) = settings.database.sqlite_path()
+        && let Some(m) = tally::restore::unfinished(db)
+    {
+        bail!(
+            "a restore to {} was stopped before it put the restored database in place (it \
+             is at {}-restoring, recorded): run `tally restore-to --timestamp {}` again to \
+             finish it (the chart's init container does), or, to start without it, remove \
+             that file and {}",
+            m.target,
+            db.display(),
+            m.target,
+            tally::restore::marker_path(db).display()
+        );
     }
     // Under Litestream, tally stops with its parent.
     let parent = settings.litestream_socket.is_some().then_some(parent);

@@ -135,6 +135,49 @@ pub fn marker(db: &Path) -> Option<Marker> {
     Some(marker)
 }
 
+/// Says, once the database at `db` is open on `conn`, that it comes from
+/// a restore to a point in time, if a marker says so and the database
+/// bears it out: it records that very restore (instant, transaction and
+/// time of the restore) inside itself. A marker the database does not bear
+/// out is removed: one an earlier release wrote (naming no file) beside a
+/// database put in place since, one beside a new file that took the
+/// restored file's freed inode on a file system without birth times, one
+/// beside a database overwritten in place.
+pub async fn announce(db: &Path, conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+    let Some(m) = marker(db) else {
+        return Ok(());
+    };
+    let recorded = match m.target.parse::<Timestamp>() {
+        Ok(target) => restores::recorded(conn, target).await?,
+        Err(_) => None,
+    };
+    if recorded.is_some_and(|r| r.txid == m.txid && r.restored_at == m.restored_at) {
+        tracing::info!(
+            target = m.target,
+            txid = m.txid,
+            last_transaction_at = m.last_transaction_at,
+            restored_at = m.restored_at,
+            "the database comes from a restore to a point in time"
+        );
+        return Ok(());
+    }
+    let path = marker_path(db);
+    match std::fs::remove_file(&path) {
+        Ok(()) => tracing::info!(
+            marker = %path.display(),
+            target = m.target,
+            "removed the marker of a restore to a point in time: the database does not record \
+             that restore (it was put in place, or overwritten, since)"
+        ),
+        Err(e) => tracing::warn!(
+            marker = %path.display(),
+            error = %e,
+            "the marker of a restore the database does not record could not be removed"
+        ),
+    }
+    Ok(())
+}
+
 /// The text of the marker at `path`, if it is a plain file of a marker's
 /// size: a pipe there would hold the start forever, a link to a device
 /// would be read without end.
@@ -165,10 +208,7 @@ pub fn unfinished(db: &Path) -> Option<Marker> {
 /// database yet (see the module's doc).
 pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
     restore_into(db, target, ls).await.map_err(|e| {
-        let dir = match db.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir,
-            _ => Path::new("."),
-        };
+        let dir = data_dir(db);
         let text = format!("{e:#}");
         let writing_failed = OUT_OF_ROOM.iter().any(|said| text.contains(said));
         match room_left(dir) {
@@ -392,7 +432,7 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         file: file_identity(&restoring),
     };
     let marker_at = marker_path(db);
-    std::fs::write(&marker_at, serde_json::to_vec(&marker)?)
+    write_synced(&marker_at, &serde_json::to_vec(&marker)?)
         .context("writing the restore marker")?;
     if let Err(e) = put_in_place(&restoring, db) {
         if file_identity(db) != marker.file {
@@ -401,6 +441,11 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         return Err(e.context("moving the restored database into place"));
     }
     tidy(&restoring);
+    // The link and the marker's name, on disk before this says it is done:
+    // a power cut after the restore ended would otherwise leave tally to
+    // start on no database, or on one without its marker. (The file itself
+    // was written whole, and synced, by Litestream and SQLite.)
+    sync_dir(db).context("syncing the data directory")?;
     tracing::info!(
         target = marker.target,
         txid = marker.txid,
@@ -536,6 +581,42 @@ pub fn names_moved_into_place(db: &Path) -> [PathBuf; 2] {
     [restoring_path(db), latest_path(db)]
 }
 
+/// Removes what a restore that failed left under its working names beside
+/// `db` (each a whole copy of a database, on a volume that may be short of
+/// room), as the next `restore-to` would. For a start that holds the
+/// database's lock, so that no restore runs, after it has removed a name
+/// of the database itself. Never a file the marker names: a recorded
+/// restore not put in place yet ([`unfinished`]).
+pub fn remove_failed_runs(db: &Path) {
+    let named = read_marker_file(&marker_path(db))
+        .and_then(|text| serde_json::from_str::<Marker>(&text).ok())
+        .and_then(|m| m.file);
+    for working in names_moved_into_place(db) {
+        let there = [
+            working.clone(),
+            beside(&working, "-wal"),
+            beside(&working, "-shm"),
+            beside(&working, ".tmp"),
+        ]
+        .iter()
+        .any(|p| p.symlink_metadata().is_ok());
+        if !there || (named.is_some() && file_identity(&working) == named) {
+            continue;
+        }
+        match remove_sqlite_files(&working) {
+            Ok(()) => tracing::info!(
+                path = %working.display(),
+                "removed what a restore that did not finish left under its working name"
+            ),
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "what a restore that did not finish left under its working name could not be \
+                 removed"
+            ),
+        }
+    }
+}
+
 /// `tally.db` -> `tally.db.lock`.
 pub fn lock_path(db: &Path) -> PathBuf {
     beside(db, ".lock")
@@ -652,6 +733,27 @@ async fn litestream(
         );
     }
     Ok(out.stdout)
+}
+
+/// Writes `bytes` to a new file at `path`, on disk before it returns.
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// Syncs the directory holding `db`: the names made and removed in it.
+fn sync_dir(db: &Path) -> std::io::Result<()> {
+    std::fs::File::open(data_dir(db))?.sync_all()
+}
+
+/// The directory holding `db` (`.` for a bare file name).
+fn data_dir(db: &Path) -> &Path {
+    match db.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
 }
 
 fn beside(db: &Path, suffix: &str) -> PathBuf {

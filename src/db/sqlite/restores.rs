@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use sqlx::{ConnectOptions, Connection, sqlite::SqliteConnectOptions};
+use sqlx::{ConnectOptions, Connection, SqliteConnection, sqlite::SqliteConnectOptions};
 
 /// One restore to a point in time, as recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,20 +33,28 @@ pub async fn find(db: &Path, target: jiff::Timestamp) -> Result<Option<Restored>
         .read_only(true)
         .connect()
         .await?;
+    let found = recorded(&mut conn, target).await;
+    conn.close().await?;
+    found
+}
+
+/// [`find`], on a connection already open to the database.
+pub async fn recorded(
+    conn: &mut SqliteConnection,
+    target: jiff::Timestamp,
+) -> Result<Option<Restored>, sqlx::Error> {
     let exists: Option<String> = sqlx::query_scalar(
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'point_in_time_restores'",
     )
-    .fetch_optional(&mut conn)
+    .fetch_optional(&mut *conn)
     .await?;
     if exists.is_none() {
-        conn.close().await?;
         return Ok(None);
     }
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT target, txid, restored_at FROM point_in_time_restores")
-            .fetch_all(&mut conn)
+            .fetch_all(&mut *conn)
             .await?;
-    conn.close().await?;
     let row = rows
         .into_iter()
         .find(|(t, _, _)| t.parse::<jiff::Timestamp>().is_ok_and(|t| t == target));

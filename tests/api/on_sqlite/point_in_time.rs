@@ -540,6 +540,100 @@ async fn a_start_after_a_restore_stopped_short_of_its_link_is_refused() {
     );
 }
 
+/// A start says the database comes from a restore only where the database
+/// bears the marker out: it records that restore inside itself. A marker
+/// an earlier release wrote (naming no file) beside a database put in
+/// place since, or one beside a database overwritten in place, is
+/// removed, and nothing is said of a restore.
+#[tokio::test]
+async fn a_marker_the_database_does_not_record_is_removed_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("data").join("tally.db");
+    let marker = db.with_file_name("tally.db-restored.json");
+    let fake = planning_litestream(dir.path(), r#": > "$out""#);
+    let says_restored = "the database comes from a restore to a point in time";
+    let removed = "the database does not record that restore";
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+
+    // An earlier release's marker beside a new database.
+    ok(restore_to_with(&db, &fake).output().unwrap());
+    let mut old: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&marker).unwrap()).unwrap();
+    old.as_object_mut().unwrap().remove("file");
+    std::fs::remove_file(&db).unwrap();
+    std::fs::write(&marker, old.to_string()).unwrap();
+    let bin = crate::helpers::Binary::start(&env);
+    let log = bin.log_text();
+    assert!(
+        log.contains(removed) && !log.contains(says_restored),
+        "{log}"
+    );
+    assert!(!marker.exists());
+    drop(bin);
+
+    // The restored file itself, its record dropped in place (as a
+    // database copied over it by `sqlite3 .restore` leaves it).
+    std::fs::remove_dir_all(db.parent().unwrap()).unwrap();
+    ok(restore_to_with(&db, &fake).output().unwrap());
+    let bin = crate::helpers::Binary::start(&env);
+    assert!(bin.log_text().contains(says_restored));
+    drop(bin);
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM point_in_time_restores")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+    assert!(marker.exists());
+    let bin = crate::helpers::Binary::start(&env);
+    let log = bin.log_text();
+    assert!(
+        log.contains(removed) && !log.contains(says_restored),
+        "{log}"
+    );
+    assert!(!marker.exists());
+}
+
+/// What a restore that failed left under its working names (each a whole
+/// copy of a database, on a volume that may be short of room) is removed
+/// by the next start, with or without a database; a file that is not a
+/// restore's is left.
+#[tokio::test]
+async fn a_start_removes_what_a_failed_restore_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let db = data.join("tally.db");
+    std::fs::create_dir_all(&data).unwrap();
+    let left = [
+        "tally.db-latest",
+        "tally.db-restoring",
+        "tally.db-restoring-wal",
+    ];
+    for name in left.iter().chain(&["keep-me"]) {
+        std::fs::write(data.join(name), b"a copy").unwrap();
+    }
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    let bin = crate::helpers::Binary::start(&env);
+    assert!(
+        bin.log_text()
+            .contains("removed what a restore that did not finish left under its working name")
+    );
+    for name in left {
+        assert!(!data.join(name).exists(), "{name} is still there");
+    }
+    assert!(data.join("keep-me").exists());
+    drop(bin);
+    // Beside a database too.
+    std::fs::write(data.join("tally.db-latest-shm"), b"a copy").unwrap();
+    let bin = crate::helpers::Binary::start(&env);
+    assert!(!data.join("tally.db-latest-shm").exists());
+    assert!(bin.log_text().contains("opened an existing database"));
+}
+
 /// A restore that runs out of room says so: the file system holding the
 /// data directory is named as full, beside what failed (SQLite, writing
 /// the record into the restored file's WAL, says only `disk I/O error`).
