@@ -235,10 +235,18 @@ impl<E: Engine> WriterLoop<E> {
         std::thread::Builder::new()
             .name("tally-writer".into())
             .spawn(move || {
-                let result = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
+                // SQLite's writer reaches its database through sqlx's
+                // thread, by channels: without an I/O driver its runtime
+                // parks on a futex instead of in `epoll_wait`, and a
+                // statement's answer wakes it without an eventfd's write
+                // and read. PostgreSQL's talks over a socket.
+                let mut rt = tokio::runtime::Builder::new_current_thread();
+                if E::COMMITS_HERE {
+                    rt.enable_time();
+                } else {
+                    rt.enable_all();
+                }
+                let result = match rt.build() {
                     Ok(rt) => rt.block_on(self.run()),
                     Err(e) => Err(WriterFailed::Start(e)),
                 };
