@@ -52,9 +52,26 @@ fn admin_token(settings: &Settings) -> Option<Arc<str>> {
             );
             None
         }
-        token => token.map(Arc::from),
+        Some(t) => {
+            // Admin stays on: a start that refused it would take counters
+            // and checks down with it.
+            let length = t.trim().chars().count();
+            if length < SHORT_ADMIN_TOKEN {
+                tracing::warn!(
+                    length,
+                    "TALLY_ADMIN_TOKEN is shorter than {SHORT_ADMIN_TOKEN} characters: anyone \
+                     who can reach the port can guess it (nothing slows down wrong tries). Use \
+                     32 random characters or more, such as `openssl rand -hex 32` gives"
+                );
+            }
+            Some(Arc::from(t))
+        }
+        None => None,
     }
 }
+
+/// Below this many characters an admin token is called guessable at start.
+const SHORT_ADMIN_TOKEN: usize = 16;
 
 impl Application {
     /// Opens the database (running migrations), starts the writer and binds

@@ -45,8 +45,11 @@ pub struct BudgetBody {
 pub struct BudgetView {
     #[schema(inline)]
     name: Name,
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     visitor_limit: u32,
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     global_limit: u32,
+    #[schema(minimum = 1, maximum = 3650)]
     retention_days: u32,
     timezone: String,
 }
@@ -179,7 +182,9 @@ pub struct DecisionView {
     day: Day,
     visitor_calls: i64,
     global_calls: i64,
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     visitor_limit: u32,
+    #[schema(value_type = i64, minimum = 0, maximum = 4294967295_i64)]
     global_limit: u32,
 }
 

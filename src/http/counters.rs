@@ -40,8 +40,10 @@ fn one() -> u32 {
     1
 }
 
+/// The single counter's value. (Not named `Value`: utoipa takes a type of
+/// that name for any JSON value, and describes it as `{}`.)
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Value {
+pub struct CounterValue {
     value: i64,
 }
 
@@ -79,27 +81,27 @@ async fn add(
 #[utoipa::path(post, path = "/counter", operation_id = "incrementDefault", tag = "counters",
     params(IdempotencyKeyHeader),
     request_body(content = Option<IncrementBody>, content_type = "application/json"),
-    responses((status = 200, description = "Committed", body = Value),
+    responses((status = 200, description = "Committed", body = CounterValue),
         CounterProblems, WriteProblems, Problems))]
 pub async fn increment_default(
     State(state): State<AppState>,
     _: Query<NoQuery>,
     key: IdempotencyKeyHeader,
     OptionalJson(body): OptionalJson<IncrementBody>,
-) -> Result<(HeaderMap, Json<Value>), Problem> {
+) -> Result<(HeaderMap, Json<CounterValue>), Problem> {
     let (headers, value) = add(&state, default_name(), body, key).await?;
-    Ok((headers, Json(Value { value })))
+    Ok((headers, Json(CounterValue { value })))
 }
 
 /// Reads the counter `default`.
 #[utoipa::path(get, path = "/counter", operation_id = "getDefault", tag = "counters",
-    responses((status = 200, description = "Current value", body = Value), Problems))]
+    responses((status = 200, description = "Current value", body = CounterValue), Problems))]
 pub async fn get_default(
     State(state): State<AppState>,
     _: Query<NoQuery>,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<CounterValue>, Problem> {
     let value = state.db.counter(&default_name()).await?;
-    Ok(Json(Value { value }))
+    Ok(Json(CounterValue { value }))
 }
 
 /// Adds to a named counter (created at 0). A 200 means the write committed.

@@ -177,7 +177,14 @@ pub struct MetricsState {
 
 /// `GET /metrics` on a listener of its own.
 pub fn metrics_router(state: MetricsState) -> Router {
-    metrics_api(state).split_for_parts().0
+    // Its other answers are problems too, as the API's are.
+    metrics_api(state)
+        .split_for_parts()
+        .0
+        .fallback(|| async {
+            super::problem::Problem::not_found("no such route; this listener serves GET /metrics")
+        })
+        .method_not_allowed_fallback(|| async { super::problem::Problem::method_not_allowed() })
 }
 
 /// `GET /metrics`, with its description.

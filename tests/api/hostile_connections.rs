@@ -1176,3 +1176,37 @@ async fn a_body_refused_whatever_it_holds_is_refused_before_it_is_sent() {
     assert_eq!(v["value"], 0, "nothing was counted");
     app.stop().await.unwrap();
 }
+
+/// The metrics listener answers what it does not serve as the API does: a
+/// problem document, not an empty body (an unknown path, and a method
+/// `/metrics` does not take, with the methods it does).
+#[tokio::test]
+async fn the_metrics_listener_answers_what_it_does_not_serve_with_a_problem() {
+    let app = spawn_with(|s| s.metrics_listen = Some("127.0.0.1:0".parse().unwrap())).await;
+    let metrics = app.metrics_addr.unwrap();
+    let client = reqwest::Client::new();
+    for (method, path, status) in [
+        (reqwest::Method::GET, "/nope", 404),
+        (reqwest::Method::GET, "/livez", 404),
+        (reqwest::Method::POST, "/metrics", 405),
+    ] {
+        let r = client
+            .request(method.clone(), format!("http://{metrics}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        if status == 405 {
+            assert_eq!(r.headers()["allow"], "GET,HEAD", "{method} {path}");
+        }
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{method} {path}"
+        );
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["status"], status, "{method} {path}: {body}");
+        assert!(body["title"].is_string(), "{method} {path}: {body}");
+    }
+    app.stop().await.unwrap();
+}

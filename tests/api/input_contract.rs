@@ -412,6 +412,12 @@ async fn the_admin_token_is_read_as_a_request_can_send_it() {
         ("TALLY_ADMIN_TOKEN", "s3cret\n"),
     ]);
     assert_eq!(put(&bin, "s3cret").await.status(), StatusCode::OK);
+    // On, and called guessable at start (without showing it).
+    let log = bin.log_text();
+    assert!(
+        log.contains("TALLY_ADMIN_TOKEN is shorter than 16 characters") && !log.contains("s3cret"),
+        "{log}"
+    );
     problem(put(&bin, "wrong").await, StatusCode::UNAUTHORIZED).await;
     bin.sigterm();
     drop(bin);

@@ -160,6 +160,125 @@ async fn each_idempotency_key_does_what_the_document_says() {
     app.stop().await.unwrap();
 }
 
+/// Answers at the edges of what the API takes fit the schemas the
+/// document gives them: integer formats and bounds hold the largest
+/// values the server stores and sends back (a generated client reads a
+/// field by its `format`), and no answer is described as any JSON at all.
+/// (schemathesis checks shapes, not formats, and seldom sends the edges.)
+#[tokio::test]
+async fn answers_at_the_edges_fit_the_document() {
+    let app = spawn_app().await;
+    let doc: Value = app.get("/openapi.json").await.json().await.unwrap();
+    let max = u32::MAX;
+    let put = app
+        .client
+        .put(app.url("/budgets/big"))
+        .bearer_auth(ADMIN)
+        .json(
+            &serde_json::json!({"visitor_limit": max, "global_limit": max, "retention_days": 3650}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::OK);
+    let answers = [
+        ("put", "/budgets/{name}", put.json::<Value>().await.unwrap()),
+        (
+            "get",
+            "/budgets/{name}",
+            app.get("/budgets/big").await.json().await.unwrap(),
+        ),
+        (
+            "get",
+            "/budgets",
+            app.get("/budgets").await.json().await.unwrap(),
+        ),
+        (
+            "post",
+            "/budgets/{name}/check",
+            app.post_json("/budgets/big/check", serde_json::json!({"visitor": "v"}))
+                .await
+                .json()
+                .await
+                .unwrap(),
+        ),
+        (
+            "post",
+            "/counter",
+            app.post_json("/counter", serde_json::json!({}))
+                .await
+                .json()
+                .await
+                .unwrap(),
+        ),
+        (
+            "get",
+            "/counter",
+            app.get("/counter").await.json().await.unwrap(),
+        ),
+    ];
+    for (method, path, answer) in answers {
+        let schema = &doc["paths"][path][method]["responses"]["200"]["content"]["application/json"]
+            ["schema"];
+        if let Err(e) = fits(&doc, schema, &answer, "") {
+            panic!("{method} {path}: {e}\nanswer {answer}\nschema {schema}");
+        }
+    }
+    app.stop().await.unwrap();
+}
+
+/// Whether `value` fits `schema` (references followed) in what a client
+/// generated from it relies on: the schema says something, an object's
+/// properties are there, integers fit their format and bounds.
+fn fits(doc: &Value, schema: &Value, value: &Value, at: &str) -> Result<(), String> {
+    if let Some(r) = schema["$ref"].as_str() {
+        let name = r.trim_start_matches("#/components/schemas/");
+        return fits(doc, &doc["components"]["schemas"][name], value, at);
+    }
+    if let Some(any) = schema["oneOf"].as_array().or(schema["anyOf"].as_array()) {
+        return match any.iter().any(|s| fits(doc, s, value, at).is_ok()) {
+            true => Ok(()),
+            false => Err(format!("{at}: {value} fits none of {schema}")),
+        };
+    }
+    if schema.as_object().is_some_and(|o| o.is_empty()) {
+        return Err(format!("{at}: described as any JSON value ({{}})"));
+    }
+    match value {
+        Value::Object(o) => {
+            let props = schema["properties"]
+                .as_object()
+                .ok_or(format!("{at}: an object, described without properties"))?;
+            for (k, v) in o {
+                let s = props
+                    .get(k)
+                    .ok_or(format!("{at}.{k}: sent, not described"))?;
+                fits(doc, s, v, &format!("{at}.{k}"))?;
+            }
+            Ok(())
+        }
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, v)| fits(doc, &schema["items"], v, &format!("{at}[{i}]"))),
+        Value::Number(n) if n.is_u64() || n.is_i64() => {
+            let n = n.as_i128().unwrap();
+            let (lo, hi) = match schema["format"].as_str() {
+                Some("int32") => (i128::from(i32::MIN), i128::from(i32::MAX)),
+                Some("int64") => (i128::from(i64::MIN), i128::from(i64::MAX)),
+                _ => (i128::MIN, i128::MAX),
+            };
+            let lo = schema["minimum"].as_i64().map_or(lo, |m| lo.max(m.into()));
+            let hi = schema["maximum"].as_i64().map_or(hi, |m| hi.min(m.into()));
+            match (lo..=hi).contains(&n) {
+                true => Ok(()),
+                false => Err(format!("{at}: {n} outside {lo}..={hi} ({schema})")),
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemathesis_finds_no_server_error_and_no_schema_violation() {
     let st = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/venv/bin/schemathesis");
