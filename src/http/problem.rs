@@ -339,8 +339,15 @@ impl From<JsonRejection> for Problem {
             // preamble.
             JsonRejection::JsonDataError(e) => Self::invalid_body(serde_message(&e, e.body_text())),
             JsonRejection::JsonSyntaxError(e) => {
+                let message = serde_message(&e, e.body_text());
+                // Valid JSON (which sets no range) that serde_json cannot
+                // hold (`1e400`, a thousand digits): a value out of range,
+                // as `18446744073709551616` is, not JSON that does not parse.
+                if message.contains("number out of range") {
+                    return Self::invalid_body(message);
+                }
                 Self::new(StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON")
-                    .detail(serde_message(&e, e.body_text()))
+                    .detail(message)
             }
             r => Self::new(
                 StatusCode::BAD_REQUEST,

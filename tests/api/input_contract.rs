@@ -84,6 +84,25 @@ async fn bad_increments() {
         let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
         assert_eq!(p["type"], "/problems/invalid-body", "{body}");
     }
+    // Valid JSON, past any range: out of range, as 2^64 is, not malformed.
+    let huge = format!("{{\"by\": {}}}", "9".repeat(5000));
+    for body in [
+        r#"{"by": 18446744073709551616}"#,
+        r#"{"by": 1e400}"#,
+        r#"{"by": -1e400}"#,
+        huge.as_str(),
+    ] {
+        let r = app
+            .client
+            .post(app.url("/counters/x"))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .unwrap();
+        let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+        assert_eq!(p["type"], "/problems/invalid-body", "{body:.40}");
+    }
     let r = app.get("/counters/x").await;
     assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 0);
     app.stop().await.unwrap();
