@@ -554,6 +554,16 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
     let says_restored = "the database comes from a restore to a point in time";
     let removed = "the database does not record that restore";
     let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    // A start that removes the marker and says nothing of a restore.
+    let start_removes_it = || {
+        let bin = crate::helpers::Binary::start(&env);
+        let log = bin.log_text();
+        assert!(
+            log.contains(removed) && !log.contains(says_restored),
+            "{log}"
+        );
+        assert!(!marker.exists());
+    };
 
     // An earlier release's marker beside a new database.
     ok(restore_to_with(&db, &fake).output().unwrap());
@@ -562,14 +572,7 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
     old.as_object_mut().unwrap().remove("file");
     std::fs::remove_file(&db).unwrap();
     std::fs::write(&marker, old.to_string()).unwrap();
-    let bin = crate::helpers::Binary::start(&env);
-    let log = bin.log_text();
-    assert!(
-        log.contains(removed) && !log.contains(says_restored),
-        "{log}"
-    );
-    assert!(!marker.exists());
-    drop(bin);
+    start_removes_it();
 
     // The restored file itself, its record dropped in place (as a
     // database copied over it by `sqlite3 .restore` leaves it).
@@ -589,13 +592,7 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
         .unwrap();
     conn.close().await.unwrap();
     assert!(marker.exists());
-    let bin = crate::helpers::Binary::start(&env);
-    let log = bin.log_text();
-    assert!(
-        log.contains(removed) && !log.contains(says_restored),
-        "{log}"
-    );
-    assert!(!marker.exists());
+    start_removes_it();
 }
 
 /// What a restore that failed left under its working names (each a whole
