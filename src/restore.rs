@@ -143,12 +143,24 @@ pub fn marker(db: &Path) -> Option<Marker> {
 /// database put in place since, one beside a new file that took the
 /// restored file's freed inode on a file system without birth times, one
 /// beside a database overwritten in place.
-pub async fn announce(db: &Path, conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+pub async fn announce(db: &Path, conn: &mut sqlx::SqliteConnection) {
     let Some(m) = marker(db) else {
-        return Ok(());
+        return;
     };
     let recorded = match m.target.parse::<Timestamp>() {
-        Ok(target) => restores::recorded(conn, target).await?,
+        Ok(target) => match restores::recorded(conn, target).await {
+            Ok(recorded) => recorded,
+            // A line in the log is not worth a start: the marker is kept.
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    target = m.target,
+                    "a marker names this database as restored to a point in time, but the \
+                     restores it records could not be read: not confirmed (the marker is kept)"
+                );
+                return;
+            }
+        },
         Err(_) => None,
     };
     if recorded.is_some_and(|r| r.txid == m.txid && r.restored_at == m.restored_at) {
@@ -159,7 +171,7 @@ pub async fn announce(db: &Path, conn: &mut sqlx::SqliteConnection) -> Result<()
             restored_at = m.restored_at,
             "the database comes from a restore to a point in time"
         );
-        return Ok(());
+        return;
     }
     let path = marker_path(db);
     match std::fs::remove_file(&path) {
@@ -175,7 +187,6 @@ pub async fn announce(db: &Path, conn: &mut sqlx::SqliteConnection) -> Result<()
             "the marker of a restore the database does not record could not be removed"
         ),
     }
-    Ok(())
 }
 
 /// The text of the marker at `path`, if it is a plain file of a marker's
@@ -190,12 +201,18 @@ fn read_marker_file(path: &Path) -> Option<String> {
 }
 
 /// The marker of a restore stopped before it put its file in place, if
-/// that is what the directory holds: no database, and the marker naming
+/// that is what the directory holds: no database (or an empty file), and
+/// the marker naming
 /// the restored, recorded file still under its working name. Started on
 /// as if empty, tally would begin a new database beside the restore asked
 /// for (and, under Litestream, replicate it as the latest state).
 pub fn unfinished(db: &Path) -> Option<Marker> {
-    if db.symlink_metadata().is_ok() {
+    // An empty file is no database (`sqlite3` leaves one when asked about
+    // a database that is not there); `restore-to` removes it.
+    if db
+        .symlink_metadata()
+        .is_ok_and(|m| !(m.is_file() && m.len() == 0))
+    {
         return None;
     }
     let text = read_marker_file(&marker_path(db))?;
@@ -445,7 +462,13 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
     // a power cut after the restore ended would otherwise leave tally to
     // start on no database, or on one without its marker. (The file itself
     // was written whole, and synced, by Litestream and SQLite.)
-    sync_dir(db).context("syncing the data directory")?;
+    if let Err(e) = sync_dir(db) {
+        tracing::warn!(
+            error = %e,
+            "the restore is in place, but its directory could not be synced (a power cut now \
+             could leave the start without it, and the next start restores again)"
+        );
+    }
     tracing::info!(
         target = marker.target,
         txid = marker.txid,
@@ -579,42 +602,6 @@ fn latest_path(db: &Path) -> PathBuf {
 /// leaves one of them on the database.
 pub fn names_moved_into_place(db: &Path) -> [PathBuf; 2] {
     [restoring_path(db), latest_path(db)]
-}
-
-/// Removes what a restore that failed left under its working names beside
-/// `db` (each a whole copy of a database, on a volume that may be short of
-/// room), as the next `restore-to` would. For a start that holds the
-/// database's lock, so that no restore runs, after it has removed a name
-/// of the database itself. Never a file the marker names: a recorded
-/// restore not put in place yet ([`unfinished`]).
-pub fn remove_failed_runs(db: &Path) {
-    let named = read_marker_file(&marker_path(db))
-        .and_then(|text| serde_json::from_str::<Marker>(&text).ok())
-        .and_then(|m| m.file);
-    for working in names_moved_into_place(db) {
-        let there = [
-            working.clone(),
-            beside(&working, "-wal"),
-            beside(&working, "-shm"),
-            beside(&working, ".tmp"),
-        ]
-        .iter()
-        .any(|p| p.symlink_metadata().is_ok());
-        if !there || (named.is_some() && file_identity(&working) == named) {
-            continue;
-        }
-        match remove_sqlite_files(&working) {
-            Ok(()) => tracing::info!(
-                path = %working.display(),
-                "removed what a restore that did not finish left under its working name"
-            ),
-            Err(e) => tracing::warn!(
-                error = format!("{e:#}"),
-                "what a restore that did not finish left under its working name could not be \
-                 removed"
-            ),
-        }
-    }
 }
 
 /// `tally.db` -> `tally.db.lock`.

@@ -40,8 +40,9 @@ fn one() -> u32 {
     1
 }
 
-/// The single counter's value. (Not named `Value`: utoipa takes a type of
-/// that name for any JSON value, and describes it as `{}`.)
+// Not named `Value`: utoipa takes a type of that name for any JSON value,
+// and describes it as `{}`.
+/// The single counter's value.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CounterValue {
     value: i64,

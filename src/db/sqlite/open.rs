@@ -36,7 +36,6 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         refuse_other_names(path)?;
-        crate::restore::remove_failed_runs(path);
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if had_tables {
@@ -51,9 +50,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                  which a restore takes for a database and skips)"
             );
         }
-        crate::restore::announce(path, &mut conn)
-            .await
-            .map_err(open_err)?;
+        crate::restore::announce(path, &mut conn).await;
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
         let migrator = migrations::tolerant(sqlx::migrate!("./migrations/sqlite"));
         let applied: Vec<(i64, Vec<u8>, bool)> = match has_migrations(&mut conn).await {

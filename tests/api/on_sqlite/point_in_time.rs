@@ -532,6 +532,19 @@ async fn a_start_after_a_restore_stopped_short_of_its_link_is_refused() {
         "{err}"
     );
     assert!(!db.exists(), "no database was begun");
+    // Nor in an empty file there (what `sqlite3` leaves when asked about
+    // a database that is not there), which no database is either.
+    std::fs::write(&db, b"").unwrap();
+    let err = crate::helpers::failed_start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    assert!(
+        err.contains("was stopped before it put the restored database in place"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::metadata(&db).unwrap().len(),
+        0,
+        "no database was begun"
+    );
     ok(restore_to_with(&db, &fake).output().unwrap());
     let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
     assert!(
@@ -593,42 +606,28 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
     conn.close().await.unwrap();
     assert!(marker.exists());
     start_removes_it();
-}
 
-/// What a restore that failed left under its working names (each a whole
-/// copy of a database, on a volume that may be short of room) is removed
-/// by the next start, with or without a database; a file that is not a
-/// restore's is left.
-#[tokio::test]
-async fn a_start_removes_what_a_failed_restore_left() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let db = data.join("tally.db");
-    std::fs::create_dir_all(&data).unwrap();
-    let left = [
-        "tally.db-latest",
-        "tally.db-restoring",
-        "tally.db-restoring-wal",
-    ];
-    for name in left.iter().chain(&["keep-me"]) {
-        std::fs::write(data.join(name), b"a copy").unwrap();
-    }
-    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    // A record that cannot be read (a value of the wrong type) does not
+    // keep tally from starting: the marker is kept, unconfirmed.
+    std::fs::remove_dir_all(db.parent().unwrap()).unwrap();
+    ok(restore_to_with(&db, &fake).output().unwrap());
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO point_in_time_restores VALUES (x'00', 'x', 'y')")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
     let bin = crate::helpers::Binary::start(&env);
+    let log = bin.log_text();
     assert!(
-        bin.log_text()
-            .contains("removed what a restore that did not finish left under its working name")
+        log.contains("not confirmed") && !log.contains(says_restored),
+        "{log}"
     );
-    for name in left {
-        assert!(!data.join(name).exists(), "{name} is still there");
-    }
-    assert!(data.join("keep-me").exists());
-    drop(bin);
-    // Beside a database too.
-    std::fs::write(data.join("tally.db-latest-shm"), b"a copy").unwrap();
-    let bin = crate::helpers::Binary::start(&env);
-    assert!(!data.join("tally.db-latest-shm").exists());
-    assert!(bin.log_text().contains("opened an existing database"));
+    assert!(marker.exists());
 }
 
 /// A restore that runs out of room says so: the file system holding the
