@@ -475,17 +475,21 @@ pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()
 /// sync, and tally, drained cleanly, would exit `0` as if the replica had
 /// everything; so under Litestream a SIGHUP is only logged, and tally
 /// stops when Litestream does (non-zero, its parent gone: the last writes
-/// reach the replica only when Litestream runs on the file again).
+/// reach the replica only when Litestream runs on the file again). A
+/// tally started with SIGHUP ignored (under `nohup`) leaves it ignored:
+/// listening for it would undo that.
 pub fn shutdown_signal(under_litestream: bool) -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::SignalKind;
+    let hangup = !ignored_from_start(SignalKind::hangup());
     let stopping: &[_] = &[
         (SignalKind::terminate(), "SIGTERM"),
         (SignalKind::interrupt(), "ctrl-c"),
         (SignalKind::hangup(), "SIGHUP"),
     ];
-    let stops = first_signal(&stopping[..stopping.len() - usize::from(under_litestream)]);
+    let stops = first_signal(&stopping[..2 + usize::from(hangup && !under_litestream)]);
     // Listened for from now on all the same: its default action is exit.
-    let hangups = under_litestream.then(|| tokio::signal::unix::signal(SignalKind::hangup()));
+    let hangups =
+        (hangup && under_litestream).then(|| tokio::signal::unix::signal(SignalKind::hangup()));
     async move {
         let logged = async {
             let Some(Ok(mut hangups)) = hangups else {

@@ -33,6 +33,27 @@ async fn sighup_drains_as_sigterm_does() {
     stop_commits_and_answers_every_accepted_write(Signal::SIGHUP).await;
 }
 
+/// Under `nohup` (SIGHUP ignored from the start) a hangup is not a stop:
+/// tally run by hand that way goes on serving when its terminal closes.
+#[tokio::test]
+async fn a_hangup_under_nohup_stops_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let mut bin = Binary::start_through(&["nohup"], &[("TALLY_DATABASE", db.as_str())]);
+    bin.signal(Signal::SIGHUP);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = reqwest::Client::new()
+        .post(bin.url("/counters/after-hangup"))
+        .send()
+        .await
+        .expect("still serving after a SIGHUP under nohup");
+    assert_eq!(r.status(), StatusCode::OK);
+    bin.sigterm();
+    let status = bin.wait(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    assert!(!bin.log_text().contains("SIGHUP"), "{}", bin.log_text());
+}
+
 async fn stop_commits_and_answers_every_accepted_write(signal: Signal) {
     let dir = tempfile::tempdir().unwrap();
     let db = match on_postgres() {
