@@ -202,10 +202,10 @@ fn read_marker_file(path: &Path) -> Option<String> {
 
 /// The marker of a restore stopped before it put its file in place, if
 /// that is what the directory holds: no database (or an empty file), and
-/// the marker naming
-/// the restored, recorded file still under its working name. Started on
-/// as if empty, tally would begin a new database beside the restore asked
-/// for (and, under Litestream, replicate it as the latest state).
+/// the marker naming the restored, recorded file still under its working
+/// name. Started on as if empty, tally would begin a new database beside
+/// the restore asked for (and, under Litestream, replicate it as the latest
+/// state).
 pub fn unfinished(db: &Path) -> Option<Marker> {
     // An empty file is no database (`sqlite3` leaves one when asked about
     // a database that is not there); `restore-to` removes it.
