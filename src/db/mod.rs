@@ -614,9 +614,15 @@ impl Handle {
                 // batch: measured on one core, the writes fell to a third
                 // of their rate. Giving up this thread's turn once per
                 // refusal lets them run first (a no-op when nothing else
-                // is waiting for the core). The 429 itself waits for
-                // nothing.
-                std::thread::yield_now();
+                // is waiting for the core); while a batch is overdue, one
+                // refusal a millisecond leaves the core idle for the
+                // kernel's part of its flush (see `pause_refusal`). A 429
+                // waits for nothing else.
+                if self.0.stats.pause_refusal() {
+                    std::thread::sleep(stats::REFUSAL_PAUSE);
+                } else {
+                    std::thread::yield_now();
+                }
                 metrics::counter!("tally_write_rejected_total").increment(1);
                 Error::QueueFull {
                     retry_after: self.retry_after(),
