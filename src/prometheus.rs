@@ -78,6 +78,10 @@ fn describe() {
         "tally_write_rejected_total",
         "Writes refused with 429 because the queue was full."
     );
+    describe_counter!(
+        "tally_write_refusal_pauses_total",
+        "Refused writes that left tally's one core idle for a moment while a commit was late, so that the kernel could finish its flush (only when tally runs on one core, on SQLite)."
+    );
     describe_gauge!(
         "tally_write_queue_closed",
         "1 once the write queue is closed (shutting down), else 0."
@@ -254,6 +258,7 @@ fn zero_known_series() {
     use metrics::counter;
     for name in [
         "tally_write_rejected_total",
+        "tally_write_refusal_pauses_total",
         "tally_write_outcome_unknown_total",
         "tally_write_retries_total",
         "tally_budget_prunes_total",

@@ -614,11 +614,12 @@ impl Handle {
                 // batch: measured on one core, the writes fell to a third
                 // of their rate. Giving up this thread's turn once per
                 // refusal lets them run first (a no-op when nothing else
-                // is waiting for the core); while a batch is overdue, one
+                // is waiting for the core); while a commit is late, one
                 // refusal a millisecond leaves the core idle for the
                 // kernel's part of its flush (see `pause_refusal`). A 429
                 // waits for nothing else.
                 if self.0.stats.pause_refusal() {
+                    metrics::counter!("tally_write_refusal_pauses_total").increment(1);
                     std::thread::sleep(stats::REFUSAL_PAUSE);
                 } else {
                     std::thread::yield_now();

@@ -25,14 +25,19 @@ const YIELD_AT_QUEUED: usize = 24;
 /// share of the commit's wall time left the core idle.
 const IDLE_BELOW: f64 = 0.9;
 
-/// How long the writer must have been on its batch before a refused write
-/// leaves the core idle for a moment (see [`QueueStats::pause_refusal`]):
-/// under a flood of refusals a batch normally takes 0.7-1.0 ms on one core,
-/// and 1.2-4.3 ms while its flush is held up.
-const OVERDUE_BATCH: Duration = Duration::from_millis(2);
+/// The ages of a commit in this process at which a refused write leaves
+/// the core idle for a moment (see [`QueueStats::pause_refusal`]), in us:
+/// under a flood of refusals a batch's transaction normally takes 0.7-1.0
+/// ms on one core, and 1.2-4.3 ms while its flush is held up. Past the
+/// upper bound the commit waits for something a pause cannot help (a
+/// frozen disk), and refusals only yield.
+const LATE_COMMIT_US: std::ops::Range<u64> = 1_500..20_000;
 
-/// How long such a refusal leaves the core: about the shortest sleep the
-/// kernel's default timer slack (50 us) allows.
+/// What such a refusal asks to sleep. With the kernel's default timer
+/// slack (50 us) and the wake-up it lasts about 135 us. (Asking for the
+/// shortest sleep, 50-100 us in effect, from 2 ms, left runs in a middle
+/// state: 5 of 18, with about 10% fewer writes and a median write 3.5
+/// times slower.)
 pub const REFUSAL_PAUSE: Duration = Duration::from_micros(50);
 
 /// The writer's commit rate, which handlers read on every refused write.
@@ -51,8 +56,13 @@ pub struct QueueStats {
     /// When the writer took the batch it is on, in ms since [`EPOCH`] plus
     /// one; 0 between batches.
     batch_taken: AtomicU64,
-    /// When a refused write last left the core idle (see
-    /// [`QueueStats::pause_refusal`]), in ms since [`EPOCH`]; 0 = never.
+    /// When the transaction in flight began, in us since [`EPOCH`] plus
+    /// one, while a [`CommitClock`] times it (tally on one core, the
+    /// engine committing in this process); 0 otherwise.
+    commit_began: AtomicU64,
+    /// The millisecond since [`EPOCH`], plus one, in which a refused write
+    /// last left the core idle (see [`QueueStats::pause_refusal`]); 0 =
+    /// never.
     refusal_paused: AtomicU64,
     /// Batches the writer slowed by the test hook has taken: a test in the
     /// same process knows from it that the writer holds one.
@@ -73,7 +83,7 @@ impl CommitClock {
     /// Starts timing a commit, when tally runs on one core (its CPU
     /// affinity holds one); elsewhere the commit's threads do not share a
     /// core with the HTTP threads, and there is nothing to time.
-    pub fn start() -> Option<Self> {
+    fn start() -> Option<Self> {
         if !pinned_to_one_core() {
             return None;
         }
@@ -123,9 +133,20 @@ impl QueueStats {
         self.rate_bits.store(new.to_bits(), Ordering::Relaxed);
     }
 
+    /// Starts timing a transaction the writer is about to run in this
+    /// process, when tally runs on one core ([`CommitClock::start`]); hand
+    /// the clock back to [`Self::record_commit_cpu`] when it is done.
+    pub fn begin_commit(&self) -> Option<CommitClock> {
+        let clock = CommitClock::start()?;
+        self.commit_began
+            .store(micros_since(EPOCH.elapsed()) + 1, Ordering::Relaxed);
+        Some(clock)
+    }
+
     /// Records whether the core went idle during the commit `clock` timed
     /// (left as it was if the process's CPU time cannot be read).
     pub fn record_commit_cpu(&self, clock: CommitClock) {
+        self.commit_began.store(0, Ordering::Relaxed);
         if let Some(now) = process_cpu() {
             let cpu = now.saturating_sub(clock.cpu);
             self.core_idled
@@ -152,8 +173,9 @@ impl QueueStats {
         queued >= YIELD_AT_QUEUED && self.core_idled.load(Ordering::Relaxed)
     }
 
-    /// Whether a write refused for a full queue should leave the core idle
-    /// for [`REFUSAL_PAUSE`] instead of only giving up its turn.
+    /// Whether a write refused for a full queue should sleep for
+    /// [`REFUSAL_PAUSE`], leaving the core idle, instead of only giving up
+    /// its turn.
     ///
     /// With tally on one core and clients that send their next write the
     /// moment their `429` arrives, the HTTP thread can answer refusals with
@@ -161,33 +183,38 @@ impl QueueStats {
     /// core (`kworker/N:*H-kblockd`, which passes part of a commit's flush
     /// to the disk) then waited for the core for most of the wall time
     /// although it needed about 1% of it, even with every refusal giving up
-    /// its thread's turn (the yields did not give it the core):
-    /// each flush took 2-4 ms instead of 0.4, the queue stayed full and the
-    /// refusals kept the core, until the end of the load. Measured, with
-    /// 512 such connections and a queue of 64, in 8 runs of 34 (none of 34
-    /// with this rule).
-    /// Sleeping is what leaves the core to that worker; so while the
-    /// writer has been on one batch for [`OVERDUE_BATCH`] or more (a flush
-    /// held up), one refusal a millisecond at most sleeps: in 6 s runs about
-    /// 70 a second, 0.4% of the time, delaying by 50 us what else the HTTP
-    /// thread was about to do. Every refusal is still a `429`, that one
-    /// 50 us later.
+    /// its thread's turn (the yields did not give it the core): each flush
+    /// took 2-4 ms instead of 0.4, the queue stayed full and the refusals
+    /// kept the core until the end of the load. Measured with 512 such
+    /// connections and a queue of 64, in 19 runs of 43 (and 8 of 34 on
+    /// another day). Sleeping is what leaves the core to that worker; so
+    /// while a transaction of this process's own ([`Self::begin_commit`]:
+    /// SQLite, whose flush runs on this core) has run for 1.5 to 20 ms
+    /// ([`LATE_COMMIT_US`]), one refusal in each millisecond of the clock
+    /// sleeps: 1 run of 19 fell behind, part of the way, with 67-151
+    /// pauses a second (from 2 ms, 4 of 43; see docs/performance.md).
+    /// The sleep holds up whatever else the HTTP thread was about to do,
+    /// by about 135 us, at most once a millisecond (13% of the time at
+    /// most, for as long as a commit stays within those bounds). Every
+    /// refusal is still a `429`.
     pub fn pause_refusal(&self) -> bool {
-        pinned_to_one_core() && self.refusal_pause_due(EPOCH.elapsed())
+        let began = self.commit_began.load(Ordering::Relaxed);
+        began != 0 && self.refusal_pause_due(began, micros_since(EPOCH.elapsed()))
     }
 
-    /// [`Self::pause_refusal`]'s rule, at `now` since [`EPOCH`].
-    fn refusal_pause_due(&self, now: Duration) -> bool {
-        let taken = self.batch_taken.load(Ordering::Relaxed);
-        if taken == 0 || now.saturating_sub(Duration::from_millis(taken - 1)) < OVERDUE_BATCH {
+    /// [`Self::pause_refusal`]'s rule: a commit that began at `began` (us
+    /// since [`EPOCH`], plus one), at `now` (us since [`EPOCH`]); it takes
+    /// the millisecond `now` is in, if no refusal took it yet.
+    fn refusal_pause_due(&self, began: u64, now: u64) -> bool {
+        if !LATE_COMMIT_US.contains(&now.saturating_sub(began - 1)) {
             return false;
         }
-        let ms = now.as_millis() as u64 + 1;
+        let slot = now / 1_000 + 1;
         let last = self.refusal_paused.load(Ordering::Relaxed);
-        ms > last
+        slot > last
             && self
                 .refusal_paused
-                .compare_exchange(last, ms, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(last, slot, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
     }
 
@@ -227,6 +254,11 @@ fn pinned_to_one_core() -> bool {
                 == 1
         })
     })
+}
+
+/// `d` in whole microseconds.
+fn micros_since(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// CPU time of the whole process (every thread) so far.
@@ -295,23 +327,58 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_pauses_only_on_an_overdue_batch_and_once_a_millisecond() {
+    fn a_refusal_pauses_only_on_a_late_commit_and_once_a_millisecond() {
         let s = QueueStats::default();
-        let ms = Duration::from_millis;
-        // Between batches: never.
-        assert!(!s.refusal_pause_due(ms(100)));
-        // A batch taken at 100 ms (stored as 101), looked at 1 ms later:
-        // not overdue.
-        s.batch_taken.store(101, Ordering::Relaxed);
-        assert!(!s.refusal_pause_due(ms(101)));
-        // 2 ms on it: one refusal pauses, the next in the same millisecond
-        // does not, one in the next millisecond does.
-        assert!(s.refusal_pause_due(ms(102)));
-        assert!(!s.refusal_pause_due(ms(102) + Duration::from_micros(900)));
-        assert!(s.refusal_pause_due(ms(103)));
-        // The batch done: never again until one is overdue.
-        s.set_on_batch(false);
-        assert!(!s.refusal_pause_due(ms(200)));
+        // No commit timed (between commits, on PostgreSQL, or tally not on
+        // one core): never.
+        assert!(!s.pause_refusal());
+        // A commit that began at 100.5 ms (stored plus one).
+        let began = 100_500 + 1;
+        // 1.499 ms into it: not late.
+        assert!(!s.refusal_pause_due(began, 101_999));
+        // 1.5 ms: one refusal pauses; the next in the same millisecond of
+        // the clock does not; one in the next millisecond does.
+        assert!(s.refusal_pause_due(began, 102_000));
+        assert!(!s.refusal_pause_due(began, 102_999));
+        assert!(s.refusal_pause_due(began, 103_000));
+        // An earlier reading, from a thread that lost the race: no.
+        assert!(!s.refusal_pause_due(began, 102_800));
+        // 19.999 ms into it: still; 20 ms and on, a commit a pause cannot
+        // help: never again.
+        assert!(s.refusal_pause_due(began, 120_499));
+        assert!(!s.refusal_pause_due(began, 120_500));
+        assert!(!s.refusal_pause_due(began, 10_000_000));
+        // A commit timed and done: none in flight.
+        s.commit_began.store(began, Ordering::Relaxed);
+        s.record_commit_cpu(CommitClock {
+            cpu: Duration::ZERO,
+            wall: Instant::now(),
+        });
+        assert!(!s.pause_refusal());
+    }
+
+    #[test]
+    fn one_refusal_of_many_at_once_pauses() {
+        let s = QueueStats::default();
+        // A commit that began at 0: 3 to 17 ms into it, a millisecond at
+        // a time.
+        let began = 1;
+        for ms in 0..15u64 {
+            let now = 3_000 + ms * 1_000;
+            let paused = std::sync::atomic::AtomicUsize::new(0);
+            std::thread::scope(|scope| {
+                for _ in 0..8 {
+                    scope.spawn(|| {
+                        for _ in 0..50 {
+                            if s.refusal_pause_due(began, now) {
+                                paused.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    });
+                }
+            });
+            assert_eq!(paused.into_inner(), 1, "millisecond {ms}");
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::{
     clock::{self, StepWatch},
     command::{Command, NOT_COMMITTED, Queued, Sent},
     committed::Committed,
-    stats::{CommitClock, QueueStats},
+    stats::QueueStats,
     txn::{self, Applied},
 };
 use crate::{meter::Refusal, telemetry::Throttle};
@@ -160,7 +160,7 @@ pub(super) trait Engine: Send + 'static {
 
     /// Whether a commit's work runs in this process (SQLite, on a thread
     /// of its own) rather than in a server's (PostgreSQL): only then can
-    /// handlers speed it up by yielding their core ([`CommitClock`]).
+    /// handlers speed it up by yielding their core ([`CommitClock`](super::stats::CommitClock)).
     const COMMITS_HERE: bool;
 
     /// Whether a batch that mixes an operator's commands with increments
@@ -479,7 +479,11 @@ impl<E: Engine> WriterLoop<E> {
     async fn run_batch(&mut self, batch: &mut Vec<Queued>) -> Result<Applied, Lost> {
         let size = batch.len();
         let started = std::time::Instant::now();
-        let clock = E::COMMITS_HERE.then(CommitClock::start).flatten();
+        let clock = if E::COMMITS_HERE {
+            self.stats.begin_commit()
+        } else {
+            None
+        };
         if let Some(committed) = &self.committed {
             committed.begin(batch.iter().filter_map(|q| q.command.counter_changed()));
         }

@@ -70,6 +70,7 @@ async fn metrics_are_valid_and_move_with_traffic() {
     let fresh = samples(&scrape().await);
     for series in [
         "tally_write_rejected_total",
+        "tally_write_refusal_pauses_total",
         "tally_write_outcome_unknown_total",
         r#"tally_write_commands_total{command="increment",result="storage_full"}"#,
         r#"tally_write_commands_total{command="check",result="database_error"}"#,
