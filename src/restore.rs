@@ -28,7 +28,10 @@ use anyhow::{Context, bail};
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::db::restores::{self, Restored};
+use crate::db::{
+    data_dir,
+    restores::{self, Restored},
+};
 
 /// Where to find Litestream and its configuration.
 #[derive(Debug, Clone)]
@@ -733,14 +736,6 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Syncs the directory holding `db`: the names made and removed in it.
 fn sync_dir(db: &Path) -> std::io::Result<()> {
     std::fs::File::open(data_dir(db))?.sync_all()
-}
-
-/// The directory holding `db` (`.` for a bare file name).
-fn data_dir(db: &Path) -> &Path {
-    match db.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    }
 }
 
 fn beside(db: &Path, suffix: &str) -> PathBuf {

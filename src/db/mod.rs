@@ -65,6 +65,7 @@ pub(crate) use command::WRITE_RESULTS;
 use command::{Answer, Cleared, Deleted, Queued, Reply, Stored};
 use list::{Page, PageRequest};
 pub use open::Database;
+pub use sqlite::data_dir;
 /// The record of point-in-time restores inside a SQLite database (`tally restore-to`).
 pub use sqlite::restores;
 use stats::QueueStats;

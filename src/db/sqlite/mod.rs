@@ -32,6 +32,16 @@ pub(super) mod store;
 mod writer;
 
 pub use open::open;
+
+/// The directory holding the database file `db` (`.` for a bare file
+/// name): where its WAL, its restores' working files and its markers go,
+/// and what the kubelet (or `du`) measures.
+pub fn data_dir(db: &std::path::Path) -> &std::path::Path {
+    match db.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => std::path::Path::new("."),
+    }
+}
 #[cfg(test)]
 pub(super) use open::open_readers;
 pub(super) use readers::SqliteReaders;

@@ -114,7 +114,7 @@ impl Space {
         }
         let mut sampler = Sampler {
             sampled: Arc::downgrade(&sampled),
-            dir: data_dir(db),
+            dir: super::data_dir(db).to_owned(),
             db: db.to_owned(),
             readers,
             said_truncated: false,
@@ -187,14 +187,6 @@ impl Space {
             );
         }
         Ok(())
-    }
-}
-
-/// The directory the kubelet (or `du`) would measure: the database's.
-fn data_dir(db: &Path) -> PathBuf {
-    match db.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
-        _ => PathBuf::from("."),
     }
 }
 
