@@ -177,16 +177,11 @@ async fn a_database_a_newer_tally_migrated_is_served() {
     bin.wait(std::time::Duration::from_secs(20)).await;
 
     // One that failed part way left a state no release was written for.
-    let mut conn = SqliteConnectOptions::new()
-        .filename(&db)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::query("UPDATE _sqlx_migrations SET success = 0 WHERE version = 99")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    drop(conn);
+    crate::helpers::behind(
+        db.to_str().unwrap(),
+        "UPDATE _sqlx_migrations SET success = 0 WHERE version = 99",
+    )
+    .await;
     let stderr = crate::helpers::failed_start(&env);
     assert!(
         stderr.contains("migrations [99] of a newer tally failed part way"),

@@ -594,16 +594,7 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
     let bin = crate::helpers::Binary::start(&env);
     assert!(bin.log_text().contains(says_restored));
     drop(bin);
-    let mut conn = SqliteConnectOptions::new()
-        .filename(&db)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM point_in_time_restores")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
+    crate::helpers::behind(db.to_str().unwrap(), "DELETE FROM point_in_time_restores").await;
     assert!(marker.exists());
     start_removes_it();
 
@@ -611,16 +602,11 @@ async fn a_marker_the_database_does_not_record_is_removed_at_start() {
     // keep tally from starting: the marker is kept, unconfirmed.
     std::fs::remove_dir_all(db.parent().unwrap()).unwrap();
     ok(restore_to_with(&db, &fake).output().unwrap());
-    let mut conn = SqliteConnectOptions::new()
-        .filename(&db)
-        .connect()
-        .await
-        .unwrap();
-    sqlx::query("INSERT INTO point_in_time_restores VALUES (x'00', 'x', 'y')")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
+    crate::helpers::behind(
+        db.to_str().unwrap(),
+        "INSERT INTO point_in_time_restores VALUES (x'00', 'x', 'y')",
+    )
+    .await;
     let bin = crate::helpers::Binary::start(&env);
     let log = bin.log_text();
     assert!(

@@ -524,18 +524,11 @@ async fn a_lasting_database_failure_is_logged_once_not_per_request() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    {
-        use sqlx::ConnectOptions;
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&db)
-            .connect()
-            .await
-            .unwrap();
-        sqlx::raw_sql("DROP TABLE budget_visitor_usage; DROP TABLE counters")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-    }
+    crate::helpers::behind(
+        db_str,
+        "DROP TABLE budget_visitor_usage; DROP TABLE counters",
+    )
+    .await;
     let started = Instant::now();
     for i in 0..40 {
         let r = client
