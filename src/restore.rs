@@ -370,8 +370,8 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         Err(e) if format!("{e:#}").contains(NO_BACKUPS) => bail!(
             "the replica holds no backup of this database (bucket {:?}, path {:?}, as \
              litestream.yml reads LITESTREAM_BUCKET and LITESTREAM_PATH): check them (the \
-             chart's replica.bucket and replica.path; the path defaults to the release's \
-             name). Do not just unset the restore: tally would start an empty database and \
+             chart's replica.bucket and replica.path; the path defaults to \
+             <namespace>/<release>). Do not just unset the restore: tally would start an empty database and \
              replicate it to that place. ({e:#})",
             std::env::var("LITESTREAM_BUCKET").unwrap_or_default(),
             std::env::var("LITESTREAM_PATH").unwrap_or_default(),
@@ -726,7 +726,7 @@ async fn litestream(
 }
 
 /// Writes `bytes` to a new file at `path`, on disk before it returns.
-fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path)?;
     f.write_all(bytes)?;
@@ -734,7 +734,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Syncs the directory holding `db`: the names made and removed in it.
-fn sync_dir(db: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(db: &Path) -> std::io::Result<()> {
     std::fs::File::open(data_dir(db))?.sync_all()
 }
 

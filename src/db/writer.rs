@@ -177,6 +177,11 @@ pub(super) trait Engine: Send + 'static {
 pub(super) struct Lost {
     pub path: Arc<Path>,
     pub what: &'static str,
+    /// Whether another process may have copied what was committed into
+    /// the lost file: Litestream reads the WAL through a file of its own,
+    /// and ships a batch committed just before the loss was seen to the
+    /// replica, from which it comes back.
+    pub copied: bool,
 }
 
 /// How often an idle writer checks that its files are still in place. After
@@ -492,14 +497,18 @@ impl<E: Engine> WriterLoop<E> {
             self.stats.record_commit_cpu(clock);
         }
         // Before anyone hears of the batch: a commit into a deleted file
-        // succeeded for SQLite and is lost all the same.
+        // succeeded for SQLite and is lost all the same, unless Litestream
+        // copied it first: then whether it is kept is unknown.
         let lost = self.engine.check().err();
-        let commit = match &lost {
-            Some(lost) => {
+        let commit = match (&lost, commit) {
+            (Some(lost), commit) => {
                 self.stop_taking_writes(lost);
-                Err(Error::StorageLost(Arc::clone(&lost.path)))
+                Err(match commit {
+                    Ok(()) if lost.copied => Error::OutcomeUnknown,
+                    _ => Error::StorageLost(Arc::clone(&lost.path)),
+                })
             }
-            None => commit,
+            (None, commit) => commit,
         };
         // A transaction of it that failed is logged as the batch's failure,
         // even when others of it committed: that the database answers

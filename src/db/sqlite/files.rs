@@ -4,7 +4,9 @@
 //! database, its `-wal` or its `-shm` is deleted (`rm tally.db*`) or
 //! replaced (a restore over a running tally), every commit still succeeds,
 //! into a file no other process will ever open again, and is lost when
-//! tally exits. So the writer remembers which files it opened (device and
+//! tally exits (under Litestream, which reads the WAL through a file of its
+//! own, a commit it copied before the loss comes back from the replica).
+//! So the writer remembers which files it opened (device and
 //! inode) and compares them with what the paths name now, after every
 //! commit before any caller is answered, and now and then while idle.
 
@@ -19,6 +21,8 @@ use crate::db::writer::Lost;
 /// The three files SQLite uses in WAL mode, as the writer opened them.
 pub(super) struct DbFiles {
     files: [Tracked; 3],
+    /// Litestream replicates them ([`Lost::copied`]).
+    copied: bool,
 }
 
 struct Tracked {
@@ -36,8 +40,9 @@ struct FileId {
 }
 
 impl DbFiles {
-    /// Records the files now at `db`, `db-wal` and `db-shm`.
-    pub fn record(db: &Path) -> Self {
+    /// Records the files now at `db`, `db-wal` and `db-shm`; `copied`:
+    /// Litestream replicates them.
+    pub fn record(db: &Path, copied: bool) -> Self {
         let with_suffix = |suffix: &str| {
             let mut p = db.as_os_str().to_owned();
             p.push(suffix);
@@ -47,16 +52,18 @@ impl DbFiles {
             let id = file_id(&path).ok().flatten();
             Tracked { path, id }
         });
-        DbFiles { files }
+        DbFiles { files, copied }
     }
 
     /// Compares each recorded file with the file its path names now: one
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
+        let copied = self.copied;
         for f in &mut self.files {
             let lost = |what| Lost {
                 path: Arc::from(f.path.as_path()),
                 what,
+                copied,
             };
             match (f.id, file_id(&f.path)) {
                 (None, Ok(now)) => f.id = now,
@@ -93,7 +100,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("t.db");
         std::fs::write(&db, b"x").unwrap();
-        let mut files = DbFiles::record(&db);
+        let mut files = DbFiles::record(&db, false);
         files.check().unwrap();
         // A -wal that appears later is recorded, not reported.
         let wal = dir.path().join("t.db-wal");
@@ -105,11 +112,14 @@ mod tests {
         std::fs::rename(&new, &wal).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (wal.as_path(), "replaced"));
+        assert!(!lost.copied);
 
-        let mut files = DbFiles::record(&db);
+        // Under Litestream, what was committed may have been copied.
+        let mut files = DbFiles::record(&db, true);
         std::fs::remove_file(&db).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "deleted"));
+        assert!(lost.copied);
     }
 
     /// What the check costs: three `stat` calls, against what every batch
@@ -125,7 +135,7 @@ mod tests {
         for suffix in ["", "-wal", "-shm"] {
             std::fs::write(dir.path().join(format!("t.db{suffix}")), b"x").unwrap();
         }
-        let mut files = DbFiles::record(&db);
+        let mut files = DbFiles::record(&db, false);
         let n = 20_000;
         let started = Instant::now();
         for _ in 0..n {

@@ -12,6 +12,9 @@
 //! - `writer`: the `Engine` the writer loop drives: the connection, the
 //!   files it must still find (`files`), the final checkpoint.
 //! - `readers`: the read-only pool behind `Reads`.
+//! - `replicated`: the mark a database served under Litestream leaves
+//!   beside it, so that a start which finds it gone refuses to replace it
+//!   with an empty one.
 //! - `space`: what the database's directory uses on disk, measured on a
 //!   task of its own, and the storage limit the writer checks before each
 //!   batch.
@@ -25,6 +28,7 @@ use super::Error;
 mod files;
 mod open;
 mod readers;
+mod replicated;
 pub mod restores;
 mod space;
 mod stat;

@@ -8,7 +8,7 @@ use sqlx::{
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
 };
 
-use super::{SqliteReaders, SqliteWriter, files, space::Space};
+use super::{SqliteReaders, SqliteWriter, files, replicated, space::Space};
 use crate::{
     config::Synchronous,
     db::{DbOptions, OpenError, migrations, reads::Readers},
@@ -36,6 +36,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         refuse_other_names(path)?;
+        replicated::refuse_if_lost(path, file_existed)?;
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if had_tables {
@@ -77,6 +78,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 source,
             })?;
         if opts.stamp_start {
+            replicated::record(path);
             sqlx::query(
                 "INSERT INTO replica_starts (id, started_at) VALUES (1, ?) \
                  ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at",
@@ -93,7 +95,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path),
+            files: files::DbFiles::record(path, opts.stamp_start),
             checkpoint_on_close: opts.checkpoints,
             space,
         };

@@ -580,3 +580,84 @@ async fn a_hangup_that_ends_litestream_too_is_no_clean_stop() {
     let failed = run.line_of("tally failed");
     assert!(gone.is_some() && gone < failed, "{logs}");
 }
+
+/// A database file deleted underneath tally under Litestream: tally exits,
+/// and the container restarted in place (the same volume, no restore) must
+/// not start on an empty database, which Litestream would replicate as the
+/// replica's latest state. Before, it did, and the next new pod restored
+/// the empty one. A new pod (a new volume, and its restore) gets every
+/// replicated write back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
+    let s3 = S3::start().await;
+    s3.create_bucket("lost").await;
+    let d = Deployment::new(&s3.endpoint, "lost");
+    assert_restored(&d);
+    let mut run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let client = Client::new();
+    for _ in 0..3 {
+        let r = client.post(run.url("/counters/kept")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    wait_metrics(
+        &run,
+        Duration::from_secs(30),
+        "the writes replicated",
+        |t| {
+            sample(t, "tally_replica_lag_seconds") == Some(0.0)
+                && sample(t, "tally_replica_up") == Some(1.0)
+                && sample(t, "tally_replica_local_txid")
+                    == sample(t, "tally_replica_replicated_txid")
+        },
+    )
+    .await;
+
+    std::fs::remove_file(d.db()).unwrap();
+    // Seen before the write ran (the idle writer looks every second), it
+    // is refused and not kept; committed into the deleted file before
+    // the loss was seen, Litestream may have copied it to the replica.
+    let r = client.post(run.url("/counters/kept")).send().await.unwrap();
+    let answered = r.status();
+    let body: Value = r.json().await.unwrap();
+    let kept = match (answered, body["type"].as_str()) {
+        (StatusCode::SERVICE_UNAVAILABLE, Some("/problems/storage-lost")) => 3..=3,
+        (StatusCode::INTERNAL_SERVER_ERROR, Some("/problems/outcome-unknown")) => 3..=4,
+        _ => panic!("{answered}: {body}"),
+    };
+    let status = run.wait(Duration::from_secs(40)).await;
+    assert!(!status.success(), "{}", run.log_text());
+    drop(run);
+
+    // The container restarted in place: refused, nothing created.
+    let mut run = d.replicate();
+    let status = run.wait(Duration::from_secs(40)).await;
+    assert!(!status.success(), "{}", run.log_text());
+    let logs = run.log_text();
+    assert!(
+        logs.contains("a database served under Litestream was here"),
+        "{logs}"
+    );
+    assert!(!logs.contains("created a new, empty database"), "{logs}");
+    assert!(!d.db().exists());
+    drop(run);
+
+    // A new pod: its volume is empty, its init container restores the
+    // replica's latest state, which still holds the writes.
+    d.wipe();
+    assert_restored(&d);
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    let r = reqwest::get(run.url("/counters/kept")).await.unwrap();
+    let value = r.json::<Value>().await.unwrap()["value"].as_i64().unwrap();
+    assert!(
+        kept.contains(&value),
+        "{value}, answered {answered}: {body}"
+    );
+    assert!(
+        run.line_of("opened an existing database").is_some(),
+        "{}",
+        run.log_text()
+    );
+    stop_cleanly(run).await;
+}
