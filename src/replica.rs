@@ -65,9 +65,21 @@ pub async fn sync_once(
     limit: Duration,
 ) -> Result<SyncStatus, String> {
     let call = async {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+        let stream = UnixStream::connect(socket).await.map_err(|e| {
+            // Litestream does not create the socket's directory: it logs a
+            // warning, and goes on without a control socket.
+            let no_dir = socket
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .is_some_and(|d| !d.exists());
+            let hint = if no_dir {
+                " (its directory does not exist, so Litestream has no control socket: create \
+                 it before Litestream starts, or put the socket in an existing one)"
+            } else {
+                ""
+            };
+            format!("cannot connect to {}: {e}{hint}", socket.display())
+        })?;
         let (mut sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| format!("HTTP handshake failed: {e}"))?;
@@ -253,6 +265,21 @@ mod tests {
             txid,
             replicated_txid,
         }
+    }
+
+    #[tokio::test]
+    async fn a_socket_in_a_missing_directory_is_named_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        let limit = Duration::from_secs(1);
+        let missing = dir.path().join("nowhere/litestream.sock");
+        let e = sync_once(&missing, &db, None, limit).await.unwrap_err();
+        assert!(e.contains("its directory does not exist"), "{e}");
+        // A directory that exists, with no socket in it: no such hint.
+        let absent = dir.path().join("litestream.sock");
+        let e = sync_once(&absent, &db, None, limit).await.unwrap_err();
+        assert!(e.starts_with("cannot connect to"), "{e}");
+        assert!(!e.contains("directory does not exist"), "{e}");
     }
 
     #[test]
