@@ -177,11 +177,12 @@ pub(super) trait Engine: Send + 'static {
 pub(super) struct Lost {
     pub path: Arc<Path>,
     pub what: &'static str,
-    /// Whether another process may have copied what was committed into
-    /// the lost file: Litestream reads the WAL through a file of its own,
-    /// and ships a batch committed just before the loss was seen to the
-    /// replica, from which it comes back.
-    pub copied: bool,
+    /// Whether what was committed before the loss was seen may be kept
+    /// all the same: only `-shm` is gone (the WAL holding the commit still
+    /// has its name), or Litestream replicates the database (it reads the
+    /// WAL by its name, which a loss of the database file alone leaves,
+    /// and ships the commit to the replica, from which it comes back).
+    pub may_be_kept: bool,
 }
 
 /// How often an idle writer checks that its files are still in place. After
@@ -498,13 +499,14 @@ impl<E: Engine> WriterLoop<E> {
         }
         // Before anyone hears of the batch: a commit into a deleted file
         // succeeded for SQLite and is lost all the same, unless Litestream
-        // copied it first: then whether it is kept is unknown.
+        // shipped it first (or only `-shm` is gone): then whether it is
+        // kept is unknown.
         let lost = self.engine.check().err();
         let commit = match (&lost, commit) {
             (Some(lost), commit) => {
                 self.stop_taking_writes(lost);
                 Err(match commit {
-                    Ok(()) if lost.copied => Error::OutcomeUnknown,
+                    Ok(()) if lost.may_be_kept => Error::OutcomeUnknown,
                     _ => Error::StorageLost(Arc::clone(&lost.path)),
                 })
             }

@@ -4,8 +4,8 @@
 //! database, its `-wal` or its `-shm` is deleted (`rm tally.db*`) or
 //! replaced (a restore over a running tally), every commit still succeeds,
 //! into a file no other process will ever open again, and is lost when
-//! tally exits (under Litestream, which reads the WAL through a file of its
-//! own, a commit it copied before the loss comes back from the replica).
+//! tally exits (under Litestream, which reads the WAL by its name, a commit
+//! it shipped before the loss comes back from the replica).
 //! So the writer remembers which files it opened (device and
 //! inode) and compares them with what the paths name now, after every
 //! commit before any caller is answered, and now and then while idle.
@@ -21,8 +21,8 @@ use crate::db::writer::Lost;
 /// The three files SQLite uses in WAL mode, as the writer opened them.
 pub(super) struct DbFiles {
     files: [Tracked; 3],
-    /// Litestream replicates them ([`Lost::copied`]).
-    copied: bool,
+    /// Litestream replicates them ([`Lost::may_be_kept`]).
+    replicated: bool,
 }
 
 struct Tracked {
@@ -40,9 +40,9 @@ struct FileId {
 }
 
 impl DbFiles {
-    /// Records the files now at `db`, `db-wal` and `db-shm`; `copied`:
+    /// Records the files now at `db`, `db-wal` and `db-shm`; `replicated`:
     /// Litestream replicates them.
-    pub fn record(db: &Path, copied: bool) -> Self {
+    pub fn record(db: &Path, replicated: bool) -> Self {
         let with_suffix = |suffix: &str| {
             let mut p = db.as_os_str().to_owned();
             p.push(suffix);
@@ -52,18 +52,21 @@ impl DbFiles {
             let id = file_id(&path).ok().flatten();
             Tracked { path, id }
         });
-        DbFiles { files, copied }
+        DbFiles { files, replicated }
     }
 
     /// Compares each recorded file with the file its path names now: one
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
-        let copied = self.copied;
-        for f in &mut self.files {
+        let replicated = self.replicated;
+        for (i, f) in self.files.iter_mut().enumerate() {
+            // The index only: a lost `-shm` leaves the WAL, which holds
+            // every commit, at its name.
+            let shm = i == 2;
             let lost = |what| Lost {
                 path: Arc::from(f.path.as_path()),
                 what,
-                copied,
+                may_be_kept: replicated || shm,
             };
             match (f.id, file_id(&f.path)) {
                 (None, Ok(now)) => f.id = now,
@@ -112,14 +115,23 @@ mod tests {
         std::fs::rename(&new, &wal).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (wal.as_path(), "replaced"));
-        assert!(!lost.copied);
+        assert!(!lost.may_be_kept);
 
-        // Under Litestream, what was committed may have been copied.
+        // Under Litestream, what was committed may have been shipped.
         let mut files = DbFiles::record(&db, true);
         std::fs::remove_file(&db).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "deleted"));
-        assert!(lost.copied);
+        assert!(lost.may_be_kept);
+        // Only `-shm` gone: the WAL still holds the commits.
+        std::fs::write(&db, b"x").unwrap();
+        let shm = dir.path().join("t.db-shm");
+        std::fs::write(&shm, b"s").unwrap();
+        let mut files = DbFiles::record(&db, false);
+        std::fs::remove_file(&shm).unwrap();
+        let lost = files.check().unwrap_err();
+        assert_eq!((&*lost.path, lost.what), (shm.as_path(), "deleted"));
+        assert!(lost.may_be_kept);
     }
 
     /// What the check costs: three `stat` calls, against what every batch

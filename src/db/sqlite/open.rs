@@ -36,9 +36,15 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         refuse_other_names(path)?;
-        replicated::refuse_if_lost(path, file_existed)?;
+        // Before SQLite creates a file there: a restore would skip it.
+        if !file_existed {
+            replicated::refuse_if_lost(path, replicated::Found::Nothing, opts.stamp_start)?;
+        }
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
+        if file_existed && !had_tables {
+            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.stamp_start)?;
+        }
         if had_tables {
             tracing::info!(path = %path.display(), "opened an existing database");
         } else {

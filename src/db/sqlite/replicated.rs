@@ -1,6 +1,6 @@
 //! The mark a database served under Litestream leaves beside it
-//! (`tally.db-replicated`), so that a start which finds the mark but not
-//! the database refuses instead of starting empty.
+//! (`.tally.db-replicated`), so that a start under Litestream which finds
+//! the mark but no database of tally's refuses instead of starting empty.
 //!
 //! Under Litestream a new, empty database does not stay local: it is
 //! replicated, and becomes the replica's latest state, which the next new
@@ -13,6 +13,8 @@
 //! database and replicated it over the data. The mark tells the two apart.
 //! It is written once a database was opened under Litestream, and stays
 //! with the volume; a new pod's volume has none, and its restore has run.
+//! Its name starts with a dot, so `rm tally.db*` and `rm -rf /data/*` leave
+//! it; what removes every file of the directory removes it too.
 
 use std::path::{Path, PathBuf};
 
@@ -20,27 +22,48 @@ use crate::db::OpenError;
 
 /// The mark beside `db`.
 pub fn path(db: &Path) -> PathBuf {
-    let mut name = db.file_name().unwrap_or_default().to_os_string();
+    let mut name = std::ffi::OsString::from(".");
+    name.push(db.file_name().unwrap_or_default());
     name.push("-replicated");
     db.with_file_name(name)
 }
 
-/// Refuses to create a database where one served under Litestream was
-/// (`found` says whether a database file with content is there).
-pub fn refuse_if_lost(db: &Path, found: bool) -> Result<(), OpenError> {
+/// What a start found at the database's path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// No file, or an empty one.
+    Nothing,
+    /// A file with no table of tally's: not a database tally served.
+    NoTables,
+    /// tally's database.
+    Database,
+}
+
+/// Refuses, under Litestream, to start without tally's database where one
+/// served under Litestream was.
+pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result<(), OpenError> {
     let mark = path(db);
-    if found || !mark.exists() {
+    if found == Found::Database || !under_litestream || !mark.exists() {
         return Ok(());
     }
+    let what = match found {
+        Found::NoTables => {
+            "it holds no table of tally's (another file took its place), but a database served \
+             under Litestream was here"
+        }
+        _ => "it is missing (or an empty file), but a database served under Litestream was here",
+    };
     Err(OpenError::Refused {
         path: db.to_owned(),
         reason: format!(
-            "it is gone, but a database served under Litestream was here ({} says so): a new, \
-             empty one would be replicated in its place and become the replica's latest state. \
-             Put the database back from the replica first: in Kubernetes delete the pod (a new \
-             pod's init container restores it into a new volume); elsewhere restore it with \
-             `litestream restore` (or `tally restore-to`) and start again. To start empty on \
-             purpose, remove {}",
+            "{what} ({} says so): a new, empty one would be replicated in its place and become \
+             the replica's latest state. Put the database back from the replica first (the \
+             runbook of TallyWriteErrors says how): in Kubernetes restore to the instant of \
+             the loss (the chart's restore.timestamp) or delete the pod (a new pod's init \
+             container restores the latest state into a new volume); elsewhere stop \
+             Litestream, remove what is left at the database's path (a restore skips an \
+             existing file, even an empty one), restore it with `tally restore-to` (or \
+             `litestream restore`) and start again. To start empty on purpose, remove {}",
             mark.display(),
             mark.display()
         ),
@@ -57,7 +80,8 @@ pub fn record(db: &Path) {
     }
     let text = format!(
         "tally served {} under Litestream. While this file is here and that database is not, \
-         tally refuses to start: a new, empty database would be replicated in its place.\n",
+         tally under Litestream refuses to start: a new, empty database would be replicated in \
+         its place.\n",
         db.file_name().unwrap_or_default().to_string_lossy()
     );
     let written = crate::restore::write_synced(&mark, text.as_bytes())
@@ -77,18 +101,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_start_refuses_only_where_the_mark_is_and_the_database_is_not() {
+    fn a_start_under_litestream_refuses_only_where_the_mark_is_and_the_database_is_not() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
-        assert!(refuse_if_lost(&db, false).is_ok(), "a first start");
+        assert_eq!(path(&db), dir.path().join(".tally.db-replicated"));
+        assert!(
+            refuse_if_lost(&db, Found::Nothing, true).is_ok(),
+            "a first start"
+        );
         record(&db);
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
-        assert!(refuse_if_lost(&db, true).is_ok(), "the database is there");
-        let Err(OpenError::Refused { reason, .. }) = refuse_if_lost(&db, false) else {
-            panic!("a lost database must be refused");
-        };
-        assert!(reason.contains("tally.db-replicated"), "{reason}");
+        assert!(refuse_if_lost(&db, Found::Database, true).is_ok());
+        assert!(
+            refuse_if_lost(&db, Found::Nothing, false).is_ok(),
+            "without Litestream an empty start replaces no replica"
+        );
+        for (found, says) in [
+            (Found::Nothing, "it is missing"),
+            (Found::NoTables, "no table of tally's"),
+        ] {
+            let Err(OpenError::Refused { reason, .. }) = refuse_if_lost(&db, found, true) else {
+                panic!("{found:?} must be refused");
+            };
+            assert!(reason.contains(says), "{reason}");
+            assert!(reason.contains(".tally.db-replicated"), "{reason}");
+        }
         // Written once: a second record leaves it as it was.
         std::fs::write(path(&db), "kept").unwrap();
         record(&db);

@@ -583,10 +583,10 @@ async fn a_hangup_that_ends_litestream_too_is_no_clean_stop() {
 
 /// A database file deleted underneath tally under Litestream: tally exits,
 /// and the container restarted in place (the same volume, no restore) must
-/// not start on an empty database, which Litestream would replicate as the
-/// replica's latest state. Before, it did, and the next new pod restored
-/// the empty one. A new pod (a new volume, and its restore) gets every
-/// replicated write back.
+/// not start on an empty database (nor on another file put in its place),
+/// which Litestream would replicate as the replica's latest state. Before,
+/// it did, and the next new pod restored the empty one. A new pod (a new
+/// volume, and its restore) gets every replicated write back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     let s3 = S3::start().await;
@@ -660,4 +660,81 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
         run.log_text()
     );
     stop_cleanly(run).await;
+
+    // `rm tally.db*` under a running tally: the database, its WAL and
+    // -shm, its lock, but not the mark, whose name starts with a dot.
+    // (What the replica then holds is Litestream's doing: measured, its
+    // latest state lost the writes since the last checkpoint, which a
+    // restore to an instant before the loss brings back, as below; see the
+    // runbook.)
+    let mut run = d.replicate();
+    run.wait_serving(Duration::from_secs(30)).await;
+    // An instant after this start has reached the replica (Litestream
+    // ships every second), well before the loss.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let before_loss = jiff::Timestamp::now().to_string();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let data = d.db().parent().unwrap().to_owned();
+    for entry in std::fs::read_dir(&data).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("tally.db")
+        {
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+    let r = client.post(run.url("/counters/kept")).send().await.unwrap();
+    assert_ne!(r.status(), StatusCode::OK);
+    assert!(!run.wait(Duration::from_secs(40)).await.success());
+    drop(run);
+    let mut run = d.replicate();
+    assert!(!run.wait(Duration::from_secs(40)).await.success());
+    let logs = run.log_text();
+    assert!(logs.contains("it is missing"), "{logs}");
+    assert!(!d.db().exists());
+    drop(run);
+
+    // Another file in its place, with no table of tally's (what `sqlite3
+    // tally.db` leaves once anything is asked of it): refused too. (Not a
+    // repair: Litestream, which starts first, replicates whatever
+    // database is at the path.)
+    for suffix in ["", "-wal", "-shm"] {
+        let mut path = d.db().into_os_string();
+        path.push(suffix);
+        let _ = std::fs::remove_file(path);
+    }
+    let mut other = SqliteConnectOptions::new()
+        .filename(d.db())
+        .create_if_missing(true)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::raw_sql("PRAGMA journal_mode=WAL; CREATE TABLE t (a); DROP TABLE t;")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    drop(other);
+    let mut run = d.replicate();
+    let status = run.wait(Duration::from_secs(40)).await;
+    assert!(!status.success(), "{}", run.log_text());
+    let logs = run.log_text();
+    assert!(logs.contains("no table of tally's"), "{logs}");
+    drop(run);
+
+    // Whatever the latest state now holds, the instant before the loss
+    // holds every write.
+    d.wipe();
+    let out = d.restore_to(&before_loss);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (integrity, counters, _) = read_db(&d.db()).await;
+    assert_eq!(integrity, "ok");
+    let value = counters.get("kept").copied().unwrap_or(0);
+    assert!(kept.contains(&value), "{value} at {before_loss}");
 }
