@@ -97,8 +97,9 @@ impl Application {
             // away, so under it Litestream alone checkpoints.
             checkpoints: !under_litestream,
             // The gate below then needs one upload, whatever the replica
-            // held: proof that the object store takes writes.
-            stamp_start: under_litestream,
+            // held: proof that the object store takes writes. And a start
+            // without the database it served refuses to replace it.
+            under_litestream,
             lock_timeout: settings.postgres_lock_timeout,
             schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),

@@ -92,8 +92,11 @@ pub struct DbOptions {
     pub checkpoints: bool,
     /// SQLite under Litestream: write a row at start (`replica_starts`), so
     /// that the replica gate waits for an upload even when the database is
-    /// already level with its replica.
-    pub stamp_start: bool,
+    /// already level with its replica; leave the mark of a replicated
+    /// database and refuse to start without it where the mark is
+    /// (`sqlite::replicated`); and tell a loss of the database's files
+    /// that Litestream may have shipped the last commit.
+    pub under_litestream: bool,
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,
