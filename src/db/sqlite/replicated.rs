@@ -28,22 +28,20 @@ pub fn path(db: &Path) -> PathBuf {
     db.with_file_name(name)
 }
 
-/// What a start found at the database's path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a start found at the database's path instead of tally's database.
+#[derive(Debug, Clone, Copy)]
 pub enum Found {
     /// No file, or an empty one.
     Nothing,
     /// A file with no table of tally's: not a database tally served.
     NoTables,
-    /// tally's database.
-    Database,
 }
 
 /// Refuses, under Litestream, to start without tally's database where one
 /// served under Litestream was.
 pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result<(), OpenError> {
     let mark = path(db);
-    if found == Found::Database || !under_litestream || !mark.exists() {
+    if !under_litestream || !mark.exists() {
         return Ok(());
     }
     let what = match found {
@@ -51,7 +49,9 @@ pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result
             "it holds no table of tally's (another file took its place), but a database served \
              under Litestream was here"
         }
-        _ => "it is missing (or an empty file), but a database served under Litestream was here",
+        Found::Nothing => {
+            "it is missing (or an empty file), but a database served under Litestream was here"
+        }
     };
     Err(OpenError::Refused {
         path: db.to_owned(),
@@ -112,7 +112,6 @@ mod tests {
         record(&db);
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
-        assert!(refuse_if_lost(&db, Found::Database, true).is_ok());
         assert!(
             refuse_if_lost(&db, Found::Nothing, false).is_ok(),
             "without Litestream an empty start replaces no replica"

@@ -450,12 +450,7 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     s3.resume();
     // The watch sets its gauges one by one: wait for a scrape that shows
     // all of them from one answer.
-    let caught_up = wait_metrics(&run, Duration::from_secs(60), "lag back to 0", |t| {
-        sample(t, "tally_replica_lag_seconds") == Some(0.0)
-            && sample(t, "tally_replica_up") == Some(1.0)
-            && sample(t, "tally_replica_local_txid") == sample(t, "tally_replica_replicated_txid")
-    })
-    .await;
+    let caught_up = wait_metrics(&run, Duration::from_secs(60), "lag back to 0", caught_up).await;
     assert_eq!(
         sample(&caught_up, "tally_replica_local_txid"),
         sample(&caught_up, "tally_replica_replicated_txid")
@@ -466,6 +461,14 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     );
     assert_eq!(sample(&caught_up, "tally_replica_up"), Some(1.0));
     stop_cleanly(run).await;
+}
+
+/// The replica is level with the database, as one answer of Litestream's
+/// shows it.
+fn caught_up(t: &str) -> bool {
+    sample(t, "tally_replica_lag_seconds") == Some(0.0)
+        && sample(t, "tally_replica_up") == Some(1.0)
+        && sample(t, "tally_replica_local_txid") == sample(t, "tally_replica_replicated_txid")
 }
 
 /// Kills a process that is not our child (tally under a dead Litestream)
@@ -581,6 +584,17 @@ async fn a_hangup_that_ends_litestream_too_is_no_clean_stop() {
     assert!(gone.is_some() && gone < failed, "{logs}");
 }
 
+/// Litestream with tally as its child, on `d`'s directory as it is: tally
+/// must refuse to start, saying `says`. Returns the log.
+async fn refused_start(d: &Deployment, says: &str) -> String {
+    let mut run = d.replicate();
+    let status = run.wait(Duration::from_secs(40)).await;
+    let logs = run.log_text();
+    assert!(!status.success(), "{logs}");
+    assert!(logs.contains(says), "{logs}");
+    logs
+}
+
 /// A database file deleted underneath tally under Litestream: tally exits,
 /// and the container restarted in place (the same volume, no restore) must
 /// not start on an empty database (nor on another file put in its place),
@@ -604,12 +618,7 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
         &run,
         Duration::from_secs(30),
         "the writes replicated",
-        |t| {
-            sample(t, "tally_replica_lag_seconds") == Some(0.0)
-                && sample(t, "tally_replica_up") == Some(1.0)
-                && sample(t, "tally_replica_local_txid")
-                    == sample(t, "tally_replica_replicated_txid")
-        },
+        caught_up,
     )
     .await;
 
@@ -630,17 +639,9 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     drop(run);
 
     // The container restarted in place: refused, nothing created.
-    let mut run = d.replicate();
-    let status = run.wait(Duration::from_secs(40)).await;
-    assert!(!status.success(), "{}", run.log_text());
-    let logs = run.log_text();
-    assert!(
-        logs.contains("a database served under Litestream was here"),
-        "{logs}"
-    );
+    let logs = refused_start(&d, "a database served under Litestream was here").await;
     assert!(!logs.contains("created a new, empty database"), "{logs}");
     assert!(!d.db().exists());
-    drop(run);
 
     // A new pod: its volume is empty, its init container restores the
     // replica's latest state, which still holds the writes.
@@ -690,21 +691,15 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     assert_ne!(r.status(), StatusCode::OK);
     assert!(!run.wait(Duration::from_secs(40)).await.success());
     drop(run);
-    let mut run = d.replicate();
-    assert!(!run.wait(Duration::from_secs(40)).await.success());
-    let logs = run.log_text();
-    assert!(logs.contains("it is missing"), "{logs}");
+    refused_start(&d, "it is missing").await;
     assert!(!d.db().exists());
-    drop(run);
 
     // Another file in its place, with no table of tally's (what `sqlite3
     // tally.db` leaves once anything is asked of it): refused too. (Not a
     // repair: Litestream, which starts first, replicates whatever
     // database is at the path.)
-    for suffix in ["", "-wal", "-shm"] {
-        let mut path = d.db().into_os_string();
-        path.push(suffix);
-        let _ = std::fs::remove_file(path);
+    for f in crate::on_sqlite::storage_faults::db_files(&d.db()) {
+        let _ = std::fs::remove_file(f);
     }
     let mut other = SqliteConnectOptions::new()
         .filename(d.db())
@@ -717,12 +712,7 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
         .await
         .unwrap();
     drop(other);
-    let mut run = d.replicate();
-    let status = run.wait(Duration::from_secs(40)).await;
-    assert!(!status.success(), "{}", run.log_text());
-    let logs = run.log_text();
-    assert!(logs.contains("no table of tally's"), "{logs}");
-    drop(run);
+    refused_start(&d, "no table of tally's").await;
 
     // Whatever the latest state now holds, the instant before the loss
     // holds every write.

@@ -79,7 +79,7 @@ impl Drop for Tmpfs {
 }
 
 /// The database's three files.
-fn db_files(db: &Path) -> [PathBuf; 3] {
+pub fn db_files(db: &Path) -> [PathBuf; 3] {
     ["", "-wal", "-shm"].map(|s| {
         let mut p = db.as_os_str().to_owned();
         p.push(s);
