@@ -98,8 +98,14 @@ impl Application {
             checkpoints: !under_litestream,
             // The gate below then needs one upload, whatever the replica
             // held: proof that the object store takes writes. And a start
-            // without the database it served refuses to replace it.
-            under_litestream,
+            // without the database it served, or one the replica holds,
+            // refuses to replace it; the replica is asked within the
+            // gate's own time.
+            litestream: under_litestream.then(|| crate::restore::Litestream {
+                binary: settings.litestream.clone(),
+                config: settings.litestream_config.clone(),
+                timeout: settings.replica_wait_timeout,
+            }),
             lock_timeout: settings.postgres_lock_timeout,
             schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),

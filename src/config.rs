@@ -52,12 +52,6 @@ pub enum Command {
         /// The instant, RFC 3339 (2026-05-01T10:04:00Z).
         #[arg(long, value_parser = parse_instant)]
         timestamp: jiff::Timestamp,
-        /// Litestream's configuration file.
-        #[arg(long, default_value = "/etc/litestream.yml")]
-        litestream_config: PathBuf,
-        /// The litestream program.
-        #[arg(long, default_value = "litestream")]
-        litestream: PathBuf,
         /// Longest each of Litestream's restore steps may take: seconds,
         /// or a number with a unit s, m, h or d. An object store that
         /// accepts connections and never answers would otherwise hold the
@@ -171,6 +165,28 @@ pub struct Settings {
     /// its listener only once Litestream confirms the replica is in sync.
     #[arg(long, env = "TALLY_LITESTREAM_SOCKET")]
     pub litestream_socket: Option<PathBuf>,
+
+    /// Litestream's configuration file: `restore-to` restores with it, and
+    /// under Litestream (TALLY_LITESTREAM_SOCKET) a start that finds no
+    /// database asks the replica with it whether it holds one before
+    /// creating one (it refuses to start if it does, or if the replica
+    /// cannot be asked).
+    #[arg(
+        long,
+        env = "TALLY_LITESTREAM_CONFIG",
+        default_value = "/etc/litestream.yml",
+        global = true
+    )]
+    pub litestream_config: PathBuf,
+
+    /// The litestream program, for the same two uses.
+    #[arg(
+        long,
+        env = "TALLY_LITESTREAM",
+        default_value = "litestream",
+        global = true
+    )]
+    pub litestream: PathBuf,
 
     /// Longest wait at startup for the first confirmed replica sync, in
     /// seconds; tally exits non-zero when it passes.

@@ -40,20 +40,8 @@ async fn main() -> ExitCode {
         Command::Contention { writers, hold_ms } => {
             contention(writers as usize, Duration::from_millis(hold_ms)).await
         }
-        Command::RestoreTo {
-            timestamp,
-            litestream_config,
-            litestream,
-            timeout,
-        } => {
-            restore_to(
-                &cli.settings,
-                timestamp,
-                litestream,
-                litestream_config,
-                timeout,
-            )
-            .await
+        Command::RestoreTo { timestamp, timeout } => {
+            restore_to(&cli.settings, timestamp, timeout).await
         }
     };
     match result {
@@ -151,8 +139,6 @@ async fn contention(writers: usize, hold: Duration) -> anyhow::Result<()> {
 async fn restore_to(
     settings: &tally::Settings,
     timestamp: jiff::Timestamp,
-    binary: std::path::PathBuf,
-    config: std::path::PathBuf,
     timeout: std::time::Duration,
 ) -> anyhow::Result<()> {
     let tally::Storage::Sqlite(db) = &settings.database else {
@@ -161,8 +147,8 @@ async fn restore_to(
         );
     };
     let ls = tally::restore::Litestream {
-        binary,
-        config,
+        binary: settings.litestream.clone(),
+        config: settings.litestream_config.clone(),
         timeout,
     };
     // A stop (the pod deleted while it restores) ends the restore at once:

@@ -38,7 +38,7 @@ use crate::db::{
 pub struct Litestream {
     pub binary: PathBuf,
     pub config: PathBuf,
-    /// Longest one `litestream restore` may take.
+    /// Longest one call of Litestream may take.
     pub timeout: Duration,
 }
 
@@ -816,7 +816,7 @@ fn path_str(p: &Path) -> anyhow::Result<&str> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     thread_local! {
@@ -867,7 +867,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
     }
 
     /// A stand-in for Litestream that runs `body` (a shell script).
-    fn litestream_that(dir: &Path, body: &str) -> Litestream {
+    pub(crate) fn litestream_that(dir: &Path, body: &str) -> Litestream {
         use std::os::unix::fs::PermissionsExt;
         let script = dir.join("litestream");
         std::fs::write(&script, format!("#!/bin/sh\n{body}\n")).unwrap();

@@ -90,13 +90,14 @@ pub struct DbOptions {
     /// Whether tally checkpoints the WAL (automatically, and once more when it
     /// closes). Off when Litestream owns checkpointing.
     pub checkpoints: bool,
-    /// SQLite under Litestream: write a row at start (`replica_starts`), so
-    /// that the replica gate waits for an upload even when the database is
-    /// already level with its replica; leave the mark of a replicated
-    /// database and refuse to start without it where the mark is
-    /// (`sqlite::replicated`); and tell a loss of the database's files
-    /// that Litestream may have shipped the last commit.
-    pub under_litestream: bool,
+    /// SQLite under Litestream (the program and its configuration): write
+    /// a row at start (`replica_starts`), so that the replica gate waits
+    /// for an upload even when the database is already level with its
+    /// replica; leave the mark of a replicated database, and refuse to
+    /// start without a database where the mark is or where the replica
+    /// holds one (`sqlite::replicated`); and tell a loss of the database's
+    /// files that Litestream may have shipped the last commit.
+    pub litestream: Option<crate::restore::Litestream>,
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,

@@ -38,12 +38,14 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         refuse_other_names(path)?;
         // Before SQLite creates a file there: a restore would skip it.
         if !file_existed {
-            replicated::refuse_if_lost(path, replicated::Found::Nothing, opts.under_litestream)?;
+            replicated::refuse_if_lost(path, replicated::Found::Nothing, opts.litestream.as_ref())
+                .await?;
         }
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if file_existed && !had_tables {
-            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.under_litestream)?;
+            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.litestream.as_ref())
+                .await?;
         }
         if had_tables {
             tracing::info!(path = %path.display(), "opened an existing database");
@@ -83,7 +85,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 path: path.to_owned(),
                 source,
             })?;
-        if opts.under_litestream {
+        if opts.litestream.is_some() {
             replicated::record(path);
             sqlx::query(
                 "INSERT INTO replica_starts (id, started_at) VALUES (1, ?) \
@@ -101,7 +103,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path, opts.under_litestream),
+            files: files::DbFiles::record(path, opts.litestream.is_some()),
             checkpoint_on_close: opts.checkpoints,
             space,
         };

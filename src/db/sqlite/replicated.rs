@@ -1,6 +1,5 @@
-//! The mark a database served under Litestream leaves beside it
-//! (`.tally.db-replicated`), so that a start under Litestream which finds
-//! the mark but no database of tally's refuses instead of starting empty.
+//! A start under Litestream that finds no database of tally's refuses
+//! where a database was served, rather than create an empty one.
 //!
 //! Under Litestream a new, empty database does not stay local: it is
 //! replicated, and becomes the replica's latest state, which the next new
@@ -9,16 +8,22 @@
 //! after the database file was deleted underneath it (tally exits at once
 //! on that, and the kubelet restarts the container in the same pod, whose
 //! volume keeps everything else and whose init container, the restore,
-//! does not run again): before the mark, that start served an empty
-//! database and replicated it over the data. The mark tells the two apart.
-//! It is written once a database was opened under Litestream, and stays
-//! with the volume; a new pod's volume has none, and its restore has run.
-//! Its name starts with a dot, so `rm tally.db*` and `rm -rf /data/*` leave
-//! it; what removes every file of the directory removes it too.
+//! does not run again), or a new pod whose restore skipped over an empty
+//! file left at the database's path: before, those starts served an empty
+//! database and replicated it over the data.
+//!
+//! Two things tell them apart. The mark (`.tally.db-replicated`) is
+//! written once a database was opened under Litestream, and stays with the
+//! volume; its name starts with a dot, so `rm tally.db*` and `rm -rf
+//! /data/*` leave it. Where there is no mark, the replica itself is asked
+//! (`litestream ltx`): one that holds a database, or cannot be asked,
+//! refuses the start; an empty one is a first deploy.
 
 use std::path::{Path, PathBuf};
 
-use crate::db::OpenError;
+use serde::Deserialize;
+
+use crate::{db::OpenError, restore::Litestream};
 
 /// The mark beside `db`.
 pub fn path(db: &Path) -> PathBuf {
@@ -38,36 +43,129 @@ pub enum Found {
 }
 
 /// Refuses, under Litestream, to start without tally's database where one
-/// served under Litestream was.
-pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result<(), OpenError> {
-    let mark = path(db);
-    if !under_litestream || !mark.exists() {
+/// served under Litestream was (the mark says so), or where the replica
+/// holds one: a new, empty database would be replicated over it. Where
+/// there is no mark (a new volume whose restore skipped, or a directory
+/// emptied of every file), the replica is asked (`litestream ltx`), and a
+/// replica that cannot be asked refuses the start too. An empty replica is
+/// a first start.
+pub async fn refuse_if_lost(
+    db: &Path,
+    found: Found,
+    litestream: Option<&Litestream>,
+) -> Result<(), OpenError> {
+    let Some(ls) = litestream else {
         return Ok(());
-    }
+    };
     let what = match found {
-        Found::NoTables => {
-            "it holds no table of tally's (another file took its place), but a database served \
-             under Litestream was here"
+        Found::NoTables => "it holds no table of tally's (another file took its place)",
+        Found::Nothing => "it is missing (or an empty file)",
+    };
+    let mark = path(db);
+    let why = if mark.exists() {
+        format!(
+            "{what}, but a database served under Litestream was here ({} says so)",
+            mark.display()
+        )
+    } else {
+        tracing::info!(
+            path = %db.display(),
+            "no database of tally's here: asking the replica whether it holds one before \
+             creating one; this waits until the object store answers"
+        );
+        match replica_holds(db, ls).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(held)) => format!("{what}, but the replica holds a database ({held})"),
+            Err(e) => {
+                return Err(OpenError::Refused {
+                    path: db.to_owned(),
+                    reason: format!(
+                        "{what}, and whether the replica holds a database cannot be told: {e}. \
+                         Under Litestream tally asks before it creates a database \
+                         (TALLY_LITESTREAM_CONFIG, TALLY_LITESTREAM): a new, empty one would \
+                         be replicated over the replica's data and become its latest state"
+                    ),
+                });
+            }
         }
-        Found::Nothing => {
-            "it is missing (or an empty file), but a database served under Litestream was here"
-        }
+    };
+    let and_mark = if mark.exists() {
+        format!(", and remove {}", mark.display())
+    } else {
+        String::new()
     };
     Err(OpenError::Refused {
         path: db.to_owned(),
         reason: format!(
-            "{what} ({} says so): a new, empty one would be replicated in its place and become \
-             the replica's latest state. Put the database back from the replica first (the \
+            "{why}: a new, empty one would be replicated in its place and become the \
+             replica's latest state. Put the database back from the replica first (the \
              runbook of TallyWriteErrors says how): in Kubernetes restore to the instant of \
              the loss (the chart's restore.timestamp) or delete the pod (a new pod's init \
              container restores the latest state into a new volume); elsewhere stop \
              Litestream, remove what is left at the database's path (a restore skips an \
              existing file, even an empty one), restore it with `tally restore-to` (or \
-             `litestream restore`) and start again. To start empty on purpose, remove {}",
-            mark.display(),
-            mark.display()
+             `litestream restore`) and start again. To start empty on purpose, give \
+             Litestream a replica path that holds nothing (LITESTREAM_PATH; the chart's \
+             replica.path){and_mark}"
         ),
     })
+}
+
+/// One file of the replica, as `litestream ltx -json` lists it.
+#[derive(Debug, Deserialize)]
+struct LtxFile {
+    max_txid: String,
+    #[serde(default)]
+    timestamp: String,
+}
+
+/// What the replica of `db` holds, said in a few words (how many files,
+/// the last transaction, when the newest was written); `None` when it holds
+/// nothing.
+async fn replica_holds(db: &Path, ls: &Litestream) -> Result<Option<String>, String> {
+    let mut command = tokio::process::Command::new(&ls.binary);
+    command
+        .arg("ltx")
+        .arg("-config")
+        .arg(&ls.config)
+        .args(["-level", "all", "-json"])
+        .arg(db)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(ls.timeout, command.output())
+        .await
+        .map_err(|_| {
+            format!(
+                "`litestream ltx` gave no answer within {:?} (TALLY_REPLICA_WAIT_TIMEOUT): is the \
+                 object store reachable?",
+                ls.timeout
+            )
+        })?
+        .map_err(|e| format!("cannot run {}: {e}", ls.binary.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`litestream ltx` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let files: Vec<LtxFile> = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "`litestream ltx -json` answered what is not its list of files ({e}): {}",
+            String::from_utf8_lossy(&out.stdout).trim()
+        )
+    })?;
+    // Litestream writes both as fixed-width text (hexadecimal, and UTC
+    // RFC 3339), which sort as they compare.
+    let last = files.iter().map(|f| f.max_txid.as_str()).max();
+    let newest = files.iter().map(|f| f.timestamp.as_str()).max();
+    Ok(last.map(|last| {
+        format!(
+            "{} files, up to transaction {last}, the newest written at {}",
+            files.len(),
+            newest.unwrap_or_default()
+        )
+    }))
 }
 
 /// Leaves the mark beside `db`, if it is not there yet, on disk before
@@ -98,37 +196,123 @@ pub fn record(db: &Path) {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::Duration;
 
-    #[test]
-    fn a_start_under_litestream_refuses_only_where_the_mark_is_and_the_database_is_not() {
+    use super::*;
+    use crate::restore::tests::litestream_that;
+
+    async fn refusal(db: &Path, found: Found, ls: &Litestream) -> String {
+        match refuse_if_lost(db, found, Some(ls)).await {
+            Err(OpenError::Refused { reason, .. }) => reason,
+            other => panic!("{found:?} must be refused: {other:?}"),
+        }
+    }
+
+    /// Where the mark is, the start is refused without a question to the
+    /// replica; without Litestream nothing is refused.
+    #[tokio::test]
+    async fn a_start_under_litestream_refuses_where_the_mark_is_and_the_database_is_not() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
         assert_eq!(path(&db), dir.path().join(".tally.db-replicated"));
-        assert!(
-            refuse_if_lost(&db, Found::Nothing, true).is_ok(),
-            "a first start"
+        let asked = dir.path().join("asked");
+        let ls = litestream_that(
+            dir.path(),
+            &format!("echo \"$@\" >> {}; echo '[]'", asked.display()),
         );
+        assert!(
+            refuse_if_lost(&db, Found::Nothing, Some(&ls)).await.is_ok(),
+            "a first start: the replica holds nothing"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&asked).unwrap().trim(),
+            format!(
+                "ltx -config {} -level all -json {}",
+                ls.config.display(),
+                db.display()
+            )
+        );
+        std::fs::remove_file(&asked).unwrap();
         record(&db);
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
         assert!(
-            refuse_if_lost(&db, Found::Nothing, false).is_ok(),
+            refuse_if_lost(&db, Found::Nothing, None).await.is_ok(),
             "without Litestream an empty start replaces no replica"
         );
         for (found, says) in [
             (Found::Nothing, "it is missing"),
             (Found::NoTables, "no table of tally's"),
         ] {
-            let Err(OpenError::Refused { reason, .. }) = refuse_if_lost(&db, found, true) else {
-                panic!("{found:?} must be refused");
-            };
+            let reason = refusal(&db, found, &ls).await;
             assert!(reason.contains(says), "{reason}");
-            assert!(reason.contains(".tally.db-replicated"), "{reason}");
+            assert!(reason.contains(".tally.db-replicated says so"), "{reason}");
+            assert!(reason.contains("and remove"), "{reason}");
         }
+        assert!(
+            !asked.exists(),
+            "the mark is enough: the replica is not asked"
+        );
         // Written once: a second record leaves it as it was.
         std::fs::write(path(&db), "kept").unwrap();
         record(&db);
         assert_eq!(std::fs::read_to_string(path(&db)).unwrap(), "kept");
+    }
+
+    /// Without the mark (a directory emptied of every file, a new volume
+    /// whose restore skipped), a replica that holds a database refuses the
+    /// start, and so does one that cannot be asked.
+    #[tokio::test]
+    async fn without_the_mark_the_replica_is_asked_and_what_it_holds_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        let ls = litestream_that(
+            dir.path(),
+            r#"echo '[{"level":0,"min_txid":"0000000000000001","max_txid":"000000000000002a","size":567,"timestamp":"2026-12-05T04:39:11Z"},
+{"level":9,"min_txid":"0000000000000001","max_txid":"0000000000000009","size":567,"timestamp":"2026-12-05T04:39:12Z"}]'"#,
+        );
+        for (found, says) in [
+            (Found::Nothing, "it is missing"),
+            (Found::NoTables, "no table of tally's"),
+        ] {
+            let reason = refusal(&db, found, &ls).await;
+            assert!(reason.contains(says), "{reason}");
+            assert!(
+                reason.contains(
+                    "the replica holds a database (2 files, up to transaction \
+                     000000000000002a, the newest written at 2026-12-05T04:39:12Z)"
+                ),
+                "{reason}"
+            );
+            assert!(reason.contains("replica.path"), "{reason}");
+            assert!(!reason.contains("and remove"), "{reason}");
+        }
+        assert!(!path(&db).exists());
+
+        for (body, says) in [
+            (
+                "echo 'Error: config file not found: /etc/litestream.yml' >&2; exit 1",
+                "`litestream ltx` failed (exit status: 1): Error: config file not found",
+            ),
+            ("echo 'Litestream v9'", "not its list of files"),
+            ("sleep 30", "gave no answer within 1s"),
+        ] {
+            let mut ls = litestream_that(dir.path(), body);
+            ls.timeout = Duration::from_secs(1);
+            let reason = refusal(&db, Found::Nothing, &ls).await;
+            assert!(reason.contains(says), "{reason}");
+            assert!(
+                reason.contains("whether the replica holds a database cannot be told"),
+                "{reason}"
+            );
+            assert!(reason.contains("TALLY_LITESTREAM_CONFIG"), "{reason}");
+        }
+        let ls = Litestream {
+            binary: dir.path().join("no-such-litestream"),
+            config: dir.path().join("litestream.yml"),
+            timeout: Duration::from_secs(1),
+        };
+        let reason = refusal(&db, Found::Nothing, &ls).await;
+        assert!(reason.contains("cannot run"), "{reason}");
     }
 }

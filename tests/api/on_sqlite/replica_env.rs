@@ -56,6 +56,11 @@ impl Deployment {
                     .into_owned(),
             ),
             ("TALLY_REPLICA_WAIT_TIMEOUT", "20".into()),
+            ("TALLY_LITESTREAM_CONFIG", config()),
+            (
+                "TALLY_LITESTREAM",
+                tool("litestream").to_string_lossy().into_owned(),
+            ),
             ("TALLY_LOG_FORMAT", "json".into()),
             ("TALLY_ADMIN_TOKEN", crate::helpers::ADMIN.into()),
             ("LITESTREAM_BUCKET", self.bucket.clone()),

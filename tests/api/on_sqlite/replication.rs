@@ -93,25 +93,35 @@ async fn fresh_start_restores_nothing_and_serves_only_after_the_gate() {
         "restore from an empty replica must not create a database"
     );
 
-    // Hold the replica back: while Litestream cannot sync, tally must
-    // wait and not listen.
+    // Hold the replica back: while the object store does not answer, tally
+    // must wait and not listen. With no database, its first question is
+    // whether the replica holds one; it creates one only once the replica
+    // has answered that it holds nothing.
     s3.pause();
     let run = d.replicate();
     run.not_listening_for(Duration::from_secs(2), "the replica was in sync")
         .await;
+    let asked = run
+        .line_of("asking the replica whether it holds one")
+        .unwrap_or_else(|| panic!("{}", run.log_text()));
     assert!(
-        run.line_of("waiting for the first replica sync").is_some(),
-        "{}",
+        run.line_of("created a new, empty database").is_none(),
+        "created before the replica answered: {}",
         run.log_text()
     );
     assert!(run.line_of("replica confirmed in sync").is_none());
     s3.resume();
     run.wait_serving(Duration::from_secs(30)).await;
+    let created = run.line_of("created a new, empty database").unwrap();
     let gate = run
         .line_of("replica confirmed in sync")
         .expect("the gate passed");
     let serving = run.line_of("\"serving\"").unwrap();
-    assert!(gate < serving, "{}", run.log_text());
+    assert!(
+        asked < created && created < gate && gate < serving,
+        "{}",
+        run.log_text()
+    );
 
     let r = reqwest::get(run.url("/ready")).await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
@@ -275,12 +285,10 @@ async fn a_restart_in_place_serves_only_once_the_replica_takes_a_write() {
     stop_cleanly(run).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_replica_keeps_tally_from_serving() {
-    // Nothing listens on this port: every S3 call fails.
-    let mut d = Deployment::new(&format!("http://127.0.0.1:{}", free_port()), "nowhere");
-    d.extra_env
-        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "4".into()));
+/// Litestream with tally as its child on `d`, watched until it exits: it
+/// must never listen, must give up (non-zero) after `at_least` and within a
+/// minute. Returns the log.
+async fn unserved(d: &Deployment, at_least: Duration) -> String {
     let mut run = d.replicate();
     let started = std::time::Instant::now();
     while run.child.try_wait().unwrap().is_none() {
@@ -296,42 +304,99 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     }
     let status = run.wait(Duration::from_secs(1)).await;
     assert_ne!(status.code(), Some(0));
-    assert!(started.elapsed() >= Duration::from_secs(4));
+    assert!(started.elapsed() >= at_least);
     let logs = run.log_text();
-    assert!(logs.contains("the replica is unreachable"), "{logs}");
     assert!(!logs.contains("\"serving\""), "{logs}");
+    logs
 }
 
-/// A stop asked for while tally waits for the first replica sync ends the
-/// wait at once (the chart lets that wait run for minutes, longer than a
-/// pod's grace period); nothing was served, so nothing is left to drain.
+/// A database of tally's at `db`, made by the real binary without
+/// Litestream (so without the mark of a replicated one).
+async fn served_without_litestream(db: &std::path::Path) {
+    let mut bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+    bin.sigterm();
+    assert!(bin.wait(Duration::from_secs(20)).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_replica_keeps_tally_from_serving() {
+    // Nothing listens on this port: every S3 call fails.
+    let mut d = Deployment::new(&format!("http://127.0.0.1:{}", free_port()), "nowhere");
+    d.extra_env
+        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "4".into()));
+    // No database: whether the replica holds one cannot be told (Litestream
+    // retries for minutes), so none is created.
+    let logs = unserved(&d, Duration::from_secs(4)).await;
+    assert!(
+        logs.contains("whether the replica holds a database cannot be told"),
+        "{logs}"
+    );
+    assert!(logs.contains("gave no answer within 4s"), "{logs}");
+    assert!(!d.db().exists(), "{logs}");
+    // A database there: the first sync never reaches the replica.
+    served_without_litestream(&d.db()).await;
+    let logs = unserved(&d, Duration::from_secs(4)).await;
+    assert!(logs.contains("the replica is unreachable"), "{logs}");
+}
+
+/// Processes whose command line holds `needle`.
+fn processes_with(needle: &str) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(needle))
+        .collect()
+}
+
+/// A stop asked for while tally starts against an object store that does
+/// not answer ends the start at once, in either wait: the question whether
+/// the replica holds a database (none is there), and the wait for the first
+/// replica sync (the chart lets both run for minutes, longer than a pod's
+/// grace period). The `litestream ltx` asked goes with it. Nothing was
+/// served, so nothing is left to drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_waiting_for_the_replica_ends_the_start() {
     let mut d = Deployment::new(&format!("http://127.0.0.1:{}", free_port()), "nowhere");
     d.extra_env
         .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "60".into()));
-    let mut run = d.replicate();
-    let waiting = std::time::Instant::now();
-    while run.line_of("waiting for the first replica sync").is_none() {
-        assert!(
-            waiting.elapsed() < Duration::from_secs(30),
-            "tally never began waiting: {}",
-            run.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for waiting_for in [
+        "asking the replica whether it holds one",
+        "waiting for the first replica sync",
+    ] {
+        if waiting_for.starts_with("waiting") {
+            served_without_litestream(&d.db()).await;
+        }
+        let mut run = d.replicate();
+        let waiting = std::time::Instant::now();
+        while run.line_of(waiting_for).is_none() {
+            assert!(
+                waiting.elapsed() < Duration::from_secs(30),
+                "tally never began {waiting_for:?}: {}",
+                run.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let tally =
+            nix::unistd::Pid::from_raw(run.tally_pid().expect("tally runs under Litestream"));
+        run.signal(Signal::SIGTERM);
+        // tally's stop, not Litestream's: Litestream then makes its final
+        // sync, which against this replica gives up at once or, if a sync
+        // of its own was under way, after litestream.yml's
+        // shutdown-sync-timeout (20 s).
+        let signalled = std::time::Instant::now();
+        ended_within(tally, Duration::from_secs(10), "tally").await;
+        eprintln!("tally stopped {:?} after SIGTERM", signalled.elapsed());
+        let asking = processes_with(&d.db().to_string_lossy())
+            .into_iter()
+            .filter(|c| c.contains(" ltx "))
+            .collect::<Vec<_>>();
+        assert!(asking.is_empty(), "left running: {asking:?}");
+        run.wait(Duration::from_secs(40)).await;
+        let logs = run.log_text();
+        assert!(logs.contains("stopped while starting"), "{logs}");
+        assert!(!logs.contains("\"serving\""), "{logs}");
     }
-    let tally = nix::unistd::Pid::from_raw(run.tally_pid().expect("tally runs under Litestream"));
-    run.signal(Signal::SIGTERM);
-    // tally's stop, not Litestream's: Litestream then makes its final sync,
-    // which against this replica gives up at once or, if a sync of its own
-    // was under way, after litestream.yml's shutdown-sync-timeout (20 s).
-    let signalled = std::time::Instant::now();
-    ended_within(tally, Duration::from_secs(10), "tally").await;
-    eprintln!("tally stopped {:?} after SIGTERM", signalled.elapsed());
-    run.wait(Duration::from_secs(40)).await;
-    let logs = run.log_text();
-    assert!(logs.contains("stopped while starting"), "{logs}");
-    assert!(!logs.contains("\"serving\""), "{logs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -597,10 +662,12 @@ async fn refused_start(d: &Deployment, says: &str) -> String {
 
 /// A database file deleted underneath tally under Litestream: tally exits,
 /// and the container restarted in place (the same volume, no restore) must
-/// not start on an empty database (nor on another file put in its place),
-/// which Litestream would replicate as the replica's latest state. Before,
-/// it did, and the next new pod restored the empty one. A new pod (a new
-/// volume, and its restore) gets every replicated write back.
+/// not start on an empty database (nor on another file put in its place,
+/// nor after every file of the directory was removed, the mark too), which
+/// Litestream would replicate as the replica's latest state. Before, it
+/// did, and the next new pod restored the empty one. Nor must a new pod
+/// whose restore skipped over an empty file. A new pod (a new volume, and
+/// its restore) gets every replicated write back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     let s3 = S3::start().await;
@@ -713,6 +780,29 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
         .unwrap();
     drop(other);
     refused_start(&d, "no table of tally's").await;
+
+    // Every file of the directory gone, the mark too: the replica is asked,
+    // and it holds a database.
+    d.wipe();
+    let logs = refused_start(
+        &d,
+        "it is missing (or an empty file), but the replica holds",
+    )
+    .await;
+    assert!(!logs.contains("created a new, empty database"), "{logs}");
+    assert!(!d.db().exists());
+
+    // A new pod whose volume had an empty file at the database's path
+    // (what `sqlite3` leaves when asked about a missing database): its
+    // restore skips it, taking it for a database, and the start is
+    // refused rather than serve an empty one.
+    d.wipe();
+    std::fs::create_dir_all(d.db().parent().unwrap()).unwrap();
+    std::fs::write(d.db(), b"").unwrap();
+    assert_restored(&d);
+    assert_eq!(std::fs::metadata(d.db()).unwrap().len(), 0);
+    refused_start(&d, "but the replica holds a database").await;
+    assert_eq!(std::fs::metadata(d.db()).unwrap().len(), 0);
 
     // Whatever the latest state now holds, the instant before the loss
     // holds every write.
