@@ -101,11 +101,7 @@ impl Application {
             // without the database it served, or one the replica holds,
             // refuses to replace it; the replica is asked within the
             // gate's own time.
-            litestream: under_litestream.then(|| crate::restore::Litestream {
-                binary: settings.litestream.clone(),
-                config: settings.litestream_config.clone(),
-                timeout: settings.replica_wait_timeout,
-            }),
+            litestream: under_litestream.then(|| litestream_to_ask(&settings)),
             lock_timeout: settings.postgres_lock_timeout,
             schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),
@@ -121,12 +117,19 @@ impl Application {
                 .test_publish_delay_ms
                 .map(std::time::Duration::from_millis),
         };
+        // The question to the replica (in the opening) and the gate share
+        // one wait, which the chart's startup probe is sized for.
+        let opened = std::time::Instant::now();
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
 
         let mut background = Vec::new();
         if let Some(socket) = &settings.litestream_socket {
-            match replica_gate(socket, &settings).await {
+            let left = settings
+                .replica_wait_timeout
+                .saturating_sub(opened.elapsed())
+                .max(Duration::from_secs(1));
+            match replica_gate(socket, &settings, left).await {
                 Ok(watch) => background.push(watch),
                 Err(e) => {
                     db.close();
@@ -313,6 +316,7 @@ impl Application {
 async fn replica_gate(
     socket: &std::path::Path,
     settings: &Settings,
+    wait: Duration,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let path = settings.database.sqlite_path().context(
         "TALLY_LITESTREAM_SOCKET is set, but Litestream replicates a SQLite file and the \
@@ -321,13 +325,7 @@ async fn replica_gate(
     let db_path = std::path::absolute(path).context("cannot resolve the database path")?;
     tracing::info!(socket = %socket.display(), "waiting for the first replica sync before serving");
     let started = std::time::Instant::now();
-    let gate = replica::wait_for_replica(
-        socket,
-        &db_path,
-        settings.replica_wait_timeout,
-        Duration::from_secs(10),
-    )
-    .await;
+    let gate = replica::wait_for_replica(socket, &db_path, wait, Duration::from_secs(10)).await;
     metrics::gauge!("tally_replica_wait_seconds").set(started.elapsed().as_secs_f64());
     let status = gate?;
     metrics::gauge!("tally_replica_txid").set(status.replicated_txid as f64);
@@ -336,6 +334,43 @@ async fn replica_gate(
         db_path,
         REPLICA_WATCH_EVERY,
     )))
+}
+
+/// The Litestream tally asks, under Litestream, whether the replica holds a
+/// database: with the configuration its parent (`litestream replicate
+/// -exec tally`) replicates with, read from the parent's command line, so
+/// that the replica asked is the one replicated to. Under another parent
+/// (a wrapper that did not `exec`), TALLY_LITESTREAM_CONFIG's, else
+/// Litestream's default.
+fn litestream_to_ask(settings: &Settings) -> crate::restore::Litestream {
+    let parent = std::os::unix::process::parent_id();
+    let (config, no_expand_env) = match replica::replicating(parent) {
+        Some(given) => {
+            let config = crate::restore::config_path(given.config.as_deref());
+            if let Some(told) = &settings.litestream_config
+                && *told != config
+            {
+                tracing::warn!(
+                    told = %told.display(),
+                    replicating_with = %config.display(),
+                    "TALLY_LITESTREAM_CONFIG is not the configuration Litestream, tally's \
+                     parent, replicates with: tally asks the replica with Litestream's; \
+                     restore-to, given TALLY_LITESTREAM_CONFIG, would restore from another"
+                );
+            }
+            (config, given.no_expand_env)
+        }
+        None => (
+            crate::restore::config_path(settings.litestream_config.as_deref()),
+            false,
+        ),
+    };
+    crate::restore::Litestream {
+        binary: settings.litestream.clone(),
+        config,
+        no_expand_env,
+        timeout: settings.replica_wait_timeout,
+    }
 }
 
 /// Binds each fixed address tally will listen on, without listening, and

@@ -166,20 +166,16 @@ pub struct Settings {
     #[arg(long, env = "TALLY_LITESTREAM_SOCKET")]
     pub litestream_socket: Option<PathBuf>,
 
-    /// Litestream's configuration file: `restore-to` restores with it, and
-    /// under Litestream (TALLY_LITESTREAM_SOCKET) a start that finds no
-    /// database asks the replica with it whether it holds one before
-    /// creating one (it refuses to start if it does, or if the replica
-    /// cannot be asked).
-    #[arg(
-        long,
-        env = "TALLY_LITESTREAM_CONFIG",
-        default_value = "/etc/litestream.yml",
-        global = true
-    )]
-    pub litestream_config: PathBuf,
+    /// Litestream's configuration file, for `restore-to`. Unset:
+    /// LITESTREAM_CONFIG, else /etc/litestream.yml, as Litestream reads it.
+    /// (Under `litestream replicate -exec tally`, tally reads its parent's
+    /// own `-config` instead.)
+    #[arg(long, env = "TALLY_LITESTREAM_CONFIG", global = true)]
+    pub litestream_config: Option<PathBuf>,
 
-    /// The litestream program, for the same two uses.
+    /// The litestream program: `restore-to` runs it, and so does a start
+    /// under Litestream that finds no database, to ask the replica whether
+    /// it holds one before creating one.
     #[arg(
         long,
         env = "TALLY_LITESTREAM",
@@ -188,8 +184,10 @@ pub struct Settings {
     )]
     pub litestream: PathBuf,
 
-    /// Longest wait at startup for the first confirmed replica sync, in
-    /// seconds; tally exits non-zero when it passes.
+    /// Longest wait at startup for the replica, in seconds, counted from
+    /// the database's opening: for the first confirmed replica sync (and,
+    /// where there is no database, for the replica's answer whether it
+    /// holds one); tally exits non-zero when it passes.
     #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_positive_seconds)]
     pub replica_wait_timeout: Duration,
 

@@ -148,7 +148,8 @@ async fn restore_to(
     };
     let ls = tally::restore::Litestream {
         binary: settings.litestream.clone(),
-        config: settings.litestream_config.clone(),
+        config: tally::restore::config_path(settings.litestream_config.as_deref()),
+        no_expand_env: false,
         timeout,
     };
     // A stop (the pod deleted while it restores) ends the restore at once:

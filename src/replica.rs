@@ -255,6 +255,67 @@ pub async fn watch(socket: PathBuf, db: PathBuf, every: Duration) {
     }
 }
 
+/// What `litestream replicate` was given that another Litestream command
+/// reading the same replica must be given too.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Replicating {
+    /// Its `-config`; `None`: it read `LITESTREAM_CONFIG`, else
+    /// `/etc/litestream.yml` (see [`crate::restore::config_path`]).
+    pub config: Option<PathBuf>,
+    /// Its `-no-expand-env`.
+    pub no_expand_env: bool,
+}
+
+/// What process `pid` was given, if it is `litestream replicate` (as
+/// tally's parent is under `-exec`): read from its command line, so that
+/// tally asks the very replica its parent replicates to, whatever
+/// configuration tally was told of.
+pub fn replicating(pid: u32) -> Option<Replicating> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if comm.trim_end() != "litestream" {
+        return None;
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<std::ffi::OsString> = cmdline
+        .split(|b| *b == 0)
+        .map(std::os::unix::ffi::OsStrExt::from_bytes)
+        .map(std::ffi::OsStr::to_owned)
+        .collect();
+    replicate_args(args.get(1..)?)
+}
+
+/// `replicate`'s flags, as Go's flag package reads them (`-f v`, `-f=v`,
+/// `--f v`, `--f=v`, up to the first argument that is not a flag or `--`).
+fn replicate_args(args: &[std::ffi::OsString]) -> Option<Replicating> {
+    let (first, flags) = args.split_first()?;
+    if first != "replicate" {
+        return None;
+    }
+    let mut given = Replicating::default();
+    let mut flags = flags.iter().map(|a| a.to_string_lossy().into_owned());
+    while let Some(arg) = flags.next() {
+        if arg == "--" || !arg.starts_with('-') {
+            break;
+        }
+        let (name, value) = match arg.trim_start_matches('-').split_once('=') {
+            Some((name, value)) => (name.to_owned(), Some(value.to_owned())),
+            None => (arg.trim_start_matches('-').to_owned(), None),
+        };
+        match name.as_str() {
+            "no-expand-env" => given.no_expand_env = value.is_none_or(|v| v != "false"),
+            // Boolean flags take no value of their own.
+            "once" | "force-snapshot" | "enforce-retention" | "restore-if-db-not-exists" => {}
+            _ => {
+                let value = value.or_else(|| flags.next());
+                if name == "config" {
+                    given.config = value.map(PathBuf::from);
+                }
+            }
+        }
+    }
+    Some(given)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,5 +374,56 @@ mod tests {
             lag.observe(&at(4, 9), t0 + Duration::from_secs(1)),
             Duration::ZERO
         );
+    }
+
+    fn args(line: &str) -> Vec<std::ffi::OsString> {
+        line.split(' ').map(Into::into).collect()
+    }
+
+    #[test]
+    fn the_configuration_litestream_replicates_with_is_read_from_its_arguments() {
+        let cases = [
+            (
+                "replicate -config /etc/litestream/litestream.yml -exec tally",
+                Some("/etc/litestream/litestream.yml"),
+                false,
+            ),
+            (
+                "replicate --config=ls.yml -exec tally",
+                Some("ls.yml"),
+                false,
+            ),
+            (
+                "replicate -exec tally -config=/x.yml",
+                Some("/x.yml"),
+                false,
+            ),
+            (
+                "replicate -no-expand-env -log-level debug --config /y.yml",
+                Some("/y.yml"),
+                true,
+            ),
+            ("replicate -exec tally", None, false),
+            (
+                "replicate -restore-if-db-not-exists -config /z.yml",
+                Some("/z.yml"),
+                false,
+            ),
+            // Past the first argument that is not a flag, nothing is a flag.
+            ("replicate db.sqlite s3://b/p -config /no.yml", None, false),
+            ("replicate -- -config /no.yml", None, false),
+        ];
+        for (line, config, no_expand_env) in cases {
+            assert_eq!(
+                replicate_args(&args(line)),
+                Some(Replicating {
+                    config: config.map(PathBuf::from),
+                    no_expand_env,
+                }),
+                "{line}"
+            );
+        }
+        assert_eq!(replicate_args(&args("restore -config /a.yml db")), None);
+        assert_eq!(replicating(std::process::id()), None, "not Litestream");
     }
 }

@@ -38,8 +38,23 @@ use crate::db::{
 pub struct Litestream {
     pub binary: PathBuf,
     pub config: PathBuf,
+    /// `-no-expand-env`: the configuration is read as written.
+    pub no_expand_env: bool,
     /// Longest one call of Litestream may take.
     pub timeout: Duration,
+}
+
+/// The configuration file Litestream reads when given `given` (its
+/// `-config`): else `LITESTREAM_CONFIG`, else `/etc/litestream.yml`.
+pub fn config_path(given: Option<&Path>) -> PathBuf {
+    given.map_or_else(
+        || {
+            std::env::var_os("LITESTREAM_CONFIG")
+                .filter(|c| !c.is_empty())
+                .map_or_else(|| PathBuf::from("/etc/litestream.yml"), PathBuf::from)
+        },
+        ToOwned::to_owned,
+    )
 }
 
 /// What `restore-to` did.
@@ -689,6 +704,7 @@ async fn litestream(
         .arg("restore")
         .arg("-config")
         .arg(&ls.config)
+        .args(ls.no_expand_env.then_some("-no-expand-env"))
         .args(args)
         .arg(db)
         .stdin(held)
@@ -862,6 +878,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         Litestream {
             binary: script,
             config: dir.join("litestream.yml"),
+            no_expand_env: false,
             timeout: Duration::from_secs(30),
         }
     }
@@ -875,6 +892,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         Litestream {
             binary: script,
             config: dir.join("litestream.yml"),
+            no_expand_env: false,
             timeout: Duration::from_secs(30),
         }
     }

@@ -220,18 +220,6 @@ fn database_on_an_empty_dir_without_volume_claims() {
         );
         assert_eq!(env(c, "TALLY_DATABASE"), "/data/tally.db");
         assert_eq!(env(c, "TALLY_LITESTREAM_SOCKET"), "/data/litestream.sock");
-        // What tally asks the replica with before it would create a
-        // database: the configuration Litestream itself is given.
-        assert_eq!(
-            env(c, "TALLY_LITESTREAM_CONFIG"),
-            "/etc/litestream/litestream.yml"
-        );
-        assert!(
-            mounts
-                .iter()
-                .any(|m| m["name"] == "litestream-config" && m["mountPath"] == "/etc/litestream"),
-            "{mounts:?}"
-        );
     }
 
     let docs = rendered(&[("persistence.sizeLimit", "2Gi")]);

@@ -557,7 +557,6 @@ impl Stack {
             // gauges the alert and the dashboard read are exported.
             .env("TALLY_STORAGE_LIMIT", "1Gi")
             .env("TALLY_REPLICA_WAIT_TIMEOUT", "30")
-            .env("TALLY_LITESTREAM_CONFIG", repo().join("litestream.yml"))
             .env("TALLY_LITESTREAM", tool("litestream"))
             .env("TALLY_LOG_FORMAT", "json")
             // A tiny queue and a slow writer, so that 429s and callers who

@@ -334,10 +334,6 @@ both address the same replica. Credentials come from a Secret only.
   value: /data/tally.db
 - name: TALLY_LITESTREAM_SOCKET
   value: /data/litestream.sock
-# What tally asks the replica with before it would create a database, and
-# what restore-to restores with.
-- name: TALLY_LITESTREAM_CONFIG
-  value: /etc/litestream/litestream.yml
 # SQLite's and Litestream's temporary files: the root filesystem is
 # read-only, the data volume is not.
 - name: TMPDIR

@@ -38,8 +38,11 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         refuse_other_names(path)?;
         // Before SQLite creates a file there: a restore would skip it.
         if !file_existed {
-            replicated::refuse_if_lost(path, replicated::Found::Nothing, opts.litestream.as_ref())
-                .await?;
+            let found = match empty_file {
+                true => replicated::Found::EmptyFile,
+                false => replicated::Found::Nothing,
+            };
+            replicated::refuse_if_lost(path, found, opts.litestream.as_ref()).await?;
         }
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;

@@ -34,21 +34,28 @@ pub fn path(db: &Path) -> PathBuf {
 }
 
 /// What a start found at the database's path instead of tally's database.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
-    /// No file, or an empty one.
+    /// No file.
     Nothing,
+    /// An empty file: what `sqlite3` leaves when asked about a missing
+    /// database, and what a restore takes for a database and skips.
+    EmptyFile,
     /// A file with no table of tally's: not a database tally served.
     NoTables,
 }
 
 /// Refuses, under Litestream, to start without tally's database where one
 /// served under Litestream was (the mark says so), or where the replica
-/// holds one: a new, empty database would be replicated over it. Where
-/// there is no mark (a new volume whose restore skipped, or a directory
-/// emptied of every file), the replica is asked (`litestream ltx`), and a
-/// replica that cannot be asked refuses the start too. An empty replica is
-/// a first start.
+/// holds one: a new, empty database would be replicated over it.
+///
+/// Where there is no file and no mark (a directory emptied of every file),
+/// the replica is asked (`litestream ltx`): one that holds a database, or
+/// cannot be asked, refuses the start, and an empty one is a first start.
+/// Where there is a file that is not tally's database and no mark, the
+/// start is refused at once, without asking: Litestream, which starts
+/// first, replicates whatever database is at the path (it makes one of an
+/// empty file within a second), and the answer could come after it had.
 pub async fn refuse_if_lost(
     db: &Path,
     found: Found,
@@ -58,8 +65,15 @@ pub async fn refuse_if_lost(
         return Ok(());
     };
     let what = match found {
+        Found::Nothing => "it is missing",
+        Found::EmptyFile => "it is an empty file",
         Found::NoTables => "it holds no table of tally's (another file took its place)",
-        Found::Nothing => "it is missing (or an empty file)",
+    };
+    let refused = |reason: String| {
+        Err(OpenError::Refused {
+            path: db.to_owned(),
+            reason,
+        })
     };
     let mark = path(db);
     let why = if mark.exists() {
@@ -67,25 +81,35 @@ pub async fn refuse_if_lost(
             "{what}, but a database served under Litestream was here ({} says so)",
             mark.display()
         )
+    } else if found != Found::Nothing {
+        return refused(format!(
+            "{what}, and Litestream, which started before tally, replicates whatever \
+             database is at the path: tally does not make one of it, which could replace the \
+             replica's data as its latest state. Look at what it is, remove it and start \
+             again (in Kubernetes, delete the pod: a new volume has no such file, and the \
+             new pod's init container restores the latest state): a start that finds no \
+             file asks the replica whether it holds a database, and creates one only where \
+             it holds none"
+        ));
     } else {
         tracing::info!(
             path = %db.display(),
-            "no database of tally's here: asking the replica whether it holds one before \
-             creating one; this waits until the object store answers"
+            config = %ls.config.display(),
+            timeout = ?ls.timeout,
+            "no database here: asking the replica whether it holds one before creating one; \
+             this waits until the object store answers"
         );
         match replica_holds(db, ls).await {
             Ok(None) => return Ok(()),
             Ok(Some(held)) => format!("{what}, but the replica holds a database ({held})"),
             Err(e) => {
-                return Err(OpenError::Refused {
-                    path: db.to_owned(),
-                    reason: format!(
-                        "{what}, and whether the replica holds a database cannot be told: {e}. \
-                         Under Litestream tally asks before it creates a database \
-                         (TALLY_LITESTREAM_CONFIG, TALLY_LITESTREAM): a new, empty one would \
-                         be replicated over the replica's data and become its latest state"
-                    ),
-                });
+                return refused(format!(
+                    "{what}, and whether the replica holds a database cannot be told: {e}. \
+                     Under Litestream tally asks before it creates a database (with the \
+                     configuration its parent Litestream was given, and TALLY_LITESTREAM): a \
+                     new, empty one would be replicated over the replica's data and become \
+                     its latest state"
+                ));
             }
         }
     };
@@ -94,21 +118,17 @@ pub async fn refuse_if_lost(
     } else {
         String::new()
     };
-    Err(OpenError::Refused {
-        path: db.to_owned(),
-        reason: format!(
-            "{why}: a new, empty one would be replicated in its place and become the \
-             replica's latest state. Put the database back from the replica first (the \
-             runbook of TallyWriteErrors says how): in Kubernetes restore to the instant of \
-             the loss (the chart's restore.timestamp) or delete the pod (a new pod's init \
-             container restores the latest state into a new volume); elsewhere stop \
-             Litestream, remove what is left at the database's path (a restore skips an \
-             existing file, even an empty one), restore it with `tally restore-to` (or \
-             `litestream restore`) and start again. To start empty on purpose, give \
-             Litestream a replica path that holds nothing (LITESTREAM_PATH; the chart's \
-             replica.path){and_mark}"
-        ),
-    })
+    refused(format!(
+        "{why}: a new, empty one would be replicated in its place and become the replica's \
+         latest state. Put the database back from the replica first (the runbook of \
+         TallyWriteErrors says how): in Kubernetes restore to the instant of the loss (the \
+         chart's restore.timestamp) or delete the pod (a new pod's init container restores \
+         the latest state into a new volume); elsewhere stop Litestream, remove what is left \
+         at the database's path (a restore skips an existing file, even an empty one), \
+         restore it with `tally restore-to` (or `litestream restore`) and start again. To \
+         start empty on purpose, give Litestream a replica path that holds nothing \
+         (LITESTREAM_PATH; the chart's replica.path){and_mark}"
+    ))
 }
 
 /// One file of the replica, as `litestream ltx -json` lists it.
@@ -117,6 +137,19 @@ struct LtxFile {
     max_txid: String,
     #[serde(default)]
     timestamp: String,
+}
+
+/// At most this much of what Litestream said goes into a refusal.
+const SAID: usize = 1000;
+
+/// What Litestream said, cut to [`SAID`] bytes.
+fn said(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let text = text.trim();
+    match text.char_indices().nth(SAID) {
+        Some((at, _)) => format!("{} (cut)", &text[..at]),
+        None => text.to_owned(),
+    }
 }
 
 /// What the replica of `db` holds, said in a few words (how many files,
@@ -128,7 +161,8 @@ async fn replica_holds(db: &Path, ls: &Litestream) -> Result<Option<String>, Str
         .arg("ltx")
         .arg("-config")
         .arg(&ls.config)
-        .args(["-level", "all", "-json"])
+        .args(ls.no_expand_env.then_some("-no-expand-env"))
+        .args(["-level", "all", "-json", "--"])
         .arg(db)
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
@@ -144,15 +178,16 @@ async fn replica_holds(db: &Path, ls: &Litestream) -> Result<Option<String>, Str
         .map_err(|e| format!("cannot run {}: {e}", ls.binary.display()))?;
     if !out.status.success() {
         return Err(format!(
-            "`litestream ltx` failed ({}): {}",
+            "`litestream ltx -config {}` failed ({}): {}",
+            ls.config.display(),
             out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
+            said(&out.stderr)
         ));
     }
     let files: Vec<LtxFile> = serde_json::from_slice(&out.stdout).map_err(|e| {
         format!(
             "`litestream ltx -json` answered what is not its list of files ({e}): {}",
-            String::from_utf8_lossy(&out.stdout).trim()
+            said(&out.stdout)
         )
     })?;
     // Litestream writes both as fixed-width text (hexadecimal, and UTC
@@ -179,7 +214,8 @@ pub fn record(db: &Path) {
     let text = format!(
         "tally served {} under Litestream. While this file is here and that database is not, \
          tally under Litestream refuses to start: a new, empty database would be replicated in \
-         its place.\n",
+         its place. (Where this file is gone too, tally asks the replica, and refuses where it \
+         holds a database.)\n",
         db.file_name().unwrap_or_default().to_string_lossy()
     );
     let written = crate::restore::write_synced(&mark, text.as_bytes())
@@ -208,6 +244,20 @@ mod tests {
         }
     }
 
+    /// A stand-in for Litestream that notes each call's arguments in
+    /// `asked` and then runs `body`.
+    fn noting(dir: &Path, body: &str) -> (Litestream, std::path::PathBuf) {
+        let asked = dir.join("asked");
+        let ls = litestream_that(dir, &format!("echo \"$@\" >> {}\n{body}", asked.display()));
+        (ls, asked)
+    }
+
+    const FOUND: [(Found, &str); 3] = [
+        (Found::Nothing, "it is missing"),
+        (Found::EmptyFile, "it is an empty file"),
+        (Found::NoTables, "no table of tally's"),
+    ];
+
     /// Where the mark is, the start is refused without a question to the
     /// replica; without Litestream nothing is refused.
     #[tokio::test]
@@ -215,11 +265,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
         assert_eq!(path(&db), dir.path().join(".tally.db-replicated"));
-        let asked = dir.path().join("asked");
-        let ls = litestream_that(
-            dir.path(),
-            &format!("echo \"$@\" >> {}; echo '[]'", asked.display()),
-        );
+        let (mut ls, asked) = noting(dir.path(), "echo '[]'");
+        ls.no_expand_env = true;
         assert!(
             refuse_if_lost(&db, Found::Nothing, Some(&ls)).await.is_ok(),
             "a first start: the replica holds nothing"
@@ -227,7 +274,7 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(&asked).unwrap().trim(),
             format!(
-                "ltx -config {} -level all -json {}",
+                "ltx -config {} -no-expand-env -level all -json -- {}",
                 ls.config.display(),
                 db.display()
             )
@@ -236,14 +283,13 @@ mod tests {
         record(&db);
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
-        assert!(
-            refuse_if_lost(&db, Found::Nothing, None).await.is_ok(),
-            "without Litestream an empty start replaces no replica"
-        );
-        for (found, says) in [
-            (Found::Nothing, "it is missing"),
-            (Found::NoTables, "no table of tally's"),
-        ] {
+        for (found, _) in FOUND {
+            assert!(
+                refuse_if_lost(&db, found, None).await.is_ok(),
+                "without Litestream an empty start replaces no replica"
+            );
+        }
+        for (found, says) in FOUND {
             let reason = refusal(&db, found, &ls).await;
             assert!(reason.contains(says), "{reason}");
             assert!(reason.contains(".tally.db-replicated says so"), "{reason}");
@@ -259,57 +305,71 @@ mod tests {
         assert_eq!(std::fs::read_to_string(path(&db)).unwrap(), "kept");
     }
 
-    /// Without the mark (a directory emptied of every file, a new volume
-    /// whose restore skipped), a replica that holds a database refuses the
-    /// start, and so does one that cannot be asked.
+    /// Without the mark and without a file (a directory emptied of every
+    /// file), a replica that holds a database refuses the start, and so
+    /// does one that cannot be asked. A file that is not tally's database
+    /// is refused without asking.
     #[tokio::test]
     async fn without_the_mark_the_replica_is_asked_and_what_it_holds_refuses() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
-        let ls = litestream_that(
+        let (ls, asked) = noting(
             dir.path(),
             r#"echo '[{"level":0,"min_txid":"0000000000000001","max_txid":"000000000000002a","size":567,"timestamp":"2026-12-05T04:39:11Z"},
 {"level":9,"min_txid":"0000000000000001","max_txid":"0000000000000009","size":567,"timestamp":"2026-12-05T04:39:12Z"}]'"#,
         );
-        for (found, says) in [
-            (Found::Nothing, "it is missing"),
-            (Found::NoTables, "no table of tally's"),
-        ] {
-            let reason = refusal(&db, found, &ls).await;
+        let reason = refusal(&db, Found::Nothing, &ls).await;
+        assert!(
+            reason.contains(
+                "it is missing, but the replica holds a database (2 files, up to transaction \
+                 000000000000002a, the newest written at 2026-12-05T04:39:12Z)"
+            ),
+            "{reason}"
+        );
+        assert!(reason.contains("replica.path"), "{reason}");
+        assert!(!reason.contains("and remove"), "{reason}");
+        assert!(!path(&db).exists());
+        std::fs::remove_file(&asked).unwrap();
+        for (found, says) in &FOUND[1..] {
+            let reason = refusal(&db, *found, &ls).await;
             assert!(reason.contains(says), "{reason}");
             assert!(
-                reason.contains(
-                    "the replica holds a database (2 files, up to transaction \
-                     000000000000002a, the newest written at 2026-12-05T04:39:12Z)"
-                ),
+                reason.contains("replicates whatever database is at the path"),
                 "{reason}"
             );
-            assert!(reason.contains("replica.path"), "{reason}");
-            assert!(!reason.contains("and remove"), "{reason}");
         }
-        assert!(!path(&db).exists());
+        assert!(!asked.exists(), "a file there: the replica is not asked");
 
+        let long = "x".repeat(5000);
         for (body, says) in [
             (
-                "echo 'Error: config file not found: /etc/litestream.yml' >&2; exit 1",
-                "`litestream ltx` failed (exit status: 1): Error: config file not found",
+                "echo 'Error: config file not found: /etc/litestream.yml' >&2; exit 1".to_owned(),
+                "failed (exit status: 1): Error: config file not found".to_owned(),
             ),
-            ("echo 'Litestream v9'", "not its list of files"),
-            ("sleep 30", "gave no answer within 1s"),
+            (
+                "echo 'Litestream v9'".to_owned(),
+                "not its list of files".to_owned(),
+            ),
+            (
+                format!("echo {long} >&2; exit 2"),
+                format!("{} (cut)", &long[..SAID]),
+            ),
+            ("sleep 30".to_owned(), "gave no answer within 1s".to_owned()),
         ] {
-            let mut ls = litestream_that(dir.path(), body);
+            let mut ls = litestream_that(dir.path(), &body);
             ls.timeout = Duration::from_secs(1);
             let reason = refusal(&db, Found::Nothing, &ls).await;
-            assert!(reason.contains(says), "{reason}");
+            assert!(reason.contains(&says), "{reason}");
+            assert!(reason.len() < 3 * SAID, "{reason}");
             assert!(
                 reason.contains("whether the replica holds a database cannot be told"),
                 "{reason}"
             );
-            assert!(reason.contains("TALLY_LITESTREAM_CONFIG"), "{reason}");
         }
         let ls = Litestream {
             binary: dir.path().join("no-such-litestream"),
             config: dir.path().join("litestream.yml"),
+            no_expand_env: false,
             timeout: Duration::from_secs(1),
         };
         let reason = refusal(&db, Found::Nothing, &ls).await;

@@ -56,7 +56,6 @@ impl Deployment {
                     .into_owned(),
             ),
             ("TALLY_REPLICA_WAIT_TIMEOUT", "20".into()),
-            ("TALLY_LITESTREAM_CONFIG", config()),
             (
                 "TALLY_LITESTREAM",
                 tool("litestream").to_string_lossy().into_owned(),

@@ -333,6 +333,38 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     );
     assert!(logs.contains("gave no answer within 4s"), "{logs}");
     assert!(!d.db().exists(), "{logs}");
+
+    // The question and the gate share one wait: a replica that takes 6 of
+    // the 8 s to answer that it holds nothing leaves the gate 2 s, not 8
+    // more (the chart's startup probe is sized for one wait).
+    let slow = d.dir.path().join("slow-litestream");
+    std::fs::write(&slow, "#!/bin/sh\nsleep 6\necho '[]'\n").unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    d.extra_env
+        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "8".into()));
+    d.extra_env.push((
+        "TALLY_LITESTREAM".into(),
+        slow.to_string_lossy().into_owned(),
+    ));
+    let mut run = d.replicate();
+    let tally = loop {
+        if let Some(pid) = run.tally_pid() {
+            break nix::unistd::Pid::from_raw(pid);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    // From tally's start to its end (Litestream's own end then waits on
+    // its final sync to nowhere).
+    let started = std::time::Instant::now();
+    ended_within(tally, Duration::from_secs(11), "tally").await;
+    assert!(started.elapsed() >= Duration::from_secs(7));
+    assert!(!run.wait(Duration::from_secs(60)).await.success());
+    let logs = run.log_text();
+    assert!(!logs.contains("\"serving\""), "{logs}");
+    assert!(logs.contains("created a new, empty database"), "{logs}");
+    assert!(logs.contains("the replica is unreachable"), "{logs}");
+    d.extra_env.truncate(1);
+    d.wipe();
     // A database there: the first sync never reaches the replica.
     served_without_litestream(&d.db()).await;
     let logs = unserved(&d, Duration::from_secs(4)).await;
@@ -672,7 +704,7 @@ async fn refused_start(d: &Deployment, says: &str) -> String {
 async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     let s3 = S3::start().await;
     s3.create_bucket("lost").await;
-    let d = Deployment::new(&s3.endpoint, "lost");
+    let mut d = Deployment::new(&s3.endpoint, "lost");
     assert_restored(&d);
     let mut run = d.replicate();
     run.wait_serving(Duration::from_secs(30)).await;
@@ -782,27 +814,43 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
     refused_start(&d, "no table of tally's").await;
 
     // Every file of the directory gone, the mark too: the replica is asked,
-    // and it holds a database.
+    // and it holds a database. Asked with the configuration Litestream
+    // replicates with, read from its command line: not with another one
+    // tally is told of, here one naming an empty replica path.
     d.wipe();
-    let logs = refused_start(
-        &d,
-        "it is missing (or an empty file), but the replica holds",
+    let elsewhere = d.dir.path().join("elsewhere.yml");
+    let config = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("litestream.yml"),
     )
-    .await;
+    .unwrap()
+    .replace("path: ${LITESTREAM_PATH}", "path: elsewhere");
+    assert!(config.contains("path: elsewhere"));
+    std::fs::write(&elsewhere, config).unwrap();
+    d.extra_env.push((
+        "TALLY_LITESTREAM_CONFIG".into(),
+        elsewhere.to_string_lossy().into_owned(),
+    ));
+    let logs = refused_start(&d, "it is missing, but the replica holds a database").await;
+    assert!(
+        logs.contains("TALLY_LITESTREAM_CONFIG is not the configuration Litestream"),
+        "{logs}"
+    );
     assert!(!logs.contains("created a new, empty database"), "{logs}");
     assert!(!d.db().exists());
+    d.extra_env.pop();
 
     // A new pod whose volume had an empty file at the database's path
     // (what `sqlite3` leaves when asked about a missing database): its
     // restore skips it, taking it for a database, and the start is
-    // refused rather than serve an empty one.
+    // refused at once rather than make a database of it. (Litestream,
+    // which starts first, may make one of it: its doing, within a second.)
     d.wipe();
     std::fs::create_dir_all(d.db().parent().unwrap()).unwrap();
     std::fs::write(d.db(), b"").unwrap();
     assert_restored(&d);
     assert_eq!(std::fs::metadata(d.db()).unwrap().len(), 0);
-    refused_start(&d, "but the replica holds a database").await;
-    assert_eq!(std::fs::metadata(d.db()).unwrap().len(), 0);
+    let logs = refused_start(&d, "it is an empty file, and Litestream").await;
+    assert!(!logs.contains("created a new, empty database"), "{logs}");
 
     // Whatever the latest state now holds, the instant before the loss
     // holds every write.
