@@ -101,7 +101,7 @@ impl Application {
             // without the database it served, or one the replica holds,
             // refuses to replace it; the replica is asked within the
             // gate's own time.
-            litestream: under_litestream.then(|| litestream_to_ask(&settings)),
+            under_litestream,
             lock_timeout: settings.postgres_lock_timeout,
             schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),
@@ -117,9 +117,17 @@ impl Application {
                 .test_publish_delay_ms
                 .map(std::time::Duration::from_millis),
         };
-        // The question to the replica (in the opening) and the gate share
-        // one wait, which the chart's startup probe is sized for.
-        let opened = std::time::Instant::now();
+        // Before a database is created under Litestream, the replica is
+        // asked whether it holds one. That question and the gate below
+        // share one wait, which the chart's startup probe is sized for
+        // (migrations have a margin of their own).
+        let asked = std::time::Instant::now();
+        if let Some(path) = settings.database.sqlite_path()
+            && under_litestream
+        {
+            crate::db::ask_before_creating(path, &litestream_to_ask(&settings)).await?;
+        }
+        let asked = asked.elapsed();
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
 
@@ -127,7 +135,7 @@ impl Application {
         if let Some(socket) = &settings.litestream_socket {
             let left = settings
                 .replica_wait_timeout
-                .saturating_sub(opened.elapsed())
+                .saturating_sub(asked)
                 .max(Duration::from_secs(1));
             match replica_gate(socket, &settings, left).await {
                 Ok(watch) => background.push(watch),
@@ -360,10 +368,18 @@ fn litestream_to_ask(settings: &Settings) -> crate::restore::Litestream {
             }
             (config, given.no_expand_env)
         }
-        None => (
-            crate::restore::config_path(settings.litestream_config.as_deref()),
-            false,
-        ),
+        None => {
+            let config = crate::restore::config_path(settings.litestream_config.as_deref());
+            tracing::warn!(
+                parent_pid = parent,
+                config = %config.display(),
+                "tally's parent is not `litestream replicate` (a wrapper that did not exec \
+                 tally?): where there is no database, the replica is asked with this \
+                 configuration (TALLY_LITESTREAM_CONFIG, else LITESTREAM_CONFIG, else \
+                 Litestream's default), which must be the one Litestream replicates with"
+            );
+            (config, false)
+        }
     };
     crate::restore::Litestream {
         binary: settings.litestream.clone(),

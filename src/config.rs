@@ -184,10 +184,10 @@ pub struct Settings {
     )]
     pub litestream: PathBuf,
 
-    /// Longest wait at startup for the replica, in seconds, counted from
-    /// the database's opening: for the first confirmed replica sync (and,
-    /// where there is no database, for the replica's answer whether it
-    /// holds one); tally exits non-zero when it passes.
+    /// Longest wait at startup for the replica, in seconds: for the first
+    /// confirmed replica sync and, where there is no database, for the
+    /// replica's answer whether it holds one, together; tally exits
+    /// non-zero when it passes.
     #[arg(long, env = "TALLY_REPLICA_WAIT_TIMEOUT", default_value = "60", value_parser = parse_positive_seconds)]
     pub replica_wait_timeout: Duration,
 

@@ -281,7 +281,14 @@ pub fn replicating(pid: u32) -> Option<Replicating> {
         .map(std::os::unix::ffi::OsStrExt::from_bytes)
         .map(std::ffi::OsStr::to_owned)
         .collect();
-    replicate_args(args.get(1..)?)
+    let mut given = replicate_args(args.get(1..)?)?;
+    // Relative to Litestream's own working directory.
+    if let Some(config) = given.config.as_mut().filter(|c| c.is_relative())
+        && let Ok(cwd) = std::fs::read_link(format!("/proc/{pid}/cwd"))
+    {
+        *config = cwd.join(&*config);
+    }
+    Some(given)
 }
 
 /// `replicate`'s flags, as Go's flag package reads them (`-f v`, `-f=v`,
@@ -302,7 +309,12 @@ fn replicate_args(args: &[std::ffi::OsString]) -> Option<Replicating> {
             None => (arg.trim_start_matches('-').to_owned(), None),
         };
         match name.as_str() {
-            "no-expand-env" => given.no_expand_env = value.is_none_or(|v| v != "false"),
+            // Go's strconv.ParseBool; any other value stops Litestream.
+            "no-expand-env" => {
+                given.no_expand_env = value.is_none_or(|v| {
+                    !matches!(v.as_str(), "0" | "f" | "F" | "false" | "FALSE" | "False")
+                });
+            }
             // Boolean flags take no value of their own.
             "once" | "force-snapshot" | "enforce-retention" | "restore-if-db-not-exists" => {}
             _ => {
@@ -400,6 +412,21 @@ mod tests {
             ),
             (
                 "replicate -no-expand-env -log-level debug --config /y.yml",
+                Some("/y.yml"),
+                true,
+            ),
+            (
+                "replicate -no-expand-env=F -config=/y.yml",
+                Some("/y.yml"),
+                false,
+            ),
+            (
+                "replicate -no-expand-env=0 -config=/y.yml",
+                Some("/y.yml"),
+                false,
+            ),
+            (
+                "replicate -no-expand-env=True -config=/y.yml",
                 Some("/y.yml"),
                 true,
             ),

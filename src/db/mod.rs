@@ -65,9 +65,9 @@ pub(crate) use command::WRITE_RESULTS;
 use command::{Answer, Cleared, Deleted, Queued, Reply, Stored};
 use list::{Page, PageRequest};
 pub use open::Database;
-pub use sqlite::data_dir;
 /// The record of point-in-time restores inside a SQLite database (`tally restore-to`).
 pub use sqlite::restores;
+pub use sqlite::{ask_before_creating, data_dir};
 use stats::QueueStats;
 pub use writer::{Writer, WriterFailed, WriterTask};
 
@@ -90,14 +90,15 @@ pub struct DbOptions {
     /// Whether tally checkpoints the WAL (automatically, and once more when it
     /// closes). Off when Litestream owns checkpointing.
     pub checkpoints: bool,
-    /// SQLite under Litestream (the program and its configuration): write
-    /// a row at start (`replica_starts`), so that the replica gate waits
-    /// for an upload even when the database is already level with its
-    /// replica; leave the mark of a replicated database, and refuse to
-    /// start without a database where the mark is or where the replica
-    /// holds one (`sqlite::replicated`); and tell a loss of the database's
-    /// files that Litestream may have shipped the last commit.
-    pub litestream: Option<crate::restore::Litestream>,
+    /// SQLite under Litestream: write a row at start (`replica_starts`), so
+    /// that the replica gate waits for an upload even when the database is
+    /// already level with its replica; leave the mark of a replicated
+    /// database, and refuse to start without tally's database where the
+    /// mark is or where another file is (`sqlite::replicated`; where there
+    /// is nothing, [`ask_before_creating`] asked the replica); and tell a
+    /// loss of the database's files that Litestream may have shipped the
+    /// last commit.
+    pub under_litestream: bool,
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,

@@ -489,6 +489,49 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
     assert_eq!(r, Some(vec![1]));
 }
 
+/// A new database is made under a working name and put at its path whole:
+/// what a start stopped while it created one left there is removed by the
+/// next, which creates the database whole (under Litestream too, where a
+/// table-less file at the path would be refused).
+#[tokio::test]
+async fn a_creation_stopped_half_way_is_made_again_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let working = |suffix: &str| dir.path().join(format!("t.db-creating{suffix}"));
+    for suffix in ["", "-wal", "-shm"] {
+        std::fs::write(working(suffix), b"half made").unwrap();
+    }
+    let opts = DbOptions {
+        under_litestream: true,
+        ..DbOptions::default()
+    };
+    let storage = crate::config::Storage::Sqlite(path.clone());
+    let (handle, writer) = Database::open(&storage, &opts).await.unwrap();
+    for suffix in ["", "-wal", "-shm"] {
+        assert!(!working(suffix).exists(), "{suffix}");
+    }
+    assert!(dir.path().join(".t.db-replicated").exists());
+    let mut conn = SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let (tables,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'counters'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(tables, 1);
+    drop(conn);
+    handle.close();
+    let writer = writer.spawn().unwrap();
+    let _ = writer.join().await;
+    handle.close_readers().await;
+    // Opened again: an existing database, nothing made anew.
+    let (handle, _writer) = Database::open(&storage, &opts).await.unwrap();
+    assert!(!working("").exists());
+    handle.close();
+}
+
 /// The handle's read pool (of one reader, by default) cannot write, not even by turning `query_only`
 /// off: its connections are opened read-only too.
 #[tokio::test]

@@ -36,6 +36,7 @@ pub(super) mod store;
 mod writer;
 
 pub use open::open;
+pub use replicated::ask_before_creating;
 
 /// The directory holding the database file `db` (`.` for a bare file
 /// name): where its WAL, its restores' working files and its markers go,

@@ -42,13 +42,20 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 true => replicated::Found::EmptyFile,
                 false => replicated::Found::Nothing,
             };
-            replicated::refuse_if_lost(path, found, opts.litestream.as_ref()).await?;
+            replicated::refuse_if_lost(path, found, opts.under_litestream)?;
+        }
+        // A new database is made whole under a working name and then put
+        // in place: the path never holds a database without tally's tables,
+        // which a later start under Litestream refuses (Litestream may have
+        // replicated it), as a start stopped half-way through creating one
+        // at the path left.
+        if !file_existed && !empty_file {
+            create_whole(path, opts).await?;
         }
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if file_existed && !had_tables {
-            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.litestream.as_ref())
-                .await?;
+            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.under_litestream)?;
         }
         if had_tables {
             tracing::info!(path = %path.display(), "opened an existing database");
@@ -88,7 +95,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 path: path.to_owned(),
                 source,
             })?;
-        if opts.litestream.is_some() {
+        if opts.under_litestream {
             replicated::record(path);
             sqlx::query(
                 "INSERT INTO replica_starts (id, started_at) VALUES (1, ?) \
@@ -106,12 +113,67 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path, opts.litestream.is_some()),
+            files: files::DbFiles::record(path, opts.under_litestream),
             checkpoint_on_close: opts.checkpoints,
             space,
         };
         Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
     }
+}
+
+/// Makes a new database at `path`, migrated, under a working name beside
+/// it, and renames it into place once it is whole and on disk. What a
+/// stopped creation left under the working name is removed first.
+async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push("-creating");
+    let working = path.with_file_name(name);
+    let failed = |source: std::io::Error| OpenError::Open {
+        path: working.clone(),
+        source: sqlx::Error::Io(source),
+    };
+    let files = |suffix: &str| {
+        let mut name = working.file_name().unwrap_or_default().to_owned();
+        name.push(suffix);
+        working.with_file_name(name)
+    };
+    for file in [files(""), files("-wal"), files("-shm")] {
+        match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(failed(e)),
+            _ => {}
+        }
+    }
+    let mut conn = open_writer(&working, opts).await?;
+    migrations::tolerant(sqlx::migrate!("./migrations/sqlite"))
+        .run(&mut conn)
+        .await
+        .map_err(|source| OpenError::Migrate {
+            path: working.clone(),
+            source,
+        })?;
+    // Everything into the file itself, which alone is renamed.
+    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+        .execute(&mut conn)
+        .await
+        .map_err(|source| OpenError::Open {
+            path: working.clone(),
+            source,
+        })?;
+    sqlx::Connection::close(conn)
+        .await
+        .map_err(|source| OpenError::Open {
+            path: working.clone(),
+            source,
+        })?;
+    std::fs::File::open(&working)
+        .and_then(|f| f.sync_all())
+        .map_err(failed)?;
+    std::fs::rename(&working, path).map_err(failed)?;
+    crate::restore::sync_dir(path).map_err(failed)?;
+    for file in [files("-wal"), files("-shm")] {
+        let _ = std::fs::remove_file(file);
+    }
+    Ok(())
 }
 
 /// Refuses a database file that has other names (hard links): the lock

@@ -46,89 +46,114 @@ pub enum Found {
 }
 
 /// Refuses, under Litestream, to start without tally's database where one
-/// served under Litestream was (the mark says so), or where the replica
-/// holds one: a new, empty database would be replicated over it.
-///
-/// Where there is no file and no mark (a directory emptied of every file),
-/// the replica is asked (`litestream ltx`): one that holds a database, or
-/// cannot be asked, refuses the start, and an empty one is a first start.
-/// Where there is a file that is not tally's database and no mark, the
-/// start is refused at once, without asking: Litestream, which starts
-/// first, replicates whatever database is at the path (it makes one of an
-/// empty file within a second), and the answer could come after it had.
-pub async fn refuse_if_lost(
-    db: &Path,
-    found: Found,
-    litestream: Option<&Litestream>,
-) -> Result<(), OpenError> {
-    let Some(ls) = litestream else {
+/// served under Litestream was (the mark says so), or where a file that is
+/// not tally's database is at the path: Litestream, which starts first,
+/// replicates whatever database is at the path (it makes one of an empty
+/// file within a second), so tally must not make one of it. Where there is
+/// no file and no mark, the replica was asked before
+/// ([`ask_before_creating`]).
+pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result<(), OpenError> {
+    if !under_litestream {
         return Ok(());
-    };
-    let what = match found {
+    }
+    let what = what(found);
+    let mark = path(db);
+    if mark.exists() {
+        return Err(refused_with_repair(
+            db,
+            format!(
+                "{what}, but a database served under Litestream was here ({} says so)",
+                mark.display()
+            ),
+        ));
+    }
+    if found == Found::Nothing {
+        return Ok(());
+    }
+    Err(OpenError::Refused {
+        path: db.to_owned(),
+        reason: format!(
+            "{what}, and Litestream, which started before tally, replicates whatever database \
+             is at the path: tally does not make one of it, which could replace the replica's \
+             data as its latest state. Look at what it is, remove it and start again (in \
+             Kubernetes, delete the pod: a new volume has no such file, and the new pod's init \
+             container restores the latest state; if Litestream had replicated this file, \
+             restore to an instant before it with the chart's restore.timestamp instead): a \
+             start that finds no file asks the replica whether it holds a database, and \
+             creates one only where it holds none"
+        ),
+    })
+}
+
+/// Under Litestream, where there is no file at `db` and no mark: asks the
+/// replica (`litestream ltx`, with the configuration Litestream replicates
+/// with) whether it holds a database, before one is created. One that
+/// holds a database refuses the start, and so does one that cannot be
+/// asked (a directory emptied of every file, the mark too); an empty one
+/// is a first start. Anywhere else the opening decides
+/// ([`refuse_if_lost`]).
+pub async fn ask_before_creating(db: &Path, ls: &Litestream) -> Result<(), OpenError> {
+    if std::fs::symlink_metadata(db).is_ok() || path(db).exists() {
+        return Ok(());
+    }
+    let what = what(Found::Nothing);
+    tracing::info!(
+        path = %db.display(),
+        config = %ls.config.display(),
+        timeout = ?ls.timeout,
+        "no database here: asking the replica whether it holds one before creating one; this \
+         waits until the object store answers"
+    );
+    match replica_holds(db, ls).await {
+        Ok(None) => Ok(()),
+        Ok(Some(held)) => Err(refused_with_repair(
+            db,
+            format!("{what}, but the replica holds a database ({held})"),
+        )),
+        Err(e) => Err(OpenError::Refused {
+            path: db.to_owned(),
+            reason: format!(
+                "{what}, and whether the replica holds a database cannot be told: {e}. Under \
+                 Litestream tally asks before it creates a database (with the configuration \
+                 its parent Litestream was given, and TALLY_LITESTREAM): a new, empty one \
+                 would be replicated over the replica's data and become its latest state"
+            ),
+        }),
+    }
+}
+
+fn what(found: Found) -> &'static str {
+    match found {
         Found::Nothing => "it is missing",
         Found::EmptyFile => "it is an empty file",
         Found::NoTables => "it holds no table of tally's (another file took its place)",
-    };
-    let refused = |reason: String| {
-        Err(OpenError::Refused {
-            path: db.to_owned(),
-            reason,
-        })
-    };
+    }
+}
+
+/// The refusal of a start where a database was lost: `why`, and how to put
+/// it back.
+fn refused_with_repair(db: &Path, why: String) -> OpenError {
     let mark = path(db);
-    let why = if mark.exists() {
-        format!(
-            "{what}, but a database served under Litestream was here ({} says so)",
-            mark.display()
-        )
-    } else if found != Found::Nothing {
-        return refused(format!(
-            "{what}, and Litestream, which started before tally, replicates whatever \
-             database is at the path: tally does not make one of it, which could replace the \
-             replica's data as its latest state. Look at what it is, remove it and start \
-             again (in Kubernetes, delete the pod: a new volume has no such file, and the \
-             new pod's init container restores the latest state): a start that finds no \
-             file asks the replica whether it holds a database, and creates one only where \
-             it holds none"
-        ));
-    } else {
-        tracing::info!(
-            path = %db.display(),
-            config = %ls.config.display(),
-            timeout = ?ls.timeout,
-            "no database here: asking the replica whether it holds one before creating one; \
-             this waits until the object store answers"
-        );
-        match replica_holds(db, ls).await {
-            Ok(None) => return Ok(()),
-            Ok(Some(held)) => format!("{what}, but the replica holds a database ({held})"),
-            Err(e) => {
-                return refused(format!(
-                    "{what}, and whether the replica holds a database cannot be told: {e}. \
-                     Under Litestream tally asks before it creates a database (with the \
-                     configuration its parent Litestream was given, and TALLY_LITESTREAM): a \
-                     new, empty one would be replicated over the replica's data and become \
-                     its latest state"
-                ));
-            }
-        }
-    };
     let and_mark = if mark.exists() {
         format!(", and remove {}", mark.display())
     } else {
         String::new()
     };
-    refused(format!(
-        "{why}: a new, empty one would be replicated in its place and become the replica's \
-         latest state. Put the database back from the replica first (the runbook of \
-         TallyWriteErrors says how): in Kubernetes restore to the instant of the loss (the \
-         chart's restore.timestamp) or delete the pod (a new pod's init container restores \
-         the latest state into a new volume); elsewhere stop Litestream, remove what is left \
-         at the database's path (a restore skips an existing file, even an empty one), \
-         restore it with `tally restore-to` (or `litestream restore`) and start again. To \
-         start empty on purpose, give Litestream a replica path that holds nothing \
-         (LITESTREAM_PATH; the chart's replica.path){and_mark}"
-    ))
+    OpenError::Refused {
+        path: db.to_owned(),
+        reason: format!(
+            "{why}: a new, empty one would be replicated in its place and become the \
+             replica's latest state. Put the database back from the replica first (the \
+             runbook of TallyWriteErrors says how): in Kubernetes restore to the instant of \
+             the loss (the chart's restore.timestamp) or delete the pod (a new pod's init \
+             container restores the latest state into a new volume); elsewhere stop \
+             Litestream, remove what is left at the database's path (a restore skips an \
+             existing file, even an empty one), restore it with `tally restore-to` (or \
+             `litestream restore`) and start again. To start empty on purpose, give \
+             Litestream a replica path that holds nothing (LITESTREAM_PATH; the chart's \
+             replica.path){and_mark}"
+        ),
+    }
 }
 
 /// One file of the replica, as `litestream ltx -json` lists it.
@@ -237,10 +262,10 @@ mod tests {
     use super::*;
     use crate::restore::tests::litestream_that;
 
-    async fn refusal(db: &Path, found: Found, ls: &Litestream) -> String {
-        match refuse_if_lost(db, found, Some(ls)).await {
+    fn refusal(refused: Result<(), OpenError>) -> String {
+        match refused {
             Err(OpenError::Refused { reason, .. }) => reason,
-            other => panic!("{found:?} must be refused: {other:?}"),
+            other => panic!("must be refused: {other:?}"),
         }
     }
 
@@ -258,8 +283,8 @@ mod tests {
         (Found::NoTables, "no table of tally's"),
     ];
 
-    /// Where the mark is, the start is refused without a question to the
-    /// replica; without Litestream nothing is refused.
+    /// Where the mark is, the start is refused, and the replica is not
+    /// asked; without Litestream nothing is refused.
     #[tokio::test]
     async fn a_start_under_litestream_refuses_where_the_mark_is_and_the_database_is_not() {
         let dir = tempfile::tempdir().unwrap();
@@ -268,9 +293,10 @@ mod tests {
         let (mut ls, asked) = noting(dir.path(), "echo '[]'");
         ls.no_expand_env = true;
         assert!(
-            refuse_if_lost(&db, Found::Nothing, Some(&ls)).await.is_ok(),
+            ask_before_creating(&db, &ls).await.is_ok(),
             "a first start: the replica holds nothing"
         );
+        assert!(refuse_if_lost(&db, Found::Nothing, true).is_ok());
         assert_eq!(
             std::fs::read_to_string(&asked).unwrap().trim(),
             format!(
@@ -283,42 +309,63 @@ mod tests {
         record(&db);
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
-        for (found, _) in FOUND {
-            assert!(
-                refuse_if_lost(&db, found, None).await.is_ok(),
-                "without Litestream an empty start replaces no replica"
-            );
-        }
-        for (found, says) in FOUND {
-            let reason = refusal(&db, found, &ls).await;
-            assert!(reason.contains(says), "{reason}");
-            assert!(reason.contains(".tally.db-replicated says so"), "{reason}");
-            assert!(reason.contains("and remove"), "{reason}");
-        }
+        assert!(
+            ask_before_creating(&db, &ls).await.is_ok(),
+            "the opening decides"
+        );
         assert!(
             !asked.exists(),
             "the mark is enough: the replica is not asked"
         );
+        for (found, says) in FOUND {
+            assert!(
+                refuse_if_lost(&db, found, false).is_ok(),
+                "without Litestream an empty start replaces no replica"
+            );
+            let reason = refusal(refuse_if_lost(&db, found, true));
+            assert!(reason.contains(says), "{reason}");
+            assert!(reason.contains(".tally.db-replicated says so"), "{reason}");
+            assert!(reason.contains("and remove"), "{reason}");
+        }
         // Written once: a second record leaves it as it was.
         std::fs::write(path(&db), "kept").unwrap();
         record(&db);
         assert_eq!(std::fs::read_to_string(path(&db)).unwrap(), "kept");
     }
 
+    /// Without the mark, a file that is not tally's database is refused,
+    /// and the replica is not asked about it.
+    #[tokio::test]
+    async fn without_the_mark_a_file_that_is_not_a_database_of_tallys_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("tally.db");
+        let (ls, asked) = noting(dir.path(), "echo '[]'");
+        std::fs::write(&db, "").unwrap();
+        assert!(ask_before_creating(&db, &ls).await.is_ok());
+        assert!(!asked.exists(), "a file there: the replica is not asked");
+        for (found, says) in &FOUND[1..] {
+            let reason = refusal(refuse_if_lost(&db, *found, true));
+            assert!(reason.contains(says), "{reason}");
+            assert!(
+                reason.contains("replicates whatever database is at the path"),
+                "{reason}"
+            );
+        }
+    }
+
     /// Without the mark and without a file (a directory emptied of every
     /// file), a replica that holds a database refuses the start, and so
-    /// does one that cannot be asked. A file that is not tally's database
-    /// is refused without asking.
+    /// does one that cannot be asked.
     #[tokio::test]
     async fn without_the_mark_the_replica_is_asked_and_what_it_holds_refuses() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
-        let (ls, asked) = noting(
+        let ls = litestream_that(
             dir.path(),
             r#"echo '[{"level":0,"min_txid":"0000000000000001","max_txid":"000000000000002a","size":567,"timestamp":"2026-12-05T04:39:11Z"},
 {"level":9,"min_txid":"0000000000000001","max_txid":"0000000000000009","size":567,"timestamp":"2026-12-05T04:39:12Z"}]'"#,
         );
-        let reason = refusal(&db, Found::Nothing, &ls).await;
+        let reason = refusal(ask_before_creating(&db, &ls).await);
         assert!(
             reason.contains(
                 "it is missing, but the replica holds a database (2 files, up to transaction \
@@ -329,16 +376,6 @@ mod tests {
         assert!(reason.contains("replica.path"), "{reason}");
         assert!(!reason.contains("and remove"), "{reason}");
         assert!(!path(&db).exists());
-        std::fs::remove_file(&asked).unwrap();
-        for (found, says) in &FOUND[1..] {
-            let reason = refusal(&db, *found, &ls).await;
-            assert!(reason.contains(says), "{reason}");
-            assert!(
-                reason.contains("replicates whatever database is at the path"),
-                "{reason}"
-            );
-        }
-        assert!(!asked.exists(), "a file there: the replica is not asked");
 
         let long = "x".repeat(5000);
         for (body, says) in [
@@ -358,7 +395,7 @@ mod tests {
         ] {
             let mut ls = litestream_that(dir.path(), &body);
             ls.timeout = Duration::from_secs(1);
-            let reason = refusal(&db, Found::Nothing, &ls).await;
+            let reason = refusal(ask_before_creating(&db, &ls).await);
             assert!(reason.contains(&says), "{reason}");
             assert!(reason.len() < 3 * SAID, "{reason}");
             assert!(
@@ -372,7 +409,7 @@ mod tests {
             no_expand_env: false,
             timeout: Duration::from_secs(1),
         };
-        let reason = refusal(&db, Found::Nothing, &ls).await;
+        let reason = refusal(ask_before_creating(&db, &ls).await);
         assert!(reason.contains("cannot run"), "{reason}");
     }
 }
