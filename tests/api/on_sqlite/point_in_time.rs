@@ -396,10 +396,8 @@ async fn started_litestream(pid_file: &Path) -> nix::unistd::Pid {
 
 /// A stand-in for Litestream: a shell script at `dir/litestream`.
 fn fake_litestream(dir: &Path, script: &str) -> std::path::PathBuf {
-    use std::os::unix::fs::PermissionsExt;
     let fake = dir.join("litestream");
-    std::fs::write(&fake, format!("#!/bin/sh\n{script}")).unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    crate::helpers::script(&fake, script);
     fake
 }
 

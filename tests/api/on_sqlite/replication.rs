@@ -339,8 +339,7 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     // may overrun by its last call, at most 3 s), not 12 more: the chart's
     // startup probe is sized for one wait.
     let slow = d.dir.path().join("slow-litestream");
-    std::fs::write(&slow, "#!/bin/sh\nsleep 10\necho '[]'\n").unwrap();
-    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    crate::helpers::script(&slow, "sleep 10\necho '[]'");
     d.extra_env
         .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "12".into()));
     d.extra_env.push((
@@ -358,11 +357,12 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     // its final sync to nowhere).
     let started = std::time::Instant::now();
     ended_within(tally, Duration::from_secs(18), "tally").await;
-    assert!(started.elapsed() >= Duration::from_secs(11));
+    let lived = started.elapsed();
     assert!(!run.wait(Duration::from_secs(60)).await.success());
     let logs = run.log_text();
     assert!(!logs.contains("\"serving\""), "{logs}");
     assert!(logs.contains("created a new, empty database"), "{logs}");
+    assert!(lived >= Duration::from_secs(11), "{lived:?}: {logs}");
     assert!(logs.contains("the replica is unreachable"), "{logs}");
     d.extra_env.truncate(1);
     d.wipe();
