@@ -71,7 +71,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
         }
         crate::restore::announce(path, &mut conn).await;
         metrics::gauge!("tally_database_new").set(if had_tables { 0.0 } else { 1.0 });
-        let migrator = migrations::tolerant(sqlx::migrate!("./migrations/sqlite"));
+        let migrator = migrator();
         let applied: Vec<(i64, Vec<u8>, bool)> = match has_migrations(&mut conn).await {
             Ok(false) => Vec::new(),
             Ok(true) => sqlx::query_as("SELECT version, checksum, success FROM _sqlx_migrations")
@@ -88,13 +88,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             });
         }
         migrations::warn_of_newer(&standing.newer);
-        migrator
-            .run(&mut conn)
-            .await
-            .map_err(|source| OpenError::Migrate {
-                path: path.to_owned(),
-                source,
-            })?;
+        migrate(&migrator, &mut conn, path).await?;
         if opts.under_litestream {
             replicated::record(path);
             sqlx::query(
@@ -121,6 +115,26 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
     }
 }
 
+/// tally's migrations of a SQLite database.
+fn migrator() -> sqlx::migrate::Migrator {
+    migrations::tolerant(sqlx::migrate!("./migrations/sqlite"))
+}
+
+/// Runs `migrator` on the database at `path`.
+async fn migrate(
+    migrator: &sqlx::migrate::Migrator,
+    conn: &mut SqliteConnection,
+    path: &Path,
+) -> Result<(), OpenError> {
+    migrator
+        .run(conn)
+        .await
+        .map_err(|source| OpenError::Migrate {
+            path: path.to_owned(),
+            source,
+        })
+}
+
 /// Makes a new database at `path`, migrated, under a working name beside
 /// it, and renames it into place once it is whole and on disk. What a
 /// stopped creation left under the working name is removed first.
@@ -144,13 +158,7 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
         }
     }
     let mut conn = open_writer(&working, opts).await?;
-    migrations::tolerant(sqlx::migrate!("./migrations/sqlite"))
-        .run(&mut conn)
-        .await
-        .map_err(|source| OpenError::Migrate {
-            path: working.clone(),
-            source,
-        })?;
+    migrate(&migrator(), &mut conn, &working).await?;
     // Everything into the file itself, which alone is renamed.
     sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
         .execute(&mut conn)
