@@ -526,9 +526,13 @@ async fn a_creation_stopped_half_way_is_made_again_whole() {
     let writer = writer.spawn().unwrap();
     let _ = writer.join().await;
     handle.close_readers().await;
-    // Opened again: an existing database, nothing made anew.
+    // Stopped once linked into place, before its working name was
+    // removed: opened again as the existing database it is, the working
+    // name (a second name of the file) removed.
+    std::fs::hard_link(&path, working("")).unwrap();
     let (handle, _writer) = Database::open(&storage, &opts).await.unwrap();
     assert!(!working("").exists());
+    assert!(path.exists());
     handle.close();
 }
 

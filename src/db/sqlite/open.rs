@@ -135,13 +135,22 @@ async fn migrate(
         })
 }
 
-/// Makes a new database at `path`, migrated, under a working name beside
-/// it, and renames it into place once it is whole and on disk. What a
-/// stopped creation left under the working name is removed first.
-async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
-    let mut name = path.file_name().unwrap_or_default().to_owned();
+/// Where a new database is made before it is put in place:
+/// `tally.db` -> `tally.db-creating`.
+fn creating_path(db: &Path) -> std::path::PathBuf {
+    let mut name = db.file_name().unwrap_or_default().to_owned();
     name.push("-creating");
-    let working = path.with_file_name(name);
+    db.with_file_name(name)
+}
+
+/// Makes a new database at `path`, migrated, under a working name beside
+/// it, and links it into place once it is whole and on disk (a link, where
+/// a rename would replace a database that appeared at the path meanwhile),
+/// then removes the working name. What a stopped creation left under the
+/// working name is removed first (and, once linked, by
+/// [`refuse_other_names`]).
+async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
+    let working = creating_path(path);
     let failed = |source: std::io::Error| OpenError::Open {
         path: working.clone(),
         source: sqlx::Error::Io(source),
@@ -176,12 +185,29 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
     std::fs::File::open(&working)
         .and_then(|f| f.sync_all())
         .map_err(failed)?;
-    std::fs::rename(&working, path).map_err(failed)?;
-    crate::restore::sync_dir(path).map_err(failed)?;
-    for file in [files("-wal"), files("-shm")] {
-        let _ = std::fs::remove_file(file);
+    if let Err(e) = std::fs::hard_link(&working, path) {
+        return Err(OpenError::Open {
+            path: path.to_owned(),
+            source: sqlx::Error::Io(match e.kind() {
+                std::io::ErrorKind::AlreadyExists => std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "a database appeared here while a new one was made: something else \
+                         uses this directory. It was left as it is; the new one is at {}",
+                        working.display()
+                    ),
+                ),
+                _ => e,
+            }),
+        });
     }
-    Ok(())
+    for file in [files(""), files("-wal"), files("-shm")] {
+        match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(failed(e)),
+            _ => {}
+        }
+    }
+    crate::restore::sync_dir(path).map_err(failed)
 }
 
 /// Refuses a database file that has other names (hard links): the lock
@@ -221,7 +247,8 @@ fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
                 .into(),
         ));
     }
-    for left in crate::restore::names_moved_into_place(path) {
+    let moved = crate::restore::names_moved_into_place(path);
+    for left in moved.into_iter().chain([creating_path(path)]) {
         // Only a plain file that is the database itself: never through a
         // link, where removing the name would remove the only copy.
         if let Ok(other) = std::fs::symlink_metadata(&left)
@@ -230,7 +257,8 @@ fn refuse_other_names(path: &Path) -> Result<(), OpenError> {
         {
             tracing::info!(
                 path = %left.display(),
-                "removing the name a restore left on the database as it moved it into place"
+                "removing the name a restore, or the making of a new database, left on the \
+                 database as it moved it into place"
             );
             std::fs::remove_file(&left).map_err(|source| OpenError::Open {
                 path: left.clone(),
