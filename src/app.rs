@@ -125,7 +125,7 @@ impl Application {
         if let Some(path) = settings.database.sqlite_path()
             && under_litestream
         {
-            crate::db::ask_before_creating(path, &litestream_to_ask(&settings)).await?;
+            crate::db::ask_before_creating(path, || litestream_to_ask(&settings)).await?;
         }
         let asked = asked.elapsed();
         let (db, writer) = Database::open(&settings.database, &opts).await?;

@@ -868,7 +868,8 @@ pub(crate) mod tests {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while let Err(e) = std::process::Command::new(path).arg("--probe").status() {
             assert!(
-                std::time::Instant::now() < deadline,
+                e.kind() == std::io::ErrorKind::ExecutableFileBusy
+                    && std::time::Instant::now() < deadline,
                 "{}: {e}",
                 path.display()
             );

@@ -536,6 +536,55 @@ async fn a_creation_stopped_half_way_is_made_again_whole() {
     handle.close();
 }
 
+/// A WAL left at the path by a database that is no longer there (deleted
+/// after tally was killed) is not replayed into the new database, which is
+/// created empty and sound, as SQLite made it before new databases were made
+/// under a working name.
+#[tokio::test]
+async fn a_wal_left_without_its_database_is_not_replayed_into_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let beside = |suffix: &str| dir.path().join(format!("t.db{suffix}"));
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    let mut old = SqliteConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "PRAGMA journal_mode=WAL; PRAGMA wal_autocheckpoint=0; \
+         CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL); \
+         INSERT INTO counters VALUES ('old', 41);",
+    )
+    .execute(&mut old)
+    .await
+    .unwrap();
+    // The WAL as a killed process leaves it (a clean close would fold it
+    // into the file and remove it).
+    let wal = std::fs::read(beside("-wal")).unwrap();
+    assert!(!wal.is_empty());
+    drop(old);
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(beside(suffix));
+    }
+    std::fs::write(beside("-wal"), &wal).unwrap();
+
+    let storage = crate::config::Storage::Sqlite(path.clone());
+    let (handle, _writer) = Database::open(&storage, &DbOptions::default())
+        .await
+        .unwrap();
+    handle.close();
+    let mut conn = SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let (integrity,): (String,) = sqlx::query_as("PRAGMA integrity_check")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(integrity, "ok");
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM counters")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "the old database's writes came back");
+}
+
 /// The handle's read pool (of one reader, by default) cannot write, not even by turning `query_only`
 /// off: its connections are opened read-only too.
 #[tokio::test]

@@ -669,7 +669,8 @@ pub fn script(path: &Path, text: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while let Err(e) = Command::new(path).arg("--probe").status() {
         assert!(
-            std::time::Instant::now() < deadline,
+            e.kind() == std::io::ErrorKind::ExecutableFileBusy
+                && std::time::Instant::now() < deadline,
             "{}: {e}",
             path.display()
         );

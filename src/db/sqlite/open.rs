@@ -185,6 +185,26 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
     std::fs::File::open(&working)
         .and_then(|f| f.sync_all())
         .map_err(failed)?;
+    // A WAL (and its index) left at the path without its database would
+    // be replayed into the new one, which, unlike the empty file SQLite
+    // made at the path before, has pages: the deleted database's last
+    // writes, or a malformed image. SQLite removed them; so does this.
+    for suffix in ["-wal", "-shm"] {
+        let mut name = path.file_name().unwrap_or_default().to_owned();
+        name.push(suffix);
+        let stale = path.with_file_name(name);
+        if std::fs::symlink_metadata(&stale).is_ok() {
+            tracing::warn!(
+                path = %stale.display(),
+                "removing what a database no longer there left beside it, before a new one is \
+                 put in place"
+            );
+            std::fs::remove_file(&stale).map_err(|source| OpenError::Open {
+                path: stale.clone(),
+                source: sqlx::Error::Io(source),
+            })?;
+        }
+    }
     if let Err(e) = std::fs::hard_link(&working, path) {
         return Err(OpenError::Open {
             path: path.to_owned(),
@@ -207,7 +227,10 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
             _ => {}
         }
     }
-    crate::restore::sync_dir(path).map_err(failed)
+    crate::restore::sync_dir(path).map_err(|source| OpenError::Open {
+        path: path.to_owned(),
+        source: sqlx::Error::Io(source),
+    })
 }
 
 /// Refuses a database file that has other names (hard links): the lock

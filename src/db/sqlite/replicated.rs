@@ -92,10 +92,14 @@ pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result
 /// asked (a directory emptied of every file, the mark too); an empty one
 /// is a first start. Anywhere else the opening decides
 /// ([`refuse_if_lost`]).
-pub async fn ask_before_creating(db: &Path, ls: &Litestream) -> Result<(), OpenError> {
+pub async fn ask_before_creating(
+    db: &Path,
+    litestream: impl FnOnce() -> Litestream,
+) -> Result<(), OpenError> {
     if std::fs::symlink_metadata(db).is_ok() || path(db).exists() {
         return Ok(());
     }
+    let ls = &litestream();
     let what = what(Found::Nothing);
     tracing::info!(
         path = %db.display(),
@@ -293,7 +297,7 @@ mod tests {
         let (mut ls, asked) = noting(dir.path(), "echo '[]'");
         ls.no_expand_env = true;
         assert!(
-            ask_before_creating(&db, &ls).await.is_ok(),
+            ask_before_creating(&db, || ls.clone()).await.is_ok(),
             "a first start: the replica holds nothing"
         );
         assert!(refuse_if_lost(&db, Found::Nothing, true).is_ok());
@@ -310,7 +314,7 @@ mod tests {
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
         assert!(
-            ask_before_creating(&db, &ls).await.is_ok(),
+            ask_before_creating(&db, || ls.clone()).await.is_ok(),
             "the opening decides"
         );
         assert!(
@@ -341,7 +345,7 @@ mod tests {
         let db = dir.path().join("tally.db");
         let (ls, asked) = noting(dir.path(), "echo '[]'");
         std::fs::write(&db, "").unwrap();
-        assert!(ask_before_creating(&db, &ls).await.is_ok());
+        assert!(ask_before_creating(&db, || ls.clone()).await.is_ok());
         assert!(!asked.exists(), "a file there: the replica is not asked");
         for (found, says) in &FOUND[1..] {
             let reason = refusal(refuse_if_lost(&db, *found, true));
@@ -365,7 +369,7 @@ mod tests {
             r#"echo '[{"level":0,"min_txid":"0000000000000001","max_txid":"000000000000002a","size":567,"timestamp":"2026-12-05T04:39:11Z"},
 {"level":9,"min_txid":"0000000000000001","max_txid":"0000000000000009","size":567,"timestamp":"2026-12-05T04:39:12Z"}]'"#,
         );
-        let reason = refusal(ask_before_creating(&db, &ls).await);
+        let reason = refusal(ask_before_creating(&db, || ls.clone()).await);
         assert!(
             reason.contains(
                 "it is missing, but the replica holds a database (2 files, up to transaction \
@@ -395,7 +399,7 @@ mod tests {
         ] {
             let mut ls = litestream_that(dir.path(), &body);
             ls.timeout = Duration::from_secs(1);
-            let reason = refusal(ask_before_creating(&db, &ls).await);
+            let reason = refusal(ask_before_creating(&db, || ls.clone()).await);
             assert!(reason.contains(&says), "{reason}");
             assert!(reason.len() < 3 * SAID, "{reason}");
             assert!(
@@ -409,7 +413,7 @@ mod tests {
             no_expand_env: false,
             timeout: Duration::from_secs(1),
         };
-        let reason = refusal(ask_before_creating(&db, &ls).await);
+        let reason = refusal(ask_before_creating(&db, || ls.clone()).await);
         assert!(reason.contains("cannot run"), "{reason}");
     }
 }
