@@ -87,6 +87,18 @@ impl Application {
         prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());
         let max_connections = fds::cap_connections(&settings);
         let under_litestream = settings.litestream_socket.is_some();
+        // Before a database is created under Litestream, the replica is
+        // asked whether it holds one. That question and the gate below
+        // share one wait, which the chart's startup probe is sized for
+        // (migrations have a margin of their own).
+        let asked = std::time::Instant::now();
+        let replica_empty = match settings.database.sqlite_path() {
+            Some(path) if under_litestream => {
+                crate::db::ask_before_creating(path, || litestream_to_ask(&settings)).await?
+            }
+            _ => false,
+        };
+        let asked = asked.elapsed();
         let opts = DbOptions {
             queue_capacity: settings.queue_capacity as usize,
             max_batch: settings.max_batch as usize,
@@ -99,9 +111,10 @@ impl Application {
             // The gate below then needs one upload, whatever the replica
             // held: proof that the object store takes writes. And a start
             // without the database it served, or one the replica holds,
-            // refuses to replace it; the replica is asked within the
-            // gate's own time.
+            // refuses to replace it; a missing one is created only where
+            // the replica was asked and holds nothing.
             under_litestream,
+            replica_empty,
             lock_timeout: settings.postgres_lock_timeout,
             schema: settings.postgres_schema.clone(),
             key_ttl: Some(settings.idempotency_key_ttl),
@@ -117,17 +130,6 @@ impl Application {
                 .test_publish_delay_ms
                 .map(std::time::Duration::from_millis),
         };
-        // Before a database is created under Litestream, the replica is
-        // asked whether it holds one. That question and the gate below
-        // share one wait, which the chart's startup probe is sized for
-        // (migrations have a margin of their own).
-        let asked = std::time::Instant::now();
-        if let Some(path) = settings.database.sqlite_path()
-            && under_litestream
-        {
-            crate::db::ask_before_creating(path, || litestream_to_ask(&settings)).await?;
-        }
-        let asked = asked.elapsed();
         let (db, writer) = Database::open(&settings.database, &opts).await?;
         let writer = writer.spawn().context("cannot start the writer thread")?;
 

@@ -99,6 +99,10 @@ pub struct DbOptions {
     /// loss of the database's files that Litestream may have shipped the
     /// last commit.
     pub under_litestream: bool,
+    /// SQLite under Litestream: the replica was asked at this start
+    /// ([`ask_before_creating`]) and holds nothing. Only then is a missing
+    /// database created.
+    pub replica_empty: bool,
     /// PostgreSQL: longest a command waits for a row another transaction
     /// holds, before it is answered busy.
     pub lock_timeout: Duration,

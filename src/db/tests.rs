@@ -503,6 +503,7 @@ async fn a_creation_stopped_half_way_is_made_again_whole() {
     }
     let opts = DbOptions {
         under_litestream: true,
+        replica_empty: true,
         ..DbOptions::default()
     };
     let storage = crate::config::Storage::Sqlite(path.clone());
@@ -583,6 +584,27 @@ async fn a_wal_left_without_its_database_is_not_replayed_into_a_new_one() {
         .await
         .unwrap();
     assert_eq!(n, 0, "the old database's writes came back");
+}
+
+/// A new database whose making fails (here: what is left beside the path
+/// cannot be removed) leaves nothing behind, neither at the path nor under
+/// its working name.
+#[tokio::test]
+async fn a_failed_creation_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    std::fs::create_dir(dir.path().join("t.db-wal")).unwrap();
+    let storage = crate::config::Storage::Sqlite(path.clone());
+    let Err(e) = Database::open(&storage, &DbOptions::default()).await else {
+        panic!("a directory at t.db-wal cannot be removed as a file");
+    };
+    assert!(e.to_string().contains("t.db-wal"), "{e}");
+    let mut left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["t.db-wal"]);
 }
 
 /// The handle's read pool (of one reader, by default) cannot write, not even by turning `query_only`

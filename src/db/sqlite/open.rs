@@ -42,20 +42,35 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
                 true => replicated::Found::EmptyFile,
                 false => replicated::Found::Nothing,
             };
-            replicated::refuse_if_lost(path, found, opts.under_litestream)?;
+            replicated::refuse_if_lost(path, found, opts.under_litestream, opts.replica_empty)?;
         }
         // A new database is made whole under a working name and then put
         // in place: the path never holds a database without tally's tables,
         // which a later start under Litestream refuses (Litestream may have
         // replicated it), as a start stopped half-way through creating one
         // at the path left.
-        if !file_existed && !empty_file {
-            create_whole(path, opts).await?;
+        if !file_existed
+            && !empty_file
+            && let Err(e) = create_whole(path, opts).await
+        {
+            // What it left is of no use: a later start makes it anew.
+            let working = creating_path(path);
+            for suffix in ["", "-wal", "-shm"] {
+                let mut name = working.file_name().unwrap_or_default().to_owned();
+                name.push(suffix);
+                let _ = std::fs::remove_file(working.with_file_name(name));
+            }
+            return Err(e);
         }
         let mut conn = open_writer(path, opts).await?;
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if file_existed && !had_tables {
-            replicated::refuse_if_lost(path, replicated::Found::NoTables, opts.under_litestream)?;
+            replicated::refuse_if_lost(
+                path,
+                replicated::Found::NoTables,
+                opts.under_litestream,
+                opts.replica_empty,
+            )?;
         }
         if had_tables {
             tracing::info!(path = %path.display(), "opened an existing database");
@@ -211,11 +226,8 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
             source: sqlx::Error::Io(match e.kind() {
                 std::io::ErrorKind::AlreadyExists => std::io::Error::new(
                     e.kind(),
-                    format!(
-                        "a database appeared here while a new one was made: something else \
-                         uses this directory. It was left as it is; the new one is at {}",
-                        working.display()
-                    ),
+                    "a database appeared here while a new one was made: something else uses \
+                     this directory. It was left as it is, and the new one removed",
                 ),
                 _ => e,
             }),

@@ -51,8 +51,14 @@ pub enum Found {
 /// replicates whatever database is at the path (it makes one of an empty
 /// file within a second), so tally must not make one of it. Where there is
 /// no file and no mark, the replica was asked before
-/// ([`ask_before_creating`]).
-pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result<(), OpenError> {
+/// ([`ask_before_creating`]): without its answer that it holds nothing
+/// (`replica_empty`), a missing database is refused too.
+pub fn refuse_if_lost(
+    db: &Path,
+    found: Found,
+    under_litestream: bool,
+    replica_empty: bool,
+) -> Result<(), OpenError> {
     if !under_litestream {
         return Ok(());
     }
@@ -68,7 +74,18 @@ pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result
         ));
     }
     if found == Found::Nothing {
-        return Ok(());
+        if replica_empty {
+            return Ok(());
+        }
+        return Err(OpenError::Refused {
+            path: db.to_owned(),
+            reason: format!(
+                "{what}, and the replica was not asked whether it holds a database: the file \
+                 was there when this start looked, and is gone now (something else uses this \
+                 directory). Start again once nothing else does: a start that finds no file \
+                 asks the replica"
+            ),
+        });
     }
     Err(OpenError::Refused {
         path: db.to_owned(),
@@ -90,14 +107,14 @@ pub fn refuse_if_lost(db: &Path, found: Found, under_litestream: bool) -> Result
 /// with) whether it holds a database, before one is created. One that
 /// holds a database refuses the start, and so does one that cannot be
 /// asked (a directory emptied of every file, the mark too); an empty one
-/// is a first start. Anywhere else the opening decides
-/// ([`refuse_if_lost`]).
+/// is a first start (`true`: a database may be created). Anywhere else
+/// the opening decides ([`refuse_if_lost`]), and this answers `false`.
 pub async fn ask_before_creating(
     db: &Path,
     litestream: impl FnOnce() -> Litestream,
-) -> Result<(), OpenError> {
+) -> Result<bool, OpenError> {
     if std::fs::symlink_metadata(db).is_ok() || path(db).exists() {
-        return Ok(());
+        return Ok(false);
     }
     let ls = &litestream();
     let what = what(Found::Nothing);
@@ -109,7 +126,7 @@ pub async fn ask_before_creating(
          waits until the object store answers"
     );
     match replica_holds(db, ls).await {
-        Ok(None) => Ok(()),
+        Ok(None) => Ok(true),
         Ok(Some(held)) => Err(refused_with_repair(
             db,
             format!("{what}, but the replica holds a database ({held})"),
@@ -266,7 +283,7 @@ mod tests {
     use super::*;
     use crate::restore::tests::litestream_that;
 
-    fn refusal(refused: Result<(), OpenError>) -> String {
+    fn refusal<T: std::fmt::Debug>(refused: Result<T, OpenError>) -> String {
         match refused {
             Err(OpenError::Refused { reason, .. }) => reason,
             other => panic!("must be refused: {other:?}"),
@@ -297,10 +314,15 @@ mod tests {
         let (mut ls, asked) = noting(dir.path(), "echo '[]'");
         ls.no_expand_env = true;
         assert!(
-            ask_before_creating(&db, || ls.clone()).await.is_ok(),
+            ask_before_creating(&db, || ls.clone()).await.unwrap(),
             "a first start: the replica holds nothing"
         );
-        assert!(refuse_if_lost(&db, Found::Nothing, true).is_ok());
+        assert!(refuse_if_lost(&db, Found::Nothing, true, true).is_ok());
+        // Without the replica's answer (the file was there when the start
+        // looked, and is gone at the opening), a missing database is not
+        // created.
+        let reason = refusal(refuse_if_lost(&db, Found::Nothing, true, false));
+        assert!(reason.contains("the replica was not asked"), "{reason}");
         assert_eq!(
             std::fs::read_to_string(&asked).unwrap().trim(),
             format!(
@@ -314,7 +336,7 @@ mod tests {
         let mark = std::fs::read_to_string(path(&db)).unwrap();
         assert!(mark.contains("tally.db under Litestream"), "{mark}");
         assert!(
-            ask_before_creating(&db, || ls.clone()).await.is_ok(),
+            !ask_before_creating(&db, || ls.clone()).await.unwrap(),
             "the opening decides"
         );
         assert!(
@@ -323,10 +345,10 @@ mod tests {
         );
         for (found, says) in FOUND {
             assert!(
-                refuse_if_lost(&db, found, false).is_ok(),
+                refuse_if_lost(&db, found, false, false).is_ok(),
                 "without Litestream an empty start replaces no replica"
             );
-            let reason = refusal(refuse_if_lost(&db, found, true));
+            let reason = refusal(refuse_if_lost(&db, found, true, true));
             assert!(reason.contains(says), "{reason}");
             assert!(reason.contains(".tally.db-replicated says so"), "{reason}");
             assert!(reason.contains("and remove"), "{reason}");
@@ -345,10 +367,10 @@ mod tests {
         let db = dir.path().join("tally.db");
         let (ls, asked) = noting(dir.path(), "echo '[]'");
         std::fs::write(&db, "").unwrap();
-        assert!(ask_before_creating(&db, || ls.clone()).await.is_ok());
+        assert!(!ask_before_creating(&db, || ls.clone()).await.unwrap());
         assert!(!asked.exists(), "a file there: the replica is not asked");
         for (found, says) in &FOUND[1..] {
-            let reason = refusal(refuse_if_lost(&db, *found, true));
+            let reason = refusal(refuse_if_lost(&db, *found, true, false));
             assert!(reason.contains(says), "{reason}");
             assert!(
                 reason.contains("replicates whatever database is at the path"),
