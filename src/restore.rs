@@ -754,7 +754,7 @@ pub(crate) fn sync_dir(db: &Path) -> std::io::Result<()> {
     std::fs::File::open(data_dir(db))?.sync_all()
 }
 
-fn beside(db: &Path, suffix: &str) -> PathBuf {
+pub(crate) fn beside(db: &Path, suffix: &str) -> PathBuf {
     let mut name = db.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
     db.with_file_name(name)

@@ -12,9 +12,10 @@
 //! - `writer`: the `Engine` the writer loop drives: the connection, the
 //!   files it must still find (`files`), the final checkpoint.
 //! - `readers`: the read-only pool behind `Reads`.
-//! - `replicated`: the mark a database served under Litestream leaves
-//!   beside it, so that a start which finds it gone refuses to replace it
-//!   with an empty one.
+//! - `replicated`: under Litestream, what keeps a start that finds no
+//!   database of tally's from replacing a replicated one with an empty one:
+//!   the mark a database served leaves beside it, and the question to the
+//!   replica before a database is created.
 //! - `space`: what the database's directory uses on disk, measured on a
 //!   task of its own, and the storage limit the writer checks before each
 //!   batch.

@@ -12,6 +12,7 @@ use super::{SqliteReaders, SqliteWriter, files, replicated, space::Space};
 use crate::{
     config::Synchronous,
     db::{DbOptions, OpenError, migrations, reads::Readers},
+    restore::beside,
 };
 
 /// The database at `path`, created if need be and migrated: its read pool
@@ -54,12 +55,7 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             && let Err(e) = create_whole(path, opts).await
         {
             // What it left is of no use: a later start makes it anew.
-            let working = creating_path(path);
-            for suffix in ["", "-wal", "-shm"] {
-                let mut name = working.file_name().unwrap_or_default().to_owned();
-                name.push(suffix);
-                let _ = std::fs::remove_file(working.with_file_name(name));
-            }
+            let _ = remove_with_wal(&creating_path(path));
             return Err(e);
         }
         let mut conn = open_writer(path, opts).await?;
@@ -153,9 +149,19 @@ async fn migrate(
 /// Where a new database is made before it is put in place:
 /// `tally.db` -> `tally.db-creating`.
 fn creating_path(db: &Path) -> std::path::PathBuf {
-    let mut name = db.file_name().unwrap_or_default().to_owned();
-    name.push("-creating");
-    db.with_file_name(name)
+    beside(db, "-creating")
+}
+
+/// Removes the file at `db` and what SQLite leaves beside it (`-wal`,
+/// `-shm`), those that are there.
+fn remove_with_wal(db: &Path) -> std::io::Result<()> {
+    for file in [db.to_owned(), beside(db, "-wal"), beside(db, "-shm")] {
+        match std::fs::remove_file(&file) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Makes a new database at `path`, migrated, under a working name beside
@@ -170,17 +176,7 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
         path: working.clone(),
         source: sqlx::Error::Io(source),
     };
-    let files = |suffix: &str| {
-        let mut name = working.file_name().unwrap_or_default().to_owned();
-        name.push(suffix);
-        working.with_file_name(name)
-    };
-    for file in [files(""), files("-wal"), files("-shm")] {
-        match std::fs::remove_file(&file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(failed(e)),
-            _ => {}
-        }
-    }
+    remove_with_wal(&working).map_err(failed)?;
     let mut conn = open_writer(&working, opts).await?;
     migrate(&migrator(), &mut conn, &working).await?;
     // Everything into the file itself, which alone is renamed.
@@ -204,10 +200,7 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
     // be replayed into the new one, which, unlike the empty file SQLite
     // made at the path before, has pages: the deleted database's last
     // writes, or a malformed image. SQLite removed them; so does this.
-    for suffix in ["-wal", "-shm"] {
-        let mut name = path.file_name().unwrap_or_default().to_owned();
-        name.push(suffix);
-        let stale = path.with_file_name(name);
+    for stale in [beside(path, "-wal"), beside(path, "-shm")] {
         if std::fs::symlink_metadata(&stale).is_ok() {
             tracing::warn!(
                 path = %stale.display(),
@@ -233,12 +226,7 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
             }),
         });
     }
-    for file in [files(""), files("-wal"), files("-shm")] {
-        match std::fs::remove_file(&file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(failed(e)),
-            _ => {}
-        }
-    }
+    remove_with_wal(&working).map_err(failed)?;
     crate::restore::sync_dir(path).map_err(|source| OpenError::Open {
         path: path.to_owned(),
         source: sqlx::Error::Io(source),

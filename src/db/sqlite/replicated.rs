@@ -12,12 +12,14 @@
 //! file left at the database's path: before, those starts served an empty
 //! database and replicated it over the data.
 //!
-//! Two things tell them apart. The mark (`.tally.db-replicated`) is
-//! written once a database was opened under Litestream, and stays with the
-//! volume; its name starts with a dot, so `rm tally.db*` and `rm -rf
-//! /data/*` leave it. Where there is no mark, the replica itself is asked
-//! (`litestream ltx`): one that holds a database, or cannot be asked,
-//! refuses the start; an empty one is a first deploy.
+//! The mark (`.tally.db-replicated`) is written once a database was opened
+//! under Litestream, and stays with the volume; its name starts with a dot,
+//! so `rm tally.db*` and `rm -rf /data/*` leave it. Where it is, a start
+//! without tally's database is refused. Where it is not, a file at the path
+//! that is not tally's database is refused at once, and where there is no
+//! file the replica itself is asked (`litestream ltx`): one that holds a
+//! database, or cannot be asked, refuses the start; an empty one is a first
+//! deploy.
 
 use std::path::{Path, PathBuf};
 
