@@ -33,6 +33,8 @@
 //! - [`restore`]: `tally restore-to`, a restore to a point in time from
 //!   Litestream's replica that acts once, not at every start.
 //! - [`telemetry`]: structured logs.
+//! - `testing`: helpers shared by tally's own tests, built for them alone
+//!   (the `test-hooks` feature).
 //!
 //! Data flows one way: handler -> command -> writer -> reply. A handler never
 //! sees SQL; the writer never sees HTTP.
@@ -50,6 +52,8 @@ mod replica;
 pub mod restore;
 pub mod server;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod testing;
 
 pub use app::Application;
 pub use config::{Settings, Storage};

@@ -852,34 +852,9 @@ pub(crate) mod tests {
 
     /// A stand-in for Litestream whose restore to an instant leaves a file
     /// that is not a database, so that recording the restore fails.
-    /// Writes an executable shell script at `path` and returns once it can
-    /// be run: a process forked by another test while the script was open
-    /// for writing holds it open until it execs, and running it meanwhile
-    /// fails with "Text file busy". `text` follows the `#!` line; the
-    /// script answers `--probe` by exiting at once.
-    pub(crate) fn script(path: &Path, text: &str) {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::write(
-            path,
-            format!("#!/bin/sh\n[ \"$1\" = --probe ] && exit 0\n{text}\n"),
-        )
-        .unwrap();
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while let Err(e) = std::process::Command::new(path).arg("--probe").status() {
-            assert!(
-                e.kind() == std::io::ErrorKind::ExecutableFileBusy
-                    && std::time::Instant::now() < deadline,
-                "{}: {e}",
-                path.display()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     fn failing_litestream(dir: &Path) -> Litestream {
         let binary = dir.join("litestream");
-        script(
+        crate::testing::script(
             &binary,
             r#"out=""; ts=""; dry=""; last=""
 while [ $# -gt 0 ]; do
@@ -907,7 +882,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
     /// A stand-in for Litestream that runs `body` (a shell script).
     pub(crate) fn litestream_that(dir: &Path, body: &str) -> Litestream {
         let binary = dir.join("litestream");
-        script(&binary, body);
+        crate::testing::script(&binary, body);
         Litestream {
             binary,
             config: dir.join("litestream.yml"),

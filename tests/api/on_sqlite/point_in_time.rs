@@ -397,7 +397,7 @@ async fn started_litestream(pid_file: &Path) -> nix::unistd::Pid {
 /// A stand-in for Litestream: a shell script at `dir/litestream`.
 fn fake_litestream(dir: &Path, script: &str) -> std::path::PathBuf {
     let fake = dir.join("litestream");
-    crate::helpers::script(&fake, script);
+    tally::testing::script(&fake, script);
     fake
 }
 

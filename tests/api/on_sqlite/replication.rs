@@ -339,7 +339,7 @@ async fn an_unreachable_replica_keeps_tally_from_serving() {
     // may overrun by its last call, at most 3 s), not 12 more: the chart's
     // startup probe is sized for one wait.
     let slow = d.dir.path().join("slow-litestream");
-    crate::helpers::script(&slow, "sleep 10\necho '[]'");
+    tally::testing::script(&slow, "sleep 10\necho '[]'");
     d.extra_env
         .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "12".into()));
     d.extra_env.push((
