@@ -44,6 +44,21 @@ pub struct Litestream {
     pub timeout: Duration,
 }
 
+impl Litestream {
+    /// `litestream SUBCOMMAND -config C [-no-expand-env]`, killed when it
+    /// is dropped; the caller adds the rest and runs it within `timeout`.
+    pub(crate) fn command(&self, subcommand: &str) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(&self.binary);
+        command
+            .arg(subcommand)
+            .arg("-config")
+            .arg(&self.config)
+            .args(self.no_expand_env.then_some("-no-expand-env"))
+            .kill_on_drop(true);
+        command
+    }
+}
+
 /// The configuration file Litestream reads when given `given` (its
 /// `-config`): else `LITESTREAM_CONFIG`, else `/etc/litestream.yml`.
 pub fn config_path(given: Option<&Path>) -> PathBuf {
@@ -699,16 +714,8 @@ async fn litestream(
         timeout = ?ls.timeout,
         "asking Litestream for the replica; this waits until the object store answers"
     );
-    let mut command = tokio::process::Command::new(&ls.binary);
-    command
-        .arg("restore")
-        .arg("-config")
-        .arg(&ls.config)
-        .args(ls.no_expand_env.then_some("-no-expand-env"))
-        .args(args)
-        .arg(db)
-        .stdin(held)
-        .kill_on_drop(true);
+    let mut command = ls.command("restore");
+    command.args(args).arg(db).stdin(held);
     let out = tokio::time::timeout(ls.timeout, command.output())
         .await
         .map_err(|_| {

@@ -204,16 +204,11 @@ fn said(bytes: &[u8]) -> String {
 /// the last transaction, when the newest was written); `None` when it holds
 /// nothing.
 async fn replica_holds(db: &Path, ls: &Litestream) -> Result<Option<String>, String> {
-    let mut command = tokio::process::Command::new(&ls.binary);
+    let mut command = ls.command("ltx");
     command
-        .arg("ltx")
-        .arg("-config")
-        .arg(&ls.config)
-        .args(ls.no_expand_env.then_some("-no-expand-env"))
         .args(["-level", "all", "-json", "--"])
         .arg(db)
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true);
+        .stdin(std::process::Stdio::null());
     let out = tokio::time::timeout(ls.timeout, command.output())
         .await
         .map_err(|_| {
