@@ -124,7 +124,8 @@ pub async fn sync_once(
 }
 
 /// Asks Litestream to sync until the replica has caught up, or `overall`
-/// has passed. Each call waits at most `per_call` (plus a little slack).
+/// has passed. Each call waits at most `per_call` (plus a little slack),
+/// and none runs past `overall`.
 pub async fn wait_for_replica(
     socket: &Path,
     db: &Path,
@@ -138,8 +139,12 @@ pub async fn wait_for_replica(
     while Instant::now() < deadline {
         attempt += 1;
         let left = deadline.saturating_duration_since(Instant::now());
+        // Litestream counts its wait in whole seconds, at least one, and
+        // answers a little after it: the call gets some slack, but is cut
+        // at the deadline, which an answer after it would miss anyway.
         let wait = per_call.min(left).max(Duration::from_secs(1));
-        match sync_once(socket, db, Some(wait), wait + Duration::from_secs(2)).await {
+        let limit = (wait + Duration::from_secs(2)).min(left);
+        match sync_once(socket, db, Some(wait), limit).await {
             Ok(s) if s.is_replicated() => {
                 tracing::info!(
                     txid = s.txid,
@@ -353,6 +358,36 @@ mod tests {
         let e = sync_once(&absent, &db, None, limit).await.unwrap_err();
         assert!(e.starts_with("cannot connect to"), "{e}");
         assert!(!e.contains("directory does not exist"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn the_wait_for_a_silent_litestream_ends_at_its_deadline() {
+        // A control socket that takes the call and never answers, as a
+        // Litestream whose object store hangs.
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("litestream.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                open.push(stream);
+            }
+        });
+        let db = dir.path().join("tally.db");
+        let overall = Duration::from_secs(2);
+        let started = Instant::now();
+        let e = wait_for_replica(&socket, &db, overall, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        held.abort();
+        assert!(matches!(e, ReplicaError::Unreachable { .. }), "{e}");
+        // A call given Litestream's slack past the deadline would end at
+        // 4 s.
+        assert!(
+            took >= overall && took < Duration::from_millis(3500),
+            "{took:?}"
+        );
     }
 
     #[test]
