@@ -47,8 +47,9 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "tally failed");
-            eprintln!("tally: {e:#}");
+            let text = tally::telemetry::error_text(&e);
+            tracing::error!(error = text, "tally failed");
+            eprintln!("tally: {text}");
             ExitCode::FAILURE
         }
     }

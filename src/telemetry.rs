@@ -59,6 +59,24 @@ pub fn init() -> Result<(), String> {
     Ok(())
 }
 
+/// An error and its causes, as `{:#}` writes them, but without a cause
+/// its error already wrote: errors that show their source in their own
+/// text (sqlx's, and tally's that wrap them) would otherwise repeat it,
+/// the root cause three times over.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if text.is_empty() {
+            text = said;
+        } else if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+    }
+    text
+}
+
 /// The levels a filter may name.
 const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
 
@@ -179,6 +197,33 @@ impl Throttle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot open {path}: {source}")]
+    struct Shows {
+        path: &'static str,
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let full = || std::io::Error::other("database or disk is full");
+        // A cause shown in its error's own text, then wrapped by context.
+        let e = anyhow::Error::new(Shows {
+            path: "tally.db",
+            source: full(),
+        })
+        .context("serving");
+        assert_eq!(
+            error_text(&e),
+            "serving: cannot open tally.db: database or disk is full"
+        );
+        // Causes not shown in their error's text are all kept, as `{:#}`.
+        let e = anyhow::Error::new(full())
+            .context("opening")
+            .context("serving");
+        assert_eq!(error_text(&e), format!("{e:#}"));
+    }
 
     #[test]
     fn a_throttle_writes_one_line_a_period_and_counts_the_rest() {
