@@ -151,6 +151,18 @@ pub enum OpenError {
     /// The URL is shown with its password replaced.
     #[error("cannot use PostgreSQL at {url}: {reason}")]
     Postgres { url: String, reason: String },
+    /// Opening failed where the file system had hardly any space left: a
+    /// full disk is the likely cause, whatever SQLite called it (a WAL
+    /// index that cannot grow is a "disk I/O error").
+    #[error(
+        "the file system holding {dir} has {free} bytes free, too little for the database: \
+         free space there, then start again: {source}"
+    )]
+    SpaceLow {
+        dir: PathBuf,
+        free: u64,
+        source: Box<OpenError>,
+    },
 }
 
 /// Why a storage call gave no result.

@@ -15,9 +15,35 @@ use crate::{
     restore::beside,
 };
 
+/// Below this much free space on its file system, a failure to open a
+/// database is told as most likely the full disk's (a new database takes
+/// about 200 KiB on its way, a WAL grows by megabytes).
+const LOW_SPACE: u64 = 1 << 20;
+
 /// The database at `path`, created if need be and migrated: its read pool
 /// and its writer's engine.
 pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter), OpenError> {
+    let opened = open_at(path, opts).await;
+    opened.map_err(|e| {
+        let dir = super::data_dir(path);
+        match nix::sys::statvfs::statvfs(dir) {
+            Ok(fs) => {
+                let free = fs.blocks_available().saturating_mul(fs.fragment_size());
+                match free < LOW_SPACE {
+                    true => OpenError::SpaceLow {
+                        dir: dir.to_owned(),
+                        free,
+                        source: Box::new(e),
+                    },
+                    false => e,
+                }
+            }
+            Err(_) => e,
+        }
+    })
+}
+
+async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter), OpenError> {
     {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
@@ -178,21 +204,29 @@ async fn create_whole(path: &Path, opts: &DbOptions) -> Result<(), OpenError> {
     };
     remove_with_wal(&working).map_err(failed)?;
     let mut conn = open_writer(&working, opts).await?;
-    migrate(&migrator(), &mut conn, &working).await?;
-    // Everything into the file itself, which alone is renamed.
-    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
-        .execute(&mut conn)
+    let made = async {
+        migrate(&migrator(), &mut conn, &working).await?;
+        // Everything into the file itself, which alone is linked into place.
+        sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+            .execute(&mut conn)
+            .await
+            .map_err(|source| OpenError::Open {
+                path: working.clone(),
+                source,
+            })?;
+        Ok(())
+    }
+    .await;
+    // Closed here, failed or not: dropped, it would close later, on its
+    // own thread, holding the files (and their space) until then.
+    let closed = sqlx::Connection::close(conn)
         .await
         .map_err(|source| OpenError::Open {
             path: working.clone(),
             source,
-        })?;
-    sqlx::Connection::close(conn)
-        .await
-        .map_err(|source| OpenError::Open {
-            path: working.clone(),
-            source,
-        })?;
+        });
+    made?;
+    closed?;
     std::fs::File::open(&working)
         .and_then(|f| f.sync_all())
         .map_err(failed)?;

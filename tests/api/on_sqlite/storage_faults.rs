@@ -17,7 +17,7 @@ use std::{
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, Binary, problem};
+use crate::helpers::{ADMIN, Binary, failed_start, problem};
 
 /// A size-limited tmpfs on a fresh directory, unmounted when dropped.
 pub(crate) struct Tmpfs {
@@ -462,6 +462,67 @@ async fn a_full_disk_answers_507_and_recovers_when_space_is_freed() {
 
     let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
     assert_eq!(read(&client, &bin, "full").await, acked);
+}
+
+/// A new database on a disk too full to hold it: the start fails saying
+/// so, once (SQLite itself says "disk is full" or, when the WAL's index
+/// cannot grow, "disk I/O error"), and leaves nothing of the database (its lock file aside),
+/// whichever step the space ran out at; never a database without tally's
+/// tables at the path, which a start under Litestream refuses for good.
+/// With space, the next start makes it whole and serves.
+#[tokio::test]
+async fn a_new_database_on_a_full_disk_leaves_nothing_half_made() {
+    let fs = Tmpfs::mount("4m");
+    let db = fs.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let filler = fs.fill();
+    let full = std::fs::metadata(&filler).unwrap().len();
+    // Space for nothing; for the file but not its tables; for the tables
+    // but not the checkpoint that puts them into the file (a new database
+    // takes about 190 KiB on its way).
+    for free in [0, 16 << 10, 96 << 10, 160 << 10] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&filler)
+            .unwrap()
+            .set_len(full - free)
+            .unwrap();
+        let stderr = failed_start(&[("TALLY_DATABASE", db_str)]);
+        let last = stderr.lines().last().unwrap();
+        assert!(
+            // All of it free again: what the attempt made is gone, and
+            // no longer held open either.
+            last.starts_with(&format!(
+                "tally: the file system holding {} has {free} bytes free, too little for the \
+                 database: free space there, then start again: ",
+                fs.path().display()
+            )),
+            "with {free} bytes free: {stderr}"
+        );
+        for said in [
+            "too little for the database",
+            "database or disk is full",
+            "disk I/O error",
+        ] {
+            assert!(last.matches(said).count() <= 1, "said once: {last}");
+        }
+        let mut left: Vec<String> = std::fs::read_dir(fs.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["filler", "tally.db.lock"], "with {free} bytes free");
+    }
+
+    std::fs::remove_file(&filler).unwrap();
+    let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    assert_eq!(logged(&bin, "created a new, empty database").len(), 1);
+    let client = Client::new();
+    assert_eq!(
+        increment(&client, &bin, "made").await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(read(&client, &bin, "made").await, 1);
 }
 
 /// SIGTERM while the disk is full: every accepted write is answered, the
