@@ -486,10 +486,8 @@ pub async fn stop_requested(parent: Option<u32>, signal: impl Future<Output = ()
         let Some(pid) = parent else {
             return std::future::pending().await;
         };
-        let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .map(|n| n.trim_end().to_owned())
-            .unwrap_or_default();
-        if name == "litestream" {
+        let name = replica::process_name(pid).unwrap_or_default();
+        if replica::is_litestream(&name) {
             tracing::info!(
                 parent_pid = pid,
                 parent = name,

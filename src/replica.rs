@@ -271,13 +271,23 @@ pub struct Replicating {
     pub no_expand_env: bool,
 }
 
+/// The name process `pid` runs as (its executable's, cut to 15 bytes).
+pub fn process_name(pid: u32) -> Option<String> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    Some(comm.trim_end().to_owned())
+}
+
+/// Whether a process of that name is Litestream.
+pub fn is_litestream(name: &str) -> bool {
+    name == "litestream"
+}
+
 /// What process `pid` was given, if it is `litestream replicate` (as
 /// tally's parent is under `-exec`): read from its command line, so that
 /// tally asks the very replica its parent replicates to, whatever
 /// configuration tally was told of.
 pub fn replicating(pid: u32) -> Option<Replicating> {
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    if comm.trim_end() != "litestream" {
+    if !is_litestream(&process_name(pid)?) {
         return None;
     }
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
