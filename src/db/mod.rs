@@ -190,9 +190,13 @@ pub enum Error {
     #[error("the disk is full: {0}")]
     StorageFull(#[source] Arc<sqlx::Error>),
     /// The database file, or its `-wal` or `-shm`, was deleted or replaced
-    /// while tally had it open: whatever is written now goes to a file that
-    /// no longer has a name and vanishes when tally exits.
-    #[error("the database file {} was deleted or replaced while open", .0.display())]
+    /// while tally had it open, or the database file was cut short in
+    /// place: whatever is written now goes to a file that no longer has a
+    /// name and vanishes when tally exits, or beside pages that are gone.
+    #[error(
+        "the database file {} was deleted, replaced or cut short while open",
+        .0.display()
+    )]
     StorageLost(Arc<Path>),
     /// The database server cannot be reached (refused, timed out, the
     /// connection dropped, the server shutting down or out of connection

@@ -229,7 +229,7 @@ pub enum WriterFailed {
     #[error("the writer thread died")]
     Died,
     #[error(
-        "the database file {} was {what} while open; writes since went to a file that is gone",
+        "the database file {} was {what} while open; writes since went where they are not kept",
         path.display()
     )]
     StorageLost { path: PathBuf, what: &'static str },
@@ -373,8 +373,8 @@ impl<E: Engine> WriterLoop<E> {
         tracing::error!(
             path = %lost.path.display(),
             what = lost.what,
-            "the database file was {} underneath tally: writes would go to a file that no \
-             longer has a name; refusing every write and stopping",
+            "the database file was {} underneath tally: writes would go where they are not \
+             kept; refusing every write and stopping",
             lost.what
         );
         self.stats.set_storage_lost(Arc::clone(&lost.path));

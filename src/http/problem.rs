@@ -262,8 +262,8 @@ impl From<db::Error> for Problem {
                 "Database file lost",
             )
             .detail(
-                "the database file was deleted or replaced underneath tally; this write was not \
-                 kept. tally stops so that it is restarted; retry then",
+                "the database file was deleted, replaced or cut short underneath tally; this \
+                 write was not kept. tally stops so that it is restarted; retry then",
             )
             .with("reason", "storage_lost")
             .retry_after(STORAGE_RETRY_AFTER),

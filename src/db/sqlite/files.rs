@@ -9,6 +9,15 @@
 //! So the writer remembers which files it opened (device and
 //! inode) and compares them with what the paths name now, after every
 //! commit before any caller is answered, and now and then while idle.
+//!
+//! The database file cut short in place (`truncate`, `: > tally.db`)
+//! keeps its inode, and the commits go on into the WAL; but every page not
+//! in the WAL is gone, reads of them fail, and the next checkpoint writes
+//! the WAL's pages into the cut file, a database with holes. tally never
+//! shrinks its database (it runs no `VACUUM`, and makes it without
+//! `auto_vacuum`), so the file's length falling below the longest it was
+//! seen at tells that apart. A database given `auto_vacuum` elsewhere
+//! shrinks at checkpoints; its length is not watched.
 
 use std::{
     io,
@@ -23,6 +32,8 @@ pub(super) struct DbFiles {
     files: [Tracked; 3],
     /// Litestream replicates them ([`Lost::may_be_kept`]).
     replicated: bool,
+    /// The database file never shrinks by itself (no `auto_vacuum`).
+    never_shrinks: bool,
 }
 
 struct Tracked {
@@ -30,6 +41,9 @@ struct Tracked {
     /// `None` until the file has been seen: SQLite creates `-wal` and
     /// `-shm` with the first transaction, not when it opens the database.
     id: Option<FileId>,
+    /// The longest the file was seen at; checked for the database only
+    /// (the WAL is cut short by every truncating checkpoint).
+    longest: u64,
 }
 
 /// What tells two files apart: the same path may name a new file.
@@ -41,38 +55,55 @@ struct FileId {
 
 impl DbFiles {
     /// Records the files now at `db`, `db-wal` and `db-shm`; `replicated`:
-    /// Litestream replicates them.
-    pub fn record(db: &Path, replicated: bool) -> Self {
+    /// Litestream replicates them; `never_shrinks`: the database has no
+    /// `auto_vacuum`, so its file is never made shorter but from outside.
+    pub fn record(db: &Path, replicated: bool, never_shrinks: bool) -> Self {
         let with_suffix = |suffix: &str| {
             let mut p = db.as_os_str().to_owned();
             p.push(suffix);
             PathBuf::from(p)
         };
         let files = [db.to_owned(), with_suffix("-wal"), with_suffix("-shm")].map(|path| {
-            let id = file_id(&path).ok().flatten();
-            Tracked { path, id }
+            let seen = file_id(&path).ok().flatten();
+            Tracked {
+                path,
+                id: seen.map(|(id, _)| id),
+                longest: seen.map_or(0, |(_, len)| len),
+            }
         });
-        DbFiles { files, replicated }
+        DbFiles {
+            files,
+            replicated,
+            never_shrinks,
+        }
     }
 
     /// Compares each recorded file with the file its path names now: one
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         let replicated = self.replicated;
+        let never_shrinks = self.never_shrinks;
         for (i, f) in self.files.iter_mut().enumerate() {
             // The index only: a lost `-shm` leaves the WAL, which holds
             // every commit, at its name.
             let shm = i == 2;
+            let watch_length = i == 0 && never_shrinks;
             let lost = |what| Lost {
                 path: Arc::from(f.path.as_path()),
                 what,
                 may_be_kept: replicated || shm,
             };
             match (f.id, file_id(&f.path)) {
-                (None, Ok(now)) => f.id = now,
+                (None, Ok(now)) => {
+                    f.id = now.map(|(id, _)| id);
+                    f.longest = now.map_or(0, |(_, len)| len);
+                }
                 (Some(_), Ok(None)) => return Err(lost("deleted")),
-                (Some(was), Ok(Some(now))) if was != now => return Err(lost("replaced")),
-                (Some(_), Ok(Some(_))) => {}
+                (Some(was), Ok(Some((now, _)))) if was != now => return Err(lost("replaced")),
+                (Some(_), Ok(Some((_, len)))) if watch_length && len < f.longest => {
+                    return Err(lost("cut short"));
+                }
+                (Some(_), Ok(Some((_, len)))) => f.longest = f.longest.max(len),
                 // Not a verdict: a path that cannot be looked at (a
                 // permission changed) is not known to name another file.
                 (_, Err(e)) => {
@@ -84,13 +115,18 @@ impl DbFiles {
     }
 }
 
-/// The identity of the file at `path`, `None` if there is none. Asks for
-/// nothing else, the times least of all (see [`super::stat`]): this runs
-/// after every commit.
-fn file_id(path: &Path) -> io::Result<Option<FileId>> {
-    Ok(super::stat::stat(path, true)?.map(|s| FileId {
-        dev: s.dev,
-        ino: s.ino,
+/// The identity and the length of the file at `path`, `None` if there is
+/// none. Asks for nothing else, the times least of all (see
+/// [`super::stat`]): this runs after every commit.
+fn file_id(path: &Path) -> io::Result<Option<(FileId, u64)>> {
+    Ok(super::stat::stat(path, true)?.map(|s| {
+        (
+            FileId {
+                dev: s.dev,
+                ino: s.ino,
+            },
+            s.size,
+        )
     }))
 }
 
@@ -103,7 +139,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("t.db");
         std::fs::write(&db, b"x").unwrap();
-        let mut files = DbFiles::record(&db, false);
+        let mut files = DbFiles::record(&db, false, true);
         files.check().unwrap();
         // A -wal that appears later is recorded, not reported.
         let wal = dir.path().join("t.db-wal");
@@ -118,7 +154,7 @@ mod tests {
         assert!(!lost.may_be_kept);
 
         // Under Litestream, what was committed may have been shipped.
-        let mut files = DbFiles::record(&db, true);
+        let mut files = DbFiles::record(&db, true, true);
         std::fs::remove_file(&db).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "deleted"));
@@ -127,11 +163,47 @@ mod tests {
         std::fs::write(&db, b"x").unwrap();
         let shm = dir.path().join("t.db-shm");
         std::fs::write(&shm, b"s").unwrap();
-        let mut files = DbFiles::record(&db, false);
+        let mut files = DbFiles::record(&db, false, true);
         std::fs::remove_file(&shm).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (shm.as_path(), "deleted"));
         assert!(lost.may_be_kept);
+    }
+
+    #[test]
+    fn notices_the_database_cut_short_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        std::fs::write(&db, [0u8; 8192]).unwrap();
+        let wal = dir.path().join("t.db-wal");
+        std::fs::write(&wal, [0u8; 8192]).unwrap();
+        let mut files = DbFiles::record(&db, false, true);
+        // Growing is what checkpoints do; the WAL is cut short by them.
+        std::fs::write(&db, [0u8; 12288]).unwrap();
+        std::fs::File::create(&wal).unwrap();
+        files.check().unwrap();
+        // Cut short in place, to below the longest it was seen at, though
+        // longer than when it was recorded.
+        std::fs::File::options()
+            .write(true)
+            .open(&db)
+            .unwrap()
+            .set_len(8192)
+            .unwrap();
+        let lost = files.check().unwrap_err();
+        assert_eq!((&*lost.path, lost.what), (db.as_path(), "cut short"));
+        assert!(!lost.may_be_kept);
+        // Emptied, as `: > t.db` does.
+        let mut files = DbFiles::record(&db, true, true);
+        std::fs::File::create(&db).unwrap();
+        let lost = files.check().unwrap_err();
+        assert_eq!(lost.what, "cut short");
+        assert!(lost.may_be_kept);
+        // A database with `auto_vacuum` shrinks by itself.
+        std::fs::write(&db, [0u8; 8192]).unwrap();
+        let mut files = DbFiles::record(&db, false, false);
+        std::fs::File::create(&db).unwrap();
+        files.check().unwrap();
     }
 
     /// What the check costs: three `stat` calls, against what every batch
@@ -147,7 +219,7 @@ mod tests {
         for suffix in ["", "-wal", "-shm"] {
             std::fs::write(dir.path().join(format!("t.db{suffix}")), b"x").unwrap();
         }
-        let mut files = DbFiles::record(&db, false);
+        let mut files = DbFiles::record(&db, false, true);
         let n = 20_000;
         let started = Instant::now();
         for _ in 0..n {

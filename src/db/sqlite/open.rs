@@ -141,10 +141,14 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
             .await
             .map_err(open_err)?;
         let space = Space::start(path, readers.clone(), opts.storage_limit).await;
+        let (auto_vacuum,): (i64,) = sqlx::query_as("PRAGMA auto_vacuum")
+            .fetch_one(&mut conn)
+            .await
+            .map_err(open_err)?;
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path, opts.under_litestream),
+            files: files::DbFiles::record(path, opts.under_litestream, auto_vacuum == 0),
             checkpoint_on_close: opts.checkpoints,
             space,
         };

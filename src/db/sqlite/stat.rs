@@ -25,6 +25,8 @@ pub(super) struct Seen {
     pub ino: u64,
     /// Allocated 512-byte blocks, as `du` counts them.
     pub blocks: u64,
+    /// The length in bytes.
+    pub size: u64,
     pub is_dir: bool,
 }
 
@@ -40,7 +42,8 @@ impl Seen {
 #[cfg(target_os = "linux")]
 const ASKED: rustix::fs::StatxFlags = rustix::fs::StatxFlags::TYPE
     .union(rustix::fs::StatxFlags::INO)
-    .union(rustix::fs::StatxFlags::BLOCKS);
+    .union(rustix::fs::StatxFlags::BLOCKS)
+    .union(rustix::fs::StatxFlags::SIZE);
 
 /// The file at `path` (its link, unless `follow`), `None` if there is none.
 #[cfg(target_os = "linux")]
@@ -58,6 +61,7 @@ pub(super) fn stat(path: &Path, follow: bool) -> io::Result<Option<Seen>> {
             dev: rustix::fs::makedev(s.stx_dev_major, s.stx_dev_minor),
             ino: s.stx_ino,
             blocks: s.stx_blocks,
+            size: s.stx_size,
             is_dir: FileType::from_raw_mode(s.stx_mode.into()) == FileType::Directory,
         })),
         Err(Errno::NOENT) => Ok(None),
@@ -92,6 +96,7 @@ fn seen(m: &std::fs::Metadata) -> Seen {
         dev: m.dev(),
         ino: m.ino(),
         blocks: m.blocks(),
+        size: m.len(),
         is_dir: m.is_dir(),
     }
 }
@@ -104,6 +109,7 @@ fn seen(m: &std::fs::Metadata) -> Seen {
         dev: 0,
         ino: 0,
         blocks: m.len().div_ceil(512),
+        size: m.len(),
         is_dir: m.is_dir(),
     }
 }
@@ -139,6 +145,7 @@ mod tests {
             assert!(!l.is_dir);
         }
         assert!(stat(&file, true).unwrap().unwrap().allocated() >= 10_000);
+        assert_eq!(stat(&file, true).unwrap().unwrap().size, 10_000);
         assert!(stat(dir.path(), true).unwrap().unwrap().is_dir);
         assert_eq!(stat(&dir.path().join("none"), true).unwrap(), None);
     }

@@ -228,6 +228,36 @@ async fn a_deleted_database_refuses_writes_and_exits_non_zero() {
     assert_eq!(read(&client, &bin, "gone").await, 0);
 }
 
+/// `: > tally.db` under a running tally: the file keeps its inode, and
+/// SQLite would go on committing into the WAL beside a file whose pages
+/// are gone (reads of them failed, and the next checkpoint would write a
+/// database with holes). The next write is refused with `503
+/// storage-lost`, and tally exits non-zero; nothing acknowledged after the
+/// cut is answered as kept.
+#[tokio::test]
+async fn a_database_cut_short_in_place_refuses_writes_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let client = Client::new();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    for i in 1..=5 {
+        let r = increment(&client, &bin, "cut").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.json::<Value>().await.unwrap()["value"], i);
+    }
+    assert!(std::fs::metadata(&db).unwrap().len() > 0);
+    std::fs::File::create(&db).unwrap();
+    let r = increment(&client, &bin, "cut").await;
+    let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(body["type"], "/problems/storage-lost", "{body}");
+    let status = bin.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(1), "{}", bin.log_text());
+    let lost = logged_soon(&bin, "the database file was cut short underneath tally").await;
+    assert_eq!(lost.len(), 1, "{}", bin.log_text());
+    assert_eq!(lost[0]["fields"]["path"], db_str);
+}
+
 /// A second name of the database file (a hard link) escapes the lock
 /// beside the first name and the WAL too: a tally started on it, beside
 /// one serving the first, kept its writes in a WAL of its own, lost once
