@@ -59,6 +59,12 @@ pub enum Command {
         #[arg(long, env = "TALLY_RESTORE_TIMEOUT", default_value = "30m",
               value_parser = parse_restore_timeout)]
         timeout: Duration,
+        /// Take a database already at the path as done: restore nothing
+        /// and exit 0, as an init container that runs again must (without
+        /// it, that is an error: by hand it means the database was not
+        /// moved aside).
+        #[arg(long)]
+        if_db_not_exists: bool,
     },
 }
 

@@ -40,9 +40,11 @@ async fn main() -> ExitCode {
         Command::Contention { writers, hold_ms } => {
             contention(writers as usize, Duration::from_millis(hold_ms)).await
         }
-        Command::RestoreTo { timestamp, timeout } => {
-            restore_to(&cli.settings, timestamp, timeout).await
-        }
+        Command::RestoreTo {
+            timestamp,
+            timeout,
+            if_db_not_exists,
+        } => restore_to(&cli.settings, timestamp, timeout, if_db_not_exists).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -141,6 +143,7 @@ async fn restore_to(
     settings: &tally::Settings,
     timestamp: jiff::Timestamp,
     timeout: std::time::Duration,
+    if_db_not_exists: bool,
 ) -> anyhow::Result<()> {
     let tally::Storage::Sqlite(db) = &settings.database else {
         bail!(
@@ -161,7 +164,30 @@ async fn restore_to(
     let signal = tokio::select! {
         biased;
         signal = restore_stopped() => signal,
-        restored = tally::restore::restore_to(db, timestamp, &ls) => return restored.map(drop),
+        restored = tally::restore::restore_to(db, timestamp, &ls) => {
+            return match restored? {
+                tally::restore::Outcome::DatabaseExists if if_db_not_exists => {
+                    tracing::warn!(
+                        database = %db.display(),
+                        target = %timestamp,
+                        "the database exists: nothing restored (--if-db-not-exists)"
+                    );
+                    Ok(())
+                }
+                // By hand, a database left in place means the undo did not
+                // happen: the old state would be served and replicated as
+                // if it had.
+                tally::restore::Outcome::DatabaseExists => bail!(
+                    "the database {} exists: nothing restored. A restore only fills an empty \
+                     data directory: stop tally and its Litestream, move the database and \
+                     everything beside it aside (the directory, or where it is a mount point \
+                     its contents, dot files included), then run this again \
+                     (--if-db-not-exists takes an existing database as done)",
+                    db.display()
+                ),
+                _ => Ok(()),
+            };
+        }
     };
     // Killed as the restore was dropped, Litestream holds the lock until it
     // is gone, a few milliseconds: a restore run again at once was refused

@@ -75,8 +75,11 @@ pub fn config_path(given: Option<&Path>) -> PathBuf {
 /// What `restore-to` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// The database was there already: nothing was restored.
+    /// A database was there already: nothing was restored.
     DatabaseExists,
+    /// The restore to this instant that an earlier run made is in place
+    /// (that run stopped before it ended, or ended): nothing more to do.
+    InPlace,
     /// The latest state already records this restore: it was restored
     /// instead (the value had been left set).
     AlreadyApplied(Restored),
@@ -351,23 +354,20 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         _ => {}
     }
     if db.exists() {
-        match marker(db) {
+        return Ok(match marker(db) {
             // Run again (stopped before it ended, or not).
-            Some(m) if m.target == target => tracing::info!(
-                target,
-                txid = m.txid,
-                database = %db.display(),
-                "the database is the restore to this instant that an earlier run put in place: \
-                 nothing more to do"
-            ),
-            _ => tracing::warn!(
-                database = %db.display(),
-                target,
-                "the database exists: nothing restored (a restore only fills an empty data \
-                 directory: move the directory aside first, never from under a running tally)"
-            ),
-        }
-        return Ok(Outcome::DatabaseExists);
+            Some(m) if m.target == target => {
+                tracing::info!(
+                    target,
+                    txid = m.txid,
+                    database = %db.display(),
+                    "the database is the restore to this instant that an earlier run put in \
+                     place: nothing more to do"
+                );
+                Outcome::InPlace
+            }
+            _ => Outcome::DatabaseExists,
+        });
     }
     // What a database leaves beside it belongs to it: SQLite would replay a
     // WAL left there over the restored file (the undo silently undone), and
@@ -1115,7 +1115,7 @@ exit 0"#
         assert_eq!(m.file, file_identity(&restoring_path(&db)));
         assert_eq!(
             restore_to(&db, target, &ls).await.unwrap(),
-            Outcome::DatabaseExists
+            Outcome::InPlace
         );
         assert!(marker(&db).is_some());
 

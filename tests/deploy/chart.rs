@@ -1474,7 +1474,8 @@ fn a_restore_timestamp_makes_the_init_container_restore_to_that_instant_once() {
                 "--timestamp",
                 at,
                 "--litestream-config",
-                "/etc/litestream/litestream.yml"
+                "/etc/litestream/litestream.yml",
+                "--if-db-not-exists"
             ]
         );
         // The same database path as tally's, from the same variables.

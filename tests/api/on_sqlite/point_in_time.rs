@@ -222,9 +222,26 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     assert_eq!(state_of(&d.db()).await, expected);
     assert!(!d.db().with_file_name("tally.db-restored.json").exists());
 
-    // On a database that exists, nothing happens.
+    // On a database that exists, nothing happens: the init container
+    // (run again in the same pod) takes it as done, while by hand it
+    // means the database was not moved aside, and the undo did not happen.
     let log = ok(d.restore_to(&at));
-    assert!(log.contains("nothing restored"), "{log}");
+    assert!(
+        log.contains("nothing restored (--if-db-not-exists)"),
+        "{log}"
+    );
+    assert_eq!(state_of(&d.db()).await, expected);
+    let by_hand = d.restore_to_by_hand(&at);
+    let err = String::from_utf8_lossy(&by_hand.stderr);
+    assert_eq!(by_hand.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines().last().unwrap().starts_with(&format!(
+            "tally: the database {} exists: nothing restored. A restore only fills an empty \
+             data directory",
+            d.db().display()
+        )),
+        "{err}"
+    );
     assert_eq!(state_of(&d.db()).await, expected);
 }
 

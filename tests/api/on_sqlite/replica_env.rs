@@ -107,9 +107,18 @@ impl Deployment {
             .unwrap()
     }
 
-    /// `tally restore-to --timestamp AT`, as the chart's init container
-    /// runs it when `restore.timestamp` is set.
+    /// `tally restore-to --timestamp AT --if-db-not-exists`, as the
+    /// chart's init container runs it when `restore.timestamp` is set.
     pub fn restore_to(&self, at: &str) -> std::process::Output {
+        self.restore_to_with(at, &["--if-db-not-exists"])
+    }
+
+    /// `tally restore-to --timestamp AT`, as an operator runs it by hand.
+    pub fn restore_to_by_hand(&self, at: &str) -> std::process::Output {
+        self.restore_to_with(at, &[])
+    }
+
+    fn restore_to_with(&self, at: &str, extra: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_tally"))
             .env_clear()
             .envs(self.env())
@@ -121,6 +130,7 @@ impl Deployment {
                 "--litestream-config",
                 &config(),
             ])
+            .args(extra)
             .arg("--litestream")
             .arg(tool("litestream"))
             .output()
