@@ -82,6 +82,9 @@ impl Application {
         // cannot be listened on is found now, before the database is
         // touched, not at the end of that wait.
         try_listen(&settings)?;
+        // A clock before 1970 fails every connection (no `Date` header can
+        // be written): tally would say it serves, and answer nothing.
+        crate::db::clock::wall_clock().map_err(anyhow::Error::msg)?;
         let admin_token = admin_token(&settings);
         let exporter = prometheus::install();
         prometheus::record_start(settings.queue_capacity as usize, settings.database.engine());

@@ -32,6 +32,26 @@ use std::{
 
 use jiff::{SignedDuration, Timestamp};
 
+/// The wall clock as a timestamp, or why tally cannot go by it: before
+/// 1970 (HTTP's `Date` cannot be written, and days before it are none a
+/// budget keeps) or so close to the end of the year 9999 that a day, its
+/// end and the window of days kept around it cannot all be told.
+pub fn wall_clock() -> Result<Timestamp, String> {
+    let latest = Timestamp::MAX - SignedDuration::from_hours(24 * 366);
+    let now = std::time::SystemTime::now();
+    let reads = match Timestamp::try_from(now) {
+        Ok(t) if (Timestamp::UNIX_EPOCH..latest).contains(&t) => return Ok(t),
+        Ok(t) => t.to_string(),
+        Err(_) if now > std::time::UNIX_EPOCH => "a time past the year 9999".to_owned(),
+        Err(_) => "a time before the year -9999".to_owned(),
+    };
+    Err(format!(
+        "the wall clock reads {reads}, outside what tally can count days in (1970 to {}): set \
+         the host's clock right",
+        latest.strftime("%Y-%m-%d")
+    ))
+}
+
 /// How far a reading may be from where the last one says the clock should
 /// be before it counts as a step. Above what a PostgreSQL batch can lag
 /// between reading the server's clock (at its transaction's start) and

@@ -33,7 +33,7 @@
 //!   its writer engine, its readers, its error classification.
 
 mod budgets;
-mod clock;
+pub(crate) mod clock;
 mod command;
 mod committed;
 pub mod contention;

@@ -110,9 +110,15 @@ fn one_day<'a>(
 impl Store for SqliteConnection {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 
-    /// This process's clock: it is the database's only writer.
+    /// This process's clock: it is the database's only writer. A clock
+    /// stepped out of what days can be counted in fails the batch (its
+    /// checks denied), not the writer.
     async fn now(&mut self) -> Result<Timestamp, Error> {
-        Ok(Timestamp::now())
+        crate::db::clock::wall_clock().map_err(|e| {
+            Error::Database(std::sync::Arc::new(sqlx::Error::Io(std::io::Error::other(
+                e,
+            ))))
+        })
     }
 
     async fn exec(&mut self, sql: &'static str) -> Result<(), Error> {
@@ -174,7 +180,7 @@ impl Store for SqliteConnection {
         .bind(spec.global_limit)
         .bind(spec.retention_days)
         .bind(&spec.timezone_name)
-        .bind(Timestamp::now().to_string())
+        .bind(self.now().await?.to_string())
         .execute(self)
         .await.map_err(error)?;
         Ok(())

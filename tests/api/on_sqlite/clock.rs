@@ -9,7 +9,9 @@ use std::{path::Path, time::Duration};
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
-use crate::helpers::{ADMIN, Binary, faketime_library, json, put_budget, sample, set_clock};
+use crate::helpers::{
+    ADMIN, Binary, failed_start, faketime_library, json, put_budget, sample, set_clock,
+};
 
 /// tally with its clock read from `clock` (libfaketime's offset, as
 /// `+10d`), which starts in step.
@@ -388,4 +390,76 @@ async fn keys_across_a_step(for_k1: &str, for_clean_up: &str) {
     assert_eq!(value["value"], 2, "{value}");
     bin.sigterm();
     bin.wait(Duration::from_secs(20)).await;
+}
+
+/// The offset, for libfaketime, that sets the clock to `at` (unix seconds).
+fn offset_to(at: i64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    format!("{:+}s", at - now)
+}
+
+/// A host clock tally cannot count days by: before 1970 (no HTTP `Date`
+/// can be written there: tally said it served, and every connection
+/// failed) or at the end of the year 9999 (the writer panicked reading
+/// it). Refused at start, saying why; stepped there while serving, checks
+/// are denied (`503 meter_error`, failing closed) and the writer lives on,
+/// counting again once the clock is set right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_outside_what_days_can_be_counted_in_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = dir.path().join("clock");
+    let library = faketime_library();
+    let db = dir.path().join("tally.db");
+    // 1969-12-31T00:00:00Z, and 9999-12-31T00:00:00Z.
+    let (before, after) = (-86_400, 253_402_214_400);
+    for at in [before, after] {
+        set_clock(&clock, &offset_to(at));
+        let stderr = failed_start(&[
+            ("TALLY_DATABASE", db.to_str().unwrap()),
+            ("LD_PRELOAD", library.to_str().unwrap()),
+            ("FAKETIME_TIMESTAMP_FILE", clock.to_str().unwrap()),
+            ("FAKETIME_NO_CACHE", "1"),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ]);
+        let last = stderr.lines().last().unwrap();
+        assert!(
+            last.starts_with("tally: the wall clock reads ")
+                && last.contains("outside what tally can count days in (1970 to 9998-12-29)"),
+            "{stderr}"
+        );
+    }
+
+    let mut bin = stepped_binary(dir.path(), &clock, &[]);
+    let client = Client::new();
+    put_budget(
+        &client,
+        &bin,
+        "b",
+        json!({"visitor_limit": 10, "global_limit": 100}),
+    )
+    .await;
+    assert_eq!(check(&client, &bin, "v").await["allowed"], true);
+    set_clock(&clock, &offset_to(after));
+    let r = client
+        .post(bin.url("/budgets/b/check"))
+        .json(&json!({"visitor": "v"}))
+        .send()
+        .await
+        .unwrap();
+    let body = crate::helpers::problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(
+        (&body["reason"], &body["allowed"]),
+        (&json!("meter_error"), &json!(false))
+    );
+    set_clock(&clock, "+0");
+    let back = check(&client, &bin, "v").await;
+    assert_eq!(back["allowed"], true);
+    // The denied check counted nothing.
+    assert_eq!(back["visitor_calls"], 2, "{back}");
+    assert!(!bin.log_text().contains("panicked"), "{}", bin.log_text());
+    bin.sigterm();
+    assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
 }
