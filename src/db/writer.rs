@@ -398,7 +398,11 @@ impl<E: Engine> WriterLoop<E> {
                 break;
             }
         }
-        tracing::error!(refused, "queued writes refused: the database file is gone");
+        tracing::error!(
+            refused,
+            "queued writes refused: the database file was {}",
+            lost.what
+        );
         WriterFailed::StorageLost {
             path: lost.path.to_path_buf(),
             what: lost.what,

@@ -13,11 +13,14 @@
 //! The database file cut short in place (`truncate`, `: > tally.db`)
 //! keeps its inode, and the commits go on into the WAL; but every page not
 //! in the WAL is gone, reads of them fail, and the next checkpoint writes
-//! the WAL's pages into the cut file, a database with holes. tally never
-//! shrinks its database (it runs no `VACUUM`, and makes it without
-//! `auto_vacuum`), so the file's length falling below the longest it was
-//! seen at tells that apart. A database given `auto_vacuum` elsewhere
-//! shrinks at checkpoints; its length is not watched.
+//! the WAL's pages into the cut file, a database with holes. So the
+//! writer also watches the database file's length: when it falls below
+//! the longest it was seen at, the file's own header says whether it was
+//! made shorter by SQLite (a `VACUUM` from another connection, or
+//! `auto_vacuum`, checkpointed: the header's page count fits the new
+//! length) or cut (the header is gone, or counts pages the file no longer
+//! has). A file copied over the database in place, to the same length or
+//! longer between two looks, is not seen.
 
 use std::{
     io,
@@ -32,8 +35,6 @@ pub(super) struct DbFiles {
     files: [Tracked; 3],
     /// Litestream replicates them ([`Lost::may_be_kept`]).
     replicated: bool,
-    /// The database file never shrinks by itself (no `auto_vacuum`).
-    never_shrinks: bool,
 }
 
 struct Tracked {
@@ -55,9 +56,8 @@ struct FileId {
 
 impl DbFiles {
     /// Records the files now at `db`, `db-wal` and `db-shm`; `replicated`:
-    /// Litestream replicates them; `never_shrinks`: the database has no
-    /// `auto_vacuum`, so its file is never made shorter but from outside.
-    pub fn record(db: &Path, replicated: bool, never_shrinks: bool) -> Self {
+    /// Litestream replicates them.
+    pub fn record(db: &Path, replicated: bool) -> Self {
         let with_suffix = |suffix: &str| {
             let mut p = db.as_os_str().to_owned();
             p.push(suffix);
@@ -71,23 +71,18 @@ impl DbFiles {
                 longest: seen.map_or(0, |(_, len)| len),
             }
         });
-        DbFiles {
-            files,
-            replicated,
-            never_shrinks,
-        }
+        DbFiles { files, replicated }
     }
 
     /// Compares each recorded file with the file its path names now: one
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         let replicated = self.replicated;
-        let never_shrinks = self.never_shrinks;
         for (i, f) in self.files.iter_mut().enumerate() {
             // The index only: a lost `-shm` leaves the WAL, which holds
             // every commit, at its name.
             let shm = i == 2;
-            let watch_length = i == 0 && never_shrinks;
+            let db = i == 0;
             let lost = |what| Lost {
                 path: Arc::from(f.path.as_path()),
                 what,
@@ -100,9 +95,15 @@ impl DbFiles {
                 }
                 (Some(_), Ok(None)) => return Err(lost("deleted")),
                 (Some(was), Ok(Some((now, _)))) if was != now => return Err(lost("replaced")),
-                (Some(_), Ok(Some((_, len)))) if watch_length && len < f.longest => {
-                    return Err(lost("cut short"));
-                }
+                (Some(_), Ok(Some((_, len)))) if db && len < f.longest => match header(&f.path) {
+                    // Made shorter by SQLite: its header was written first.
+                    Ok(Header::Length(said)) if said <= len => f.longest = len,
+                    Ok(Header::Unknown) => f.longest = len,
+                    _ => {
+                        leave_cut_short_mark(&f.path, f.longest, len);
+                        return Err(lost("cut short"));
+                    }
+                },
                 (Some(_), Ok(Some((_, len)))) => f.longest = f.longest.max(len),
                 // Not a verdict: a path that cannot be looked at (a
                 // permission changed) is not known to name another file.
@@ -113,6 +114,65 @@ impl DbFiles {
         }
         Ok(())
     }
+}
+
+/// The mark beside the database `db` that a tally which saw it cut short
+/// leaves, so that the next start does not serve what is left of it.
+pub(super) fn cut_short_mark(db: &Path) -> PathBuf {
+    crate::restore::beside(db, "-cut-short")
+}
+
+fn leave_cut_short_mark(db: &Path, was: u64, is: u64) {
+    let said = format!(
+        "at {}, {is} bytes long after {was}\n",
+        jiff::Timestamp::try_from(std::time::SystemTime::now())
+            .map_or_else(|_| "an unknown time".to_owned(), |t| t.to_string())
+    );
+    if let Err(e) = std::fs::write(cut_short_mark(db), said) {
+        tracing::error!(
+            path = %cut_short_mark(db).display(),
+            error = %e,
+            "cannot leave the mark that keeps the next start off a database cut short"
+        );
+    }
+}
+
+/// What a database file's header says of its length.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Header {
+    /// Its pages times their size: SQLite keeps the file at least as long
+    /// (a checkpoint writes page 1 before it truncates the file).
+    Length(u64),
+    /// Not a SQLite database: too short for a header, or not one.
+    NotADatabase,
+    /// A header whose page count is not kept (by a writer older than
+    /// SQLite 3.7.0): the file's length is all there is to go by.
+    Unknown,
+}
+
+/// The header of the database file at `path` (its first 100 bytes, as
+/// the file format describes them).
+pub(super) fn header(path: &Path) -> io::Result<Header> {
+    use std::io::Read;
+    let mut h = [0u8; 100];
+    match std::fs::File::open(path)?.read_exact(&mut h) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Header::NotADatabase),
+        Err(e) => return Err(e),
+    }
+    if &h[..16] != b"SQLite format 3\0" {
+        return Ok(Header::NotADatabase);
+    }
+    let u32_at = |at: usize| u32::from_be_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+    let page_size = match u16::from_be_bytes([h[16], h[17]]) {
+        1 => 65536,
+        n => u64::from(n),
+    };
+    let (changes, pages, valid_for) = (u32_at(24), u32_at(28), u32_at(92));
+    Ok(match pages != 0 && changes == valid_for {
+        true => Header::Length(u64::from(pages) * page_size),
+        false => Header::Unknown,
+    })
 }
 
 /// The identity and the length of the file at `path`, `None` if there is
@@ -139,7 +199,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("t.db");
         std::fs::write(&db, b"x").unwrap();
-        let mut files = DbFiles::record(&db, false, true);
+        let mut files = DbFiles::record(&db, false);
         files.check().unwrap();
         // A -wal that appears later is recorded, not reported.
         let wal = dir.path().join("t.db-wal");
@@ -154,7 +214,7 @@ mod tests {
         assert!(!lost.may_be_kept);
 
         // Under Litestream, what was committed may have been shipped.
-        let mut files = DbFiles::record(&db, true, true);
+        let mut files = DbFiles::record(&db, true);
         std::fs::remove_file(&db).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "deleted"));
@@ -163,27 +223,45 @@ mod tests {
         std::fs::write(&db, b"x").unwrap();
         let shm = dir.path().join("t.db-shm");
         std::fs::write(&shm, b"s").unwrap();
-        let mut files = DbFiles::record(&db, false, true);
+        let mut files = DbFiles::record(&db, false);
         std::fs::remove_file(&shm).unwrap();
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (shm.as_path(), "deleted"));
         assert!(lost.may_be_kept);
     }
 
+    /// A database file whose header says it has `pages` pages of 4 KiB,
+    /// `len` bytes long.
+    fn database_file(path: &Path, pages: u32, len: u64) {
+        let mut h = vec![0u8; 100];
+        h[..16].copy_from_slice(b"SQLite format 3\0");
+        h[16..18].copy_from_slice(&4096u16.to_be_bytes());
+        h[24..28].copy_from_slice(&7u32.to_be_bytes());
+        h[28..32].copy_from_slice(&pages.to_be_bytes());
+        h[92..96].copy_from_slice(&7u32.to_be_bytes());
+        std::fs::write(path, &h).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
     #[test]
     fn notices_the_database_cut_short_in_place() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("t.db");
-        std::fs::write(&db, [0u8; 8192]).unwrap();
+        database_file(&db, 2, 8192);
         let wal = dir.path().join("t.db-wal");
         std::fs::write(&wal, [0u8; 8192]).unwrap();
-        let mut files = DbFiles::record(&db, false, true);
+        let mut files = DbFiles::record(&db, false);
         // Growing is what checkpoints do; the WAL is cut short by them.
-        std::fs::write(&db, [0u8; 12288]).unwrap();
+        database_file(&db, 3, 12288);
         std::fs::File::create(&wal).unwrap();
         files.check().unwrap();
         // Cut short in place, to below the longest it was seen at, though
-        // longer than when it was recorded.
+        // as long as when it was recorded: its header counts 3 pages.
         std::fs::File::options()
             .write(true)
             .open(&db)
@@ -193,17 +271,32 @@ mod tests {
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "cut short"));
         assert!(!lost.may_be_kept);
-        // Emptied, as `: > t.db` does.
-        let mut files = DbFiles::record(&db, true, true);
-        std::fs::File::create(&db).unwrap();
-        let lost = files.check().unwrap_err();
-        assert_eq!(lost.what, "cut short");
-        assert!(lost.may_be_kept);
-        // A database with `auto_vacuum` shrinks by itself.
-        std::fs::write(&db, [0u8; 8192]).unwrap();
-        let mut files = DbFiles::record(&db, false, false);
-        std::fs::File::create(&db).unwrap();
+        // The mark that keeps the next start off it.
+        let said = std::fs::read_to_string(cut_short_mark(&db)).unwrap();
+        assert!(said.ends_with(", 8192 bytes long after 12288\n"), "{said}");
+        // Emptied, as `: > t.db` does, or cut inside its header.
+        for len in [0, 50] {
+            database_file(&db, 3, 12288);
+            let mut files = DbFiles::record(&db, true);
+            std::fs::File::options()
+                .write(true)
+                .open(&db)
+                .unwrap()
+                .set_len(len)
+                .unwrap();
+            let lost = files.check().unwrap_err();
+            assert_eq!(lost.what, "cut short", "cut to {len}");
+            assert!(lost.may_be_kept);
+        }
+        // Made shorter by SQLite (a VACUUM, `auto_vacuum`): the header,
+        // written first, fits the new length; and from there on the
+        // shorter length is the one watched.
+        database_file(&db, 3, 12288);
+        let mut files = DbFiles::record(&db, false);
+        database_file(&db, 1, 4096);
         files.check().unwrap();
+        database_file(&db, 1, 2048);
+        assert_eq!(files.check().unwrap_err().what, "cut short");
     }
 
     /// What the check costs: three `stat` calls, against what every batch
@@ -219,7 +312,7 @@ mod tests {
         for suffix in ["", "-wal", "-shm"] {
             std::fs::write(dir.path().join(format!("t.db{suffix}")), b"x").unwrap();
         }
-        let mut files = DbFiles::record(&db, false, true);
+        let mut files = DbFiles::record(&db, false);
         let n = 20_000;
         let started = Instant::now();
         for _ in 0..n {

@@ -25,6 +25,14 @@ const LOW_SPACE: u64 = 1 << 20;
 pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter), OpenError> {
     let opened = open_at(path, opts).await;
     opened.map_err(|e| {
+        // Only what writing could have failed: a refusal is no want of
+        // space, whatever the space.
+        if !matches!(
+            e,
+            OpenError::Open { .. } | OpenError::Migrate { .. } | OpenError::CreateDir { .. }
+        ) {
+            return e;
+        }
         let dir = super::data_dir(path);
         match nix::sys::statvfs::statvfs(dir) {
             Ok(fs) => {
@@ -63,6 +71,7 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         refuse_other_names(path)?;
+        refuse_cut_short(path, file_existed)?;
         // Before SQLite creates a file there: a restore would skip it.
         if !file_existed {
             let found = match empty_file {
@@ -141,18 +150,51 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
             .await
             .map_err(open_err)?;
         let space = Space::start(path, readers.clone(), opts.storage_limit).await;
-        let (auto_vacuum,): (i64,) = sqlx::query_as("PRAGMA auto_vacuum")
-            .fetch_one(&mut conn)
-            .await
-            .map_err(open_err)?;
         let engine = SqliteWriter {
             conn,
             // After the migrations: by now SQLite has created -wal and -shm.
-            files: files::DbFiles::record(path, opts.under_litestream, auto_vacuum == 0),
+            files: files::DbFiles::record(path, opts.under_litestream),
             checkpoint_on_close: opts.checkpoints,
             space,
         };
         Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
+    }
+}
+
+/// Refuses a database file cut short in place (truncated, or copied over
+/// while in use): it has lost pages, which SQLite would read as zeros, and
+/// a checkpoint would write the WAL's pages into it, a database with
+/// holes. Either a tally that served it saw it cut and left its mark
+/// ([`files::cut_short_mark`]), or, with no WAL to replay, the file is
+/// shorter than its own header says (with one, it may be: a checkpoint
+/// stopped half-way by a crash leaves pages only the WAL holds).
+fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<(), OpenError> {
+    let refused = |found: String| OpenError::Refused {
+        path: path.to_owned(),
+        reason: format!(
+            "{found}: it has lost pages. Restore it from the replica (in Kubernetes, delete the \
+             pod) or a backup, with everything beside it moved aside first (see the runbooks)"
+        ),
+    };
+    let mark = files::cut_short_mark(path);
+    if let Ok(said) = std::fs::read_to_string(&mark) {
+        return Err(refused(format!(
+            "it was found cut short while tally served it ({}; the mark {} says so: remove \
+             the mark only to serve what is left of it)",
+            said.trim(),
+            mark.display()
+        )));
+    }
+    let wal_empty = std::fs::metadata(beside(path, "-wal")).map_or(true, |m| m.len() == 0);
+    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+    match files::header(path) {
+        Ok(files::Header::Length(said)) if file_existed && wal_empty && said > len => {
+            Err(refused(format!(
+                "the file is shorter than its own header says ({len} of {said} bytes), with no \
+                 WAL beside it: it was cut short (truncated, or copied over while in use)"
+            )))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -233,7 +233,9 @@ async fn a_deleted_database_refuses_writes_and_exits_non_zero() {
 /// are gone (reads of them failed, and the next checkpoint would write a
 /// database with holes). The next write is refused with `503
 /// storage-lost`, and tally exits non-zero; nothing acknowledged after the
-/// cut is answered as kept.
+/// cut is answered as kept, and the restart does not serve what is left.
+/// Cut short while no tally ran (the WAL checkpointed away), it is
+/// refused at start too.
 #[tokio::test]
 async fn a_database_cut_short_in_place_refuses_writes_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
@@ -256,6 +258,37 @@ async fn a_database_cut_short_in_place_refuses_writes_and_exits_non_zero() {
     let lost = logged_soon(&bin, "the database file was cut short underneath tally").await;
     assert_eq!(lost.len(), 1, "{}", bin.log_text());
     assert_eq!(lost[0]["fields"]["path"], db_str);
+    let stderr = failed_start(&[("TALLY_DATABASE", db_str)]);
+    assert!(
+        stderr.contains("it was found cut short while tally served it"),
+        "{stderr}"
+    );
+
+    // Cut while stopped: a database of some pages, closed cleanly (its WAL
+    // checkpointed into it and emptied), then cut in half.
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let db_str = db.to_str().unwrap();
+    let mut bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
+    for i in 0..300 {
+        let r = increment(&client, &bin, &format!("name-of-some-length-{i}")).await;
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+    bin.sigterm();
+    assert_eq!(bin.wait(Duration::from_secs(20)).await.code(), Some(0));
+    let len = std::fs::metadata(&db).unwrap().len();
+    assert!(len >= 4 * 4096, "{len}");
+    std::fs::File::options()
+        .write(true)
+        .open(&db)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let stderr = failed_start(&[("TALLY_DATABASE", db_str)]);
+    assert!(
+        stderr.contains("the file is shorter than its own header says"),
+        "{stderr}"
+    );
 }
 
 /// A second name of the database file (a hard link) escapes the lock
@@ -543,6 +576,15 @@ async fn a_new_database_on_a_full_disk_leaves_nothing_half_made() {
         left.sort();
         assert_eq!(left, ["filler", "tally.db.lock"], "with {free} bytes free");
     }
+    // A refusal on that disk is no want of space, and is not told as one.
+    std::fs::create_dir(&db).unwrap();
+    let stderr = failed_start(&[("TALLY_DATABASE", db_str)]);
+    assert!(
+        stderr.contains("the database path names a directory"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("too little for the database"), "{stderr}");
+    std::fs::remove_dir(&db).unwrap();
 
     std::fs::remove_file(&filler).unwrap();
     let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
