@@ -45,7 +45,7 @@ impl SyncStatus {
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
     #[error(
-        "the replica is unreachable: no confirmed sync through {socket} within {waited:?} \
+        "the replica is unreachable: no confirmed sync through {socket} within {waited:.1?} \
          (last: {last}); refusing to serve without a working backup"
     )]
     Unreachable {
@@ -120,7 +120,7 @@ pub async fn sync_once(
     };
     tokio::time::timeout(limit, call)
         .await
-        .unwrap_or_else(|_| Err(format!("no answer within {limit:?}")))
+        .unwrap_or_else(|_| Err(format!("no answer within {limit:.1?}")))
 }
 
 /// Asks Litestream to sync until the replica has caught up, or `overall`
@@ -137,8 +137,13 @@ pub async fn wait_for_replica(
     let mut last = String::from("no attempt");
     let mut attempt = 0u32;
     while Instant::now() < deadline {
-        attempt += 1;
         let left = deadline.saturating_duration_since(Instant::now());
+        // A call with under a second left could only time out, and its
+        // timeout would take the place of what Litestream last said.
+        if attempt > 0 && left < Duration::from_secs(1) {
+            break;
+        }
+        attempt += 1;
         // Litestream counts its wait in whole seconds, at least one, and
         // answers a little after it: the call gets some slack, but is cut
         // at the deadline, which an answer after it would miss anyway.
@@ -397,6 +402,49 @@ mod tests {
         assert!(
             took >= overall && took < Duration::from_millis(3500),
             "{took:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_wait_ends_on_what_litestream_last_said() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // Each call answered with an error after 1.5 s, as an object store
+        // that fails slowly: a call begun with less than that left would
+        // only time out, and its timeout would stand as the reason.
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("litestream.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let server = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request).await;
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    let _ = stream
+                        .write_all(
+                            b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 16\r\n\r\n\
+                              ListObjectsV2 ??",
+                        )
+                        .await;
+                });
+            }
+        });
+        let db = dir.path().join("tally.db");
+        let e = wait_for_replica(
+            &socket,
+            &db,
+            Duration::from_millis(2600),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_err();
+        server.abort();
+        let text = e.to_string();
+        assert!(
+            text.contains(
+                "(last: litestream answered 500 Internal Server Error: ListObjectsV2 ??)"
+            ),
+            "{text}"
         );
     }
 
