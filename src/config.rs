@@ -59,12 +59,14 @@ pub enum Command {
         #[arg(long, env = "TALLY_RESTORE_TIMEOUT", default_value = "30m",
               value_parser = parse_restore_timeout)]
         timeout: Duration,
-        /// Take a database already at the path as done: restore nothing
-        /// and exit 0, as an init container that runs again must (without
-        /// it, that is an error: by hand it means the database was not
-        /// moved aside).
+        /// Run at every start of a pod, as the chart's init container:
+        /// a database already at the path is taken as done (restore
+        /// nothing, exit 0), and a restore to this instant already made
+        /// (the latest state records it) restores the latest state
+        /// instead. By hand, without it, both are errors: the database was
+        /// not moved aside, or the instant was gone back to before.
         #[arg(long)]
-        if_db_not_exists: bool,
+        at_every_start: bool,
     },
 }
 

@@ -43,8 +43,8 @@ async fn main() -> ExitCode {
         Command::RestoreTo {
             timestamp,
             timeout,
-            if_db_not_exists,
-        } => restore_to(&cli.settings, timestamp, timeout, if_db_not_exists).await,
+            at_every_start,
+        } => restore_to(&cli.settings, timestamp, timeout, at_every_start).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -143,7 +143,7 @@ async fn restore_to(
     settings: &tally::Settings,
     timestamp: jiff::Timestamp,
     timeout: std::time::Duration,
-    if_db_not_exists: bool,
+    at_every_start: bool,
 ) -> anyhow::Result<()> {
     let tally::Storage::Sqlite(db) = &settings.database else {
         bail!(
@@ -164,13 +164,13 @@ async fn restore_to(
     let signal = tokio::select! {
         biased;
         signal = restore_stopped() => signal,
-        restored = tally::restore::restore_to(db, timestamp, &ls) => {
+        restored = tally::restore::restore_to(db, timestamp, &ls, at_every_start) => {
             return match restored? {
-                tally::restore::Outcome::DatabaseExists if if_db_not_exists => {
+                tally::restore::Outcome::DatabaseExists if at_every_start => {
                     tracing::warn!(
                         database = %db.display(),
                         target = %timestamp,
-                        "the database exists: nothing restored (--if-db-not-exists)"
+                        "the database exists: nothing restored (--at-every-start)"
                     );
                     Ok(())
                 }
@@ -182,7 +182,7 @@ async fn restore_to(
                      data directory: stop tally and its Litestream, move the database and \
                      everything beside it aside (the directory, or where it is a mount point \
                      its contents, dot files included), then run this again \
-                     (--if-db-not-exists takes an existing database as done)",
+                     (--at-every-start, as a pod's init container runs it, takes it as done)",
                     db.display()
                 ),
                 _ => Ok(()),

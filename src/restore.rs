@@ -258,22 +258,33 @@ pub fn unfinished(db: &Path) -> Option<Marker> {
 }
 
 /// Restores the database at `db` to `target` if the data directory has no
-/// database yet (see the module's doc).
-pub async fn restore_to(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
-    restore_into(db, target, ls).await.map_err(|e| {
-        let dir = data_dir(db);
-        let text = format!("{e:#}");
-        let writing_failed = OUT_OF_ROOM.iter().any(|said| text.contains(said));
-        match room_left(dir) {
-            Some(free) if writing_failed && free < FULL_BELOW => e.context(format!(
-                "the file system holding {} is full ({free} bytes free): a restore needs room \
+/// database yet (see the module's doc). `at_every_start`: run at every
+/// start of a pod (the chart's init container), where a restore to this
+/// instant already made is the latest state's to stand for, which is
+/// restored instead; by hand that is an error, and nothing is put in
+/// place.
+pub async fn restore_to(
+    db: &Path,
+    target: Timestamp,
+    ls: &Litestream,
+    at_every_start: bool,
+) -> anyhow::Result<Outcome> {
+    restore_into(db, target, ls, at_every_start)
+        .await
+        .map_err(|e| {
+            let dir = data_dir(db);
+            let text = format!("{e:#}");
+            let writing_failed = OUT_OF_ROOM.iter().any(|said| text.contains(said));
+            match room_left(dir) {
+                Some(free) if writing_failed && free < FULL_BELOW => e.context(format!(
+                    "the file system holding {} is full ({free} bytes free): a restore needs room \
                  for a whole copy of the database and its WAL. Make room, or give the data \
                  directory more (the chart's persistence.sizeLimit), and start again",
-                dir.display()
-            )),
-            _ => e,
-        }
-    })
+                    dir.display()
+                )),
+                _ => e,
+            }
+        })
 }
 
 /// Below this much room a restore that failed to write names its file
@@ -292,12 +303,17 @@ const OUT_OF_ROOM: [&str; 4] = [
 
 /// The bytes an unprivileged writer can still put on the file system
 /// holding `dir`.
-fn room_left(dir: &Path) -> Option<u64> {
+pub(crate) fn room_left(dir: &Path) -> Option<u64> {
     let s = rustix::fs::statvfs(dir).ok()?;
     Some(s.f_bavail.saturating_mul(s.f_frsize))
 }
 
-async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::Result<Outcome> {
+async fn restore_into(
+    db: &Path,
+    target: Timestamp,
+    ls: &Litestream,
+    at_every_start: bool,
+) -> anyhow::Result<Outcome> {
     let target_ts = target;
     let target = target.to_string();
     // Litestream restores the latest state for an instant it has not seen
@@ -416,6 +432,16 @@ async fn restore_into(db: &Path, target: Timestamp, ls: &Litestream) -> anyhow::
         .await
         .context("reading the restores recorded in the latest state")?
     {
+        if !at_every_start {
+            remove_sqlite_files(&latest)?;
+            bail!(
+                "a restore to {target} was made already (to transaction {}, at {}), and the \
+                 latest state records it: this instant is taken as done, and nothing was put \
+                 in place. To go back to it again, restore to an instant a second earlier",
+                done.txid,
+                done.restored_at
+            );
+        }
         put_in_place(&latest, db).context("moving the latest state into place")?;
         tidy(&latest);
         tracing::warn!(
@@ -917,12 +943,12 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         let at: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
         let first = tokio::spawn({
             let (db, ls) = (db.clone(), ls.clone());
-            async move { restore_to(&db, at, &ls).await }
+            async move { restore_to(&db, at, &ls, true).await }
         });
         while !started.exists() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        let e = restore_to(&db, at, &ls, true).await.unwrap_err();
         assert!(
             format!("{e:#}").contains("another process is using"),
             "{e:#}"
@@ -930,7 +956,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         std::fs::write(&release, b"").unwrap();
         let e = first.await.unwrap().unwrap_err();
         assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
-        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        let e = restore_to(&db, at, &ls, true).await.unwrap_err();
         assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
     }
 
@@ -945,16 +971,16 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         let ls = litestream_that(dir.path(), "exec 3<&0; (sleep 2 >/dev/null 2>&1) & exit 1");
         let db = dir.path().join("data").join("tally.db");
         let at: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
-        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        let e = restore_to(&db, at, &ls, true).await.unwrap_err();
         assert!(format!("{e:#}").contains("litestream restore"), "{e:#}");
-        let e = restore_to(&db, at, &ls).await.unwrap_err();
+        let e = restore_to(&db, at, &ls, true).await.unwrap_err();
         assert!(
             format!("{e:#}").contains("another process is using"),
             "{e:#}"
         );
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         loop {
-            let e = restore_to(&db, at, &ls).await.unwrap_err();
+            let e = restore_to(&db, at, &ls, true).await.unwrap_err();
             if format!("{e:#}").contains("litestream restore") {
                 break;
             }
@@ -973,7 +999,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         ls.timeout = Duration::from_millis(300);
         let db = dir.path().join("data").join("tally.db");
         let started = std::time::Instant::now();
-        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls)
+        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls, true)
             .await
             .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(10));
@@ -992,7 +1018,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
             "echo 'Error: no matching backup files available' >&2; exit 1",
         );
         let db = dir.path().join("data").join("tally.db");
-        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls)
+        let e = restore_to(&db, "2026-05-01T10:04:00Z".parse().unwrap(), &ls, true)
             .await
             .unwrap_err();
         let e = format!("{e:#}");
@@ -1013,11 +1039,11 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         let db = dir.path().join("tally.db");
         std::fs::write(&db, b"a database").unwrap();
         let future = Timestamp::now() + jiff::SignedDuration::from_hours(24);
-        let e = restore_to(&db, future, &ls).await.unwrap_err();
+        let e = restore_to(&db, future, &ls, true).await.unwrap_err();
         assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
         let past: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
         assert_eq!(
-            restore_to(&db, past, &ls).await.unwrap(),
+            restore_to(&db, past, &ls, true).await.unwrap(),
             Outcome::DatabaseExists
         );
     }
@@ -1032,7 +1058,7 @@ if [ -n "$ts" ]; then echo 'not a database at all, not even its header' > "$out"
         let db = dir.path().join("data").join("tally.db");
         let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
         for _ in 0..2 {
-            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            let e = restore_to(&db, target, &ls, true).await.unwrap_err();
             assert!(format!("{e:#}").contains("recording the restore"), "{e:#}");
             assert!(!db.exists(), "an unrecorded restore was left in place");
             assert!(marker(&db).is_none());
@@ -1078,7 +1104,7 @@ exit 0"#
         let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
         let db = dir.path().join("a").join("tally.db");
         let ls = empty_litestream(dir.path(), ":");
-        let Outcome::Restored(r) = restore_to(&db, target, &ls).await.unwrap() else {
+        let Outcome::Restored(r) = restore_to(&db, target, &ls, true).await.unwrap() else {
             panic!("not restored")
         };
         let m = marker(&db).expect("a marker");
@@ -1088,7 +1114,7 @@ exit 0"#
         // says so, until a rerun finishes the restore.
         let db = dir.path().join("d").join("tally.db");
         STOP_AFTER_LINK.set(true);
-        let stopped = restore_to(&db, target, &ls).await;
+        let stopped = restore_to(&db, target, &ls, true).await;
         STOP_AFTER_LINK.set(false);
         assert!(stopped.is_err());
         assert!(unfinished(&db).is_none(), "the file is in place");
@@ -1096,7 +1122,7 @@ exit 0"#
         let m = unfinished(&db).expect("an unfinished restore");
         assert_eq!(m.target, target.to_string());
         assert!(matches!(
-            restore_to(&db, target, &ls).await.unwrap(),
+            restore_to(&db, target, &ls, true).await.unwrap(),
             Outcome::Restored(_)
         ));
         assert!(unfinished(&db).is_none());
@@ -1107,21 +1133,21 @@ exit 0"#
         // database; run again, the restore finds it in place.
         let db = dir.path().join("c").join("tally.db");
         STOP_AFTER_LINK.set(true);
-        let stopped = restore_to(&db, target, &ls).await;
+        let stopped = restore_to(&db, target, &ls, true).await;
         STOP_AFTER_LINK.set(false);
         assert!(stopped.is_err());
         let m = marker(&db).expect("a marker as the file is put in place");
         assert_eq!(m.file, file_identity(&db));
         assert_eq!(m.file, file_identity(&restoring_path(&db)));
         assert_eq!(
-            restore_to(&db, target, &ls).await.unwrap(),
+            restore_to(&db, target, &ls, true).await.unwrap(),
             Outcome::InPlace
         );
         assert!(marker(&db).is_some());
 
         let db = dir.path().join("b").join("tally.db");
         let ls = empty_litestream(dir.path(), r#"echo another > "$db""#);
-        let e = restore_to(&db, target, &ls).await.unwrap_err();
+        let e = restore_to(&db, target, &ls, true).await.unwrap_err();
         assert!(format!("{e:#}").contains("a database appeared"), "{e:#}");
         assert_eq!(std::fs::read(&db).unwrap(), b"another\n");
         assert!(!marker_path(&db).exists());
@@ -1144,7 +1170,7 @@ exit 0"#
             std::fs::create_dir(&there).unwrap();
             std::fs::write(there.join("kept"), b"x").unwrap();
             let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
-            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            let e = restore_to(&db, target, &ls, true).await.unwrap_err();
             let e = format!("{e:#}");
             assert!(e.contains(&format!("{name} is a directory")), "{e}");
             assert!(there.join("kept").exists());
@@ -1157,7 +1183,10 @@ exit 0"#
         let db = dir.path().join("tally.db");
         std::fs::create_dir(&db).unwrap();
         let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(e.contains("tally.db is a directory, not a database"), "{e}");
     }
 
@@ -1176,7 +1205,10 @@ exit 0"#
 out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
 : > "$out""#,
         );
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(
             e.contains("planning the restore: litestream restore -dry-run")
                 && e.contains("was killed (SIGKILL) from outside"),
@@ -1185,18 +1217,27 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         assert!(!e.contains("history"), "{e}");
         assert!(!db.exists());
         let ls = litestream_that(dir.path(), "kill -TERM $$");
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(e.contains("was stopped by SIGTERM"), "{e}");
         assert!(!e.contains("memory"), "{e}");
         let ls = litestream_that(dir.path(), "echo 'panic: out of range' >&2; kill -SEGV $$");
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(
             e.contains("crashed (signal 11)") && e.contains("it said: panic: out of range"),
             "{e}"
         );
 
         let ls = litestream_that(dir.path(), "exit 0");
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(e.contains("said it succeeded but wrote no file at"), "{e}");
         assert!(e.contains("tally.db-latest"), "{e}");
         assert!(!db.exists());
@@ -1211,7 +1252,7 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
         let ls = failing_litestream(dir.path());
         let db = dir.path().join("data").join("tally.db");
         let target = Timestamp::now() + jiff::SignedDuration::from_hours(24 * 365);
-        let e = restore_to(&db, target, &ls).await.unwrap_err();
+        let e = restore_to(&db, target, &ls, true).await.unwrap_err();
         assert!(format!("{e:#}").contains("is in the future"), "{e:#}");
         assert!(!db.exists());
     }
@@ -1229,7 +1270,9 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
             "0001-01-01T05:00:00+05:00",
             "1969-12-31T23:59:59Z",
         ] {
-            let e = restore_to(&db, t.parse().unwrap(), &ls).await.unwrap_err();
+            let e = restore_to(&db, t.parse().unwrap(), &ls, true)
+                .await
+                .unwrap_err();
             assert!(format!("{e:#}").contains("before 1970"), "{t}: {e:#}");
             assert!(!db.exists());
         }
@@ -1252,7 +1295,7 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
                 false => std::fs::write(&path, b"the old database's").unwrap(),
             }
             let target: Timestamp = "2026-05-01T10:04:00Z".parse().unwrap();
-            let e = restore_to(&db, target, &ls).await.unwrap_err();
+            let e = restore_to(&db, target, &ls, true).await.unwrap_err();
             let e = format!("{e:#}");
             assert!(
                 e.contains(left) && e.contains("Move the whole data directory"),
@@ -1268,7 +1311,10 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
                 std::fs::remove_file(&path).unwrap();
             }
             std::os::unix::fs::symlink(dir.path().join("nowhere"), &path).unwrap();
-            let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+            let e = format!(
+                "{:#}",
+                restore_to(&db, target, &ls, true).await.unwrap_err()
+            );
             assert!(e.contains(left), "{left} as a dangling link: {e}");
         }
     }
@@ -1293,7 +1339,10 @@ out=""; while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
             .unwrap();
         };
         fifo(&db);
-        let e = format!("{:#}", restore_to(&db, target, &ls).await.unwrap_err());
+        let e = format!(
+            "{:#}",
+            restore_to(&db, target, &ls, true).await.unwrap_err()
+        );
         assert!(e.contains("is not a regular file"), "{e}");
         std::fs::remove_file(&db).unwrap();
         std::fs::write(&db, b"a database").unwrap();

@@ -1475,7 +1475,7 @@ fn a_restore_timestamp_makes_the_init_container_restore_to_that_instant_once() {
                 at,
                 "--litestream-config",
                 "/etc/litestream/litestream.yml",
-                "--if-db-not-exists"
+                "--at-every-start"
             ]
         );
         // The same database path as tally's, from the same variables.

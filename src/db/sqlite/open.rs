@@ -34,19 +34,13 @@ pub async fn open(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWrite
             return e;
         }
         let dir = super::data_dir(path);
-        match nix::sys::statvfs::statvfs(dir) {
-            Ok(fs) => {
-                let free = fs.blocks_available().saturating_mul(fs.fragment_size());
-                match free < LOW_SPACE {
-                    true => OpenError::SpaceLow {
-                        dir: dir.to_owned(),
-                        free,
-                        source: Box::new(e),
-                    },
-                    false => e,
-                }
-            }
-            Err(_) => e,
+        match crate::restore::room_left(dir) {
+            Some(free) if free < LOW_SPACE => OpenError::SpaceLow {
+                dir: dir.to_owned(),
+                free,
+                source: Box::new(e),
+            },
+            _ => e,
         }
     })
 }

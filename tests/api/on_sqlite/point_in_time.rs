@@ -214,9 +214,24 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     ok(d.restore());
     assert_eq!(state_of(&d.db()).await, expected);
 
-    // The same restore asked for again (the value left set): the latest
-    // state, not a second trip back in time.
+    // The same restore asked for again by hand: refused, nothing put in
+    // place (going on to serve would serve the latest state as if it were
+    // the undo).
     d.wipe();
+    let by_hand = d.restore_to_by_hand(&at);
+    let err = String::from_utf8_lossy(&by_hand.stderr);
+    assert_eq!(by_hand.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines()
+            .last()
+            .unwrap()
+            .contains(&format!("a restore to {at} was made already"))
+            && err.contains("nothing was put in place"),
+        "{err}"
+    );
+    assert!(!d.db().exists());
+    // And as the init container asks for it again (the value left set):
+    // the latest state, not a second trip back in time.
     let log = ok(d.restore_to(&at));
     assert!(log.contains("was made already"), "{log}");
     assert_eq!(state_of(&d.db()).await, expected);
@@ -226,10 +241,7 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     // (run again in the same pod) takes it as done, while by hand it
     // means the database was not moved aside, and the undo did not happen.
     let log = ok(d.restore_to(&at));
-    assert!(
-        log.contains("nothing restored (--if-db-not-exists)"),
-        "{log}"
-    );
+    assert!(log.contains("nothing restored (--at-every-start)"), "{log}");
     assert_eq!(state_of(&d.db()).await, expected);
     let by_hand = d.restore_to_by_hand(&at);
     let err = String::from_utf8_lossy(&by_hand.stderr);

@@ -107,10 +107,10 @@ impl Deployment {
             .unwrap()
     }
 
-    /// `tally restore-to --timestamp AT --if-db-not-exists`, as the
+    /// `tally restore-to --timestamp AT --at-every-start`, as the
     /// chart's init container runs it when `restore.timestamp` is set.
     pub fn restore_to(&self, at: &str) -> std::process::Output {
-        self.restore_to_with(at, &["--if-db-not-exists"])
+        self.restore_to_with(at, &["--at-every-start"])
     }
 
     /// `tally restore-to --timestamp AT`, as an operator runs it by hand.
