@@ -55,6 +55,9 @@ pub enum ReplicaError {
     },
 }
 
+/// How a call to Litestream that timed out begins its error.
+const NO_ANSWER: &str = "no answer within";
+
 /// One `POST /sync` over the unix socket at `socket`, bounded by `limit`.
 /// With `wait`, Litestream answers once the replica has the sync (or its
 /// `wait` has passed); without, once the local sync is done.
@@ -120,7 +123,7 @@ pub async fn sync_once(
     };
     tokio::time::timeout(limit, call)
         .await
-        .unwrap_or_else(|_| Err(format!("no answer within {limit:.1?}")))
+        .unwrap_or_else(|_| Err(format!("{NO_ANSWER} {limit:.1?}")))
 }
 
 /// Asks Litestream to sync until the replica has caught up, or `overall`
@@ -138,11 +141,6 @@ pub async fn wait_for_replica(
     let mut attempt = 0u32;
     while Instant::now() < deadline {
         let left = deadline.saturating_duration_since(Instant::now());
-        // A call with under a second left could only time out, and its
-        // timeout would take the place of what Litestream last said.
-        if attempt > 0 && left < Duration::from_secs(1) {
-            break;
-        }
         attempt += 1;
         // Litestream counts its wait in whole seconds, at least one, and
         // answers a little after it: the call gets some slack, but is cut
@@ -169,7 +167,11 @@ pub async fn wait_for_replica(
             }
             Err(e) => {
                 tracing::info!(attempt, error = %e, "waiting for litestream");
-                last = e;
+                // A call cut short by the deadline says less than what
+                // Litestream answered before it, which stays the reason.
+                if !(e.starts_with(NO_ANSWER) && attempt > 1) {
+                    last = e;
+                }
             }
         }
         let pause =
