@@ -24,6 +24,7 @@
 
 use std::{
     io,
+    mem::ManuallyDrop,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -35,6 +36,12 @@ pub(super) struct DbFiles {
     files: [Tracked; 3],
     /// Litestream replicates them ([`Lost::may_be_kept`]).
     replicated: bool,
+    /// The database file, opened once to read its header, and never
+    /// closed: on Linux, closing any descriptor of a file drops every
+    /// POSIX lock the process holds on it, SQLite's too, and another
+    /// process's connection, closing as if it were the last, would then
+    /// checkpoint and delete the WAL under tally.
+    db_file: ManuallyDrop<Option<std::fs::File>>,
 }
 
 struct Tracked {
@@ -71,13 +78,18 @@ impl DbFiles {
                 longest: seen.map_or(0, |(_, len)| len),
             }
         });
-        DbFiles { files, replicated }
+        DbFiles {
+            files,
+            replicated,
+            db_file: ManuallyDrop::new(std::fs::File::open(db).ok()),
+        }
     }
 
     /// Compares each recorded file with the file its path names now: one
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         let replicated = self.replicated;
+        let db_file = self.db_file.as_ref();
         for (i, f) in self.files.iter_mut().enumerate() {
             // The index only: a lost `-shm` leaves the WAL, which holds
             // every commit, at its name.
@@ -95,15 +107,17 @@ impl DbFiles {
                 }
                 (Some(_), Ok(None)) => return Err(lost("deleted")),
                 (Some(was), Ok(Some((now, _)))) if was != now => return Err(lost("replaced")),
-                (Some(_), Ok(Some((_, len)))) if db && len < f.longest => match header(&f.path) {
-                    // Made shorter by SQLite: its header was written first.
-                    Ok(Header::Length(said)) if said <= len => f.longest = len,
-                    Ok(Header::Unknown) => f.longest = len,
-                    _ => {
-                        leave_cut_short_mark(&f.path, f.longest, len);
-                        return Err(lost("cut short"));
+                (Some(_), Ok(Some((_, len)))) if db && len < f.longest => {
+                    match db_file.map_or_else(|| Err(io::ErrorKind::NotFound.into()), header_of) {
+                        // Made shorter by SQLite: its header was written first.
+                        Ok(Header::Length(said)) if said <= len => f.longest = len,
+                        Ok(Header::Unknown) => f.longest = len,
+                        _ => {
+                            leave_cut_short_mark(&f.path, f.longest, len);
+                            return Err(lost("cut short"));
+                        }
                     }
-                },
+                }
                 (Some(_), Ok(Some((_, len)))) => f.longest = f.longest.max(len),
                 // Not a verdict: a path that cannot be looked at (a
                 // permission changed) is not known to name another file.
@@ -151,11 +165,17 @@ pub(super) enum Header {
 }
 
 /// The header of the database file at `path` (its first 100 bytes, as
-/// the file format describes them).
+/// the file format describes them). Opens and closes the file: only where
+/// no connection of this process has it open (see [`DbFiles`]).
 pub(super) fn header(path: &Path) -> io::Result<Header> {
-    use std::io::Read;
+    header_of(&std::fs::File::open(path)?)
+}
+
+/// The header of the database file `file`.
+fn header_of(file: &std::fs::File) -> io::Result<Header> {
+    use std::os::unix::fs::FileExt;
     let mut h = [0u8; 100];
-    match std::fs::File::open(path)?.read_exact(&mut h) {
+    match file.read_exact_at(&mut h, 0) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Header::NotADatabase),
         Err(e) => return Err(e),

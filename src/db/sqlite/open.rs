@@ -65,7 +65,7 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
         // what a restore that skips existing files takes for one.
         let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
         refuse_other_names(path)?;
-        refuse_cut_short(path, file_existed)?;
+        let short_beside_wal = refuse_cut_short(path, file_existed)?;
         // Before SQLite creates a file there: a restore would skip it.
         if !file_existed {
             let found = match empty_file {
@@ -88,6 +88,9 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
             return Err(e);
         }
         let mut conn = open_writer(path, opts).await?;
+        if let Some((len, said)) = short_beside_wal {
+            refuse_unless_whole(path, &mut conn, len, said).await?;
+        }
         let had_tables = file_existed && has_tables(&mut conn).await.map_err(open_err)?;
         if file_existed && !had_tables {
             replicated::refuse_if_lost(
@@ -155,21 +158,28 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
     }
 }
 
-/// Refuses a database file cut short in place (truncated, or copied over
-/// while in use): it has lost pages, which SQLite would read as zeros, and
-/// a checkpoint would write the WAL's pages into it, a database with
-/// holes. Either a tally that served it saw it cut and left its mark
-/// ([`files::cut_short_mark`]), or, with no WAL to replay, the file is
-/// shorter than its own header says (with one, it may be: a checkpoint
-/// stopped half-way by a crash leaves pages only the WAL holds).
-fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<(), OpenError> {
-    let refused = |found: String| OpenError::Refused {
+/// The refusal of a database file cut short, found as `found`.
+fn cut_short(path: &Path, found: String) -> OpenError {
+    OpenError::Refused {
         path: path.to_owned(),
         reason: format!(
             "{found}: it has lost pages. Restore it from the replica (in Kubernetes, delete the \
              pod) or a backup, with everything beside it moved aside first (see the runbooks)"
         ),
-    };
+    }
+}
+
+/// Refuses a database file cut short in place (truncated, or copied over
+/// while in use): it has lost pages, which SQLite would read as zeros, and
+/// a checkpoint would write the WAL's pages into it, a database with
+/// holes. Either a tally that served it saw it cut and left its mark
+/// ([`files::cut_short_mark`]), or, with no WAL to replay, the file is
+/// shorter than its own header says. With a WAL beside it, it may be (a
+/// checkpoint stopped half-way by a crash leaves pages only the WAL
+/// holds): the length and what the header says are returned, for
+/// [`refuse_unless_whole`] once the WAL is open.
+fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<Option<(u64, u64)>, OpenError> {
+    let refused = |found: String| cut_short(path, found);
     let mark = files::cut_short_mark(path);
     if let Ok(said) = std::fs::read_to_string(&mark) {
         return Err(refused(format!(
@@ -182,13 +192,53 @@ fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<(), OpenError> {
     let wal_empty = std::fs::metadata(beside(path, "-wal")).map_or(true, |m| m.len() == 0);
     let len = std::fs::metadata(path).map_or(0, |m| m.len());
     match files::header(path) {
-        Ok(files::Header::Length(said)) if file_existed && wal_empty && said > len => {
-            Err(refused(format!(
+        Ok(files::Header::Length(said)) if file_existed && said > len => match wal_empty {
+            true => Err(refused(format!(
                 "the file is shorter than its own header says ({len} of {said} bytes), with no \
                  WAL beside it: it was cut short (truncated, or copied over while in use)"
-            )))
-        }
-        _ => Ok(()),
+            ))),
+            false => Ok(Some((len, said))),
+        },
+        _ => Ok(None),
+    }
+}
+
+/// A database file shorter than its header says, with a WAL beside it:
+/// whole if the WAL holds the pages the file lacks, which SQLite's
+/// `quick_check` (a read of every page, the cost of this rare case) tells.
+async fn refuse_unless_whole(
+    path: &Path,
+    conn: &mut SqliteConnection,
+    len: u64,
+    said: u64,
+) -> Result<(), OpenError> {
+    tracing::warn!(
+        path = %path.display(),
+        len,
+        said,
+        "the database file is shorter than its header says, with a WAL beside it (a checkpoint \
+         stopped by a crash leaves that, and so does a file cut short): checking every page"
+    );
+    let found: Result<Vec<String>, _> = sqlx::query_scalar("PRAGMA quick_check")
+        .fetch_all(&mut *conn)
+        .await;
+    match found {
+        Ok(lines) if lines == ["ok"] => Ok(()),
+        Ok(lines) => Err(cut_short(
+            path,
+            format!(
+                "the file is shorter than its own header says ({len} of {said} bytes), and the \
+                 WAL beside it does not make up for it (quick_check: {})",
+                lines.join("; ").chars().take(500).collect::<String>()
+            ),
+        )),
+        Err(e) => Err(cut_short(
+            path,
+            format!(
+                "the file is shorter than its own header says ({len} of {said} bytes), and \
+                 cannot be read whole ({e})"
+            ),
+        )),
     }
 }
 
