@@ -89,6 +89,11 @@ impl DbFiles {
     /// look per file ([`super::stat`]). A file not seen before is recorded now.
     pub fn check(&mut self) -> Result<(), Lost> {
         let replicated = self.replicated;
+        if self.db_file.is_none() {
+            // Not opened when recorded (out of descriptors, say): kept
+            // once it is, never closed either.
+            *self.db_file = std::fs::File::open(&self.files[0].path).ok();
+        }
         let db_file = self.db_file.as_ref();
         for (i, f) in self.files.iter_mut().enumerate() {
             // The index only: a lost `-shm` leaves the WAL, which holds
@@ -108,10 +113,20 @@ impl DbFiles {
                 (Some(_), Ok(None)) => return Err(lost("deleted")),
                 (Some(was), Ok(Some((now, _)))) if was != now => return Err(lost("replaced")),
                 (Some(_), Ok(Some((_, len)))) if db && len < f.longest => {
-                    match db_file.map_or_else(|| Err(io::ErrorKind::NotFound.into()), header_of) {
+                    match db_file.map(header_of) {
                         // Made shorter by SQLite: its header was written first.
-                        Ok(Header::Length(said)) if said <= len => f.longest = len,
-                        Ok(Header::Unknown) => f.longest = len,
+                        Some(Ok(Header::Length { bytes, .. })) if bytes <= len => f.longest = len,
+                        Some(Ok(Header::Unknown)) => f.longest = len,
+                        // No way to read it without closing a descriptor
+                        // of it: not a verdict.
+                        None => {
+                            tracing::warn!(
+                                path = %f.path.display(),
+                                "the database file is shorter than before, and cannot be opened \
+                                 to tell whether SQLite or something else made it so"
+                            );
+                            f.longest = len;
+                        }
                         _ => {
                             leave_cut_short_mark(&f.path, f.longest, len);
                             return Err(lost("cut short"));
@@ -154,9 +169,10 @@ fn leave_cut_short_mark(db: &Path, was: u64, is: u64) {
 /// What a database file's header says of its length.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Header {
-    /// Its pages times their size: SQLite keeps the file at least as long
-    /// (a checkpoint writes page 1 before it truncates the file).
-    Length(u64),
+    /// Its pages times their size (`bytes`), and the size of a page:
+    /// SQLite keeps the file at least as long (a checkpoint writes page 1
+    /// before it truncates the file), and writes whole pages only.
+    Length { bytes: u64, page: u64 },
     /// Not a SQLite database: too short for a header, or not one.
     NotADatabase,
     /// A header whose page count is not kept (by a writer older than
@@ -190,7 +206,10 @@ fn header_of(file: &std::fs::File) -> io::Result<Header> {
     };
     let (changes, pages, valid_for) = (u32_at(24), u32_at(28), u32_at(92));
     Ok(match pages != 0 && changes == valid_for {
-        true => Header::Length(u64::from(pages) * page_size),
+        true => Header::Length {
+            bytes: u64::from(pages) * page_size,
+            page: page_size,
+        },
         false => Header::Unknown,
     })
 }

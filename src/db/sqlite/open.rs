@@ -190,14 +190,38 @@ fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<Option<(u64, u64)
         )));
     }
     let wal_empty = std::fs::metadata(beside(path, "-wal")).map_or(true, |m| m.len() == 0);
-    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+    let Ok(len) = std::fs::metadata(path).map(|m| m.len()) else {
+        return Ok(None);
+    };
+    // SQLite never leaves its database empty beside a WAL (tally makes its
+    // own whole), and would delete the WAL, the evidence, as it opened it.
+    if len == 0 && !wal_empty {
+        return Err(refused(
+            "the file is empty, with a WAL beside it: it was cut short (truncated, or copied \
+             over while in use)"
+                .to_owned(),
+        ));
+    }
     match files::header(path) {
-        Ok(files::Header::Length(said)) if file_existed && said > len => match wal_empty {
+        Ok(files::Header::NotADatabase) if len > 0 && len < 100 => Err(refused(format!(
+            "the file is {len} bytes long, too short for the header every SQLite database \
+             begins with: it was cut short (truncated, or copied over while in use), or is no \
+             database"
+        ))),
+        // SQLite writes whole pages only.
+        Ok(files::Header::Length { page, .. }) if file_existed && len % page != 0 => {
+            Err(refused(format!(
+                "the file is {len} bytes long, not a whole number of its {page}-byte pages: it \
+                 was cut short (truncated, or copied over while in use)"
+            )))
+        }
+        Ok(files::Header::Length { bytes, .. }) if file_existed && bytes > len => match wal_empty {
             true => Err(refused(format!(
-                "the file is shorter than its own header says ({len} of {said} bytes), with no \
-                 WAL beside it: it was cut short (truncated, or copied over while in use)"
+                "the file is shorter than its own header says ({len} of {bytes} bytes), \
+                     with no WAL beside it: it was cut short (truncated, or copied over while \
+                     in use)"
             ))),
-            false => Ok(Some((len, said))),
+            false => Ok(Some((len, bytes))),
         },
         _ => Ok(None),
     }
@@ -229,7 +253,12 @@ async fn refuse_unless_whole(
             format!(
                 "the file is shorter than its own header says ({len} of {said} bytes), and the \
                  WAL beside it does not make up for it (quick_check: {})",
-                lines.join("; ").chars().take(500).collect::<String>()
+                lines
+                    .join("; ")
+                    .replace('\n', " ")
+                    .chars()
+                    .take(300)
+                    .collect::<String>()
             ),
         )),
         Err(e) => Err(cut_short(
