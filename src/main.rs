@@ -165,28 +165,7 @@ async fn restore_to(
         biased;
         signal = restore_stopped() => signal,
         restored = tally::restore::restore_to(db, timestamp, &ls, at_every_start) => {
-            return match restored? {
-                tally::restore::Outcome::DatabaseExists if at_every_start => {
-                    tracing::warn!(
-                        database = %db.display(),
-                        target = %timestamp,
-                        "the database exists: nothing restored (--at-every-start)"
-                    );
-                    Ok(())
-                }
-                // By hand, a database left in place means the undo did not
-                // happen: the old state would be served and replicated as
-                // if it had.
-                tally::restore::Outcome::DatabaseExists => bail!(
-                    "the database {} exists: nothing restored. A restore only fills an empty \
-                     data directory: stop tally and its Litestream, move the database and \
-                     everything beside it aside (the directory, or where it is a mount point \
-                     its contents, dot files included), then run this again \
-                     (--at-every-start, as a pod's init container runs it, takes it as done)",
-                    db.display()
-                ),
-                _ => Ok(()),
-            };
+            return restored.map(drop);
         }
     };
     // Killed as the restore was dropped, Litestream holds the lock until it

@@ -75,7 +75,8 @@ pub fn config_path(given: Option<&Path>) -> PathBuf {
 /// What `restore-to` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// A database was there already: nothing was restored.
+    /// A database was there already: nothing was restored (at every
+    /// start only; by hand that is an error).
     DatabaseExists,
     /// The restore to this instant that an earlier run made is in place
     /// (that run stopped before it ended, or ended): nothing more to do.
@@ -259,10 +260,10 @@ pub fn unfinished(db: &Path) -> Option<Marker> {
 
 /// Restores the database at `db` to `target` if the data directory has no
 /// database yet (see the module's doc). `at_every_start`: run at every
-/// start of a pod (the chart's init container), where a restore to this
-/// instant already made is the latest state's to stand for, which is
-/// restored instead; by hand that is an error, and nothing is put in
-/// place.
+/// start of a pod (the chart's init container), where a database already
+/// there is taken as done, and a restore to this instant already made is
+/// the latest state's to stand for, which is restored instead; by hand
+/// both are errors, and nothing is put in place.
 pub async fn restore_to(
     db: &Path,
     target: Timestamp,
@@ -382,7 +383,25 @@ async fn restore_into(
                 );
                 Outcome::InPlace
             }
-            _ => Outcome::DatabaseExists,
+            _ if at_every_start => {
+                tracing::warn!(
+                    database = %db.display(),
+                    target,
+                    "the database exists: nothing restored (--at-every-start)"
+                );
+                Outcome::DatabaseExists
+            }
+            // By hand, a database left in place means the undo did not
+            // happen: the old state would be served and replicated as if
+            // it had.
+            _ => bail!(
+                "the database {} exists: nothing restored. A restore only fills an empty data \
+                 directory: stop tally and its Litestream, move the database and everything \
+                 beside it aside (the directory, or where it is a mount point its contents, \
+                 dot files included), then run this again (--at-every-start, as a pod's init \
+                 container runs it, takes it as done)",
+                db.display()
+            ),
         });
     }
     // What a database leaves beside it belongs to it: SQLite would replay a
