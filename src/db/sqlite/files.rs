@@ -65,12 +65,8 @@ impl DbFiles {
     /// Records the files now at `db`, `db-wal` and `db-shm`; `replicated`:
     /// Litestream replicates them.
     pub fn record(db: &Path, replicated: bool) -> Self {
-        let with_suffix = |suffix: &str| {
-            let mut p = db.as_os_str().to_owned();
-            p.push(suffix);
-            PathBuf::from(p)
-        };
-        let files = [db.to_owned(), with_suffix("-wal"), with_suffix("-shm")].map(|path| {
+        let beside = |suffix| crate::restore::beside(db, suffix);
+        let files = [db.to_owned(), beside("-wal"), beside("-shm")].map(|path| {
             let seen = file_id(&path).ok().flatten();
             Tracked {
                 path,
@@ -279,6 +275,11 @@ mod tests {
         h[28..32].copy_from_slice(&pages.to_be_bytes());
         h[92..96].copy_from_slice(&7u32.to_be_bytes());
         std::fs::write(path, &h).unwrap();
+        cut(path, len);
+    }
+
+    /// `path` made `len` bytes long in place, as `truncate -s` does.
+    fn cut(path: &Path, len: u64) {
         std::fs::File::options()
             .write(true)
             .open(path)
@@ -301,12 +302,7 @@ mod tests {
         files.check().unwrap();
         // Cut short in place, to below the longest it was seen at, though
         // as long as when it was recorded: its header counts 3 pages.
-        std::fs::File::options()
-            .write(true)
-            .open(&db)
-            .unwrap()
-            .set_len(8192)
-            .unwrap();
+        cut(&db, 8192);
         let lost = files.check().unwrap_err();
         assert_eq!((&*lost.path, lost.what), (db.as_path(), "cut short"));
         assert!(!lost.may_be_kept);
@@ -317,12 +313,7 @@ mod tests {
         for len in [0, 50] {
             database_file(&db, 3, 12288);
             let mut files = DbFiles::record(&db, true);
-            std::fs::File::options()
-                .write(true)
-                .open(&db)
-                .unwrap()
-                .set_len(len)
-                .unwrap();
+            cut(&db, len);
             let lost = files.check().unwrap_err();
             assert_eq!(lost.what, "cut short", "cut to {len}");
             assert!(lost.may_be_kept);

@@ -60,12 +60,13 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
         // Whether tally's data was there before this start: a wrong replica
         // path makes a restore step skip quietly, and a first deploy looks
         // the same. Say which it was.
-        let file_existed = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+        let len = std::fs::metadata(path).ok().map(|m| m.len());
+        let file_existed = len.is_some_and(|len| len > 0);
         // What `sqlite3` leaves when asked about a missing database, and
         // what a restore that skips existing files takes for one.
-        let empty_file = std::fs::metadata(path).is_ok_and(|m| m.len() == 0);
+        let empty_file = len == Some(0);
         refuse_other_names(path)?;
-        let short_beside_wal = refuse_cut_short(path, file_existed)?;
+        let short_beside_wal = refuse_cut_short(path, len)?;
         // Before SQLite creates a file there: a restore would skip it.
         if !file_existed {
             let found = match empty_file {
@@ -177,8 +178,9 @@ fn cut_short(path: &Path, found: String) -> OpenError {
 /// shorter than its own header says. With a WAL beside it, it may be (a
 /// checkpoint stopped half-way by a crash leaves pages only the WAL
 /// holds): the length and what the header says are returned, for
-/// [`refuse_unless_whole`] once the WAL is open.
-fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<Option<(u64, u64)>, OpenError> {
+/// [`refuse_unless_whole`] once the WAL is open. `len`: the file's length,
+/// if there is one.
+fn refuse_cut_short(path: &Path, len: Option<u64>) -> Result<Option<(u64, u64)>, OpenError> {
     let refused = |found: String| cut_short(path, found);
     let mark = files::cut_short_mark(path);
     if let Ok(said) = std::fs::read_to_string(&mark) {
@@ -189,10 +191,10 @@ fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<Option<(u64, u64)
             mark.display()
         )));
     }
-    let wal_empty = std::fs::metadata(beside(path, "-wal")).map_or(true, |m| m.len() == 0);
-    let Ok(len) = std::fs::metadata(path).map(|m| m.len()) else {
+    let Some(len) = len else {
         return Ok(None);
     };
+    let wal_empty = std::fs::metadata(beside(path, "-wal")).map_or(true, |m| m.len() == 0);
     // SQLite never leaves its database empty beside a WAL (tally makes its
     // own whole), and would delete the WAL, the evidence, as it opened it.
     if len == 0 && !wal_empty {
@@ -208,14 +210,13 @@ fn refuse_cut_short(path: &Path, file_existed: bool) -> Result<Option<(u64, u64)
              begins with: it was cut short (truncated, or copied over while in use), or is no \
              database"
         ))),
-        // SQLite writes whole pages only.
-        Ok(files::Header::Length { page, .. }) if file_existed && len % page != 0 => {
-            Err(refused(format!(
-                "the file is {len} bytes long, not a whole number of its {page}-byte pages: it \
+        // SQLite writes whole pages only (a header is read from 100 bytes
+        // or more: the file is not empty).
+        Ok(files::Header::Length { page, .. }) if len % page != 0 => Err(refused(format!(
+            "the file is {len} bytes long, not a whole number of its {page}-byte pages: it \
                  was cut short (truncated, or copied over while in use)"
-            )))
-        }
-        Ok(files::Header::Length { bytes, .. }) if file_existed && bytes > len => match wal_empty {
+        ))),
+        Ok(files::Header::Length { bytes, .. }) if bytes > len => match wal_empty {
             true => Err(refused(format!(
                 "the file is shorter than its own header says ({len} of {bytes} bytes), \
                      with no WAL beside it: it was cut short (truncated, or copied over while \
