@@ -20,11 +20,10 @@ fn stepped_binary(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
     binary_on(dir, clock, extra)
 }
 
-/// tally with its clock read from `clock`, as it is set.
-fn binary_on(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
-    let library = faketime_library();
-    let db = dir.join("tally.db");
-    let mut env = vec![
+/// The environment of a tally on `db` whose wall clock libfaketime (the
+/// `library`) reads from `clock`.
+fn clocked_env<'a>(db: &'a Path, library: &'a Path, clock: &'a Path) -> Vec<(&'a str, &'a str)> {
+    vec![
         ("TALLY_DATABASE", db.to_str().unwrap()),
         ("TALLY_ADMIN_TOKEN", ADMIN),
         ("LD_PRELOAD", library.to_str().unwrap()),
@@ -32,7 +31,14 @@ fn binary_on(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
         // Read at every call: the step lands at once.
         ("FAKETIME_NO_CACHE", "1"),
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-    ];
+    ]
+}
+
+/// tally with its clock read from `clock`, as it is set.
+fn binary_on(dir: &Path, clock: &Path, extra: &[(&str, &str)]) -> Binary {
+    let library = faketime_library();
+    let db = dir.join("tally.db");
+    let mut env = clocked_env(&db, &library, clock);
     env.extend_from_slice(extra);
     // The environment holds borrowed strings: start before they go.
     Binary::start(&env)
@@ -417,13 +423,7 @@ async fn a_clock_outside_what_days_can_be_counted_in_is_refused() {
     let (before, after) = (-86_400, 253_402_214_400);
     for at in [before, after] {
         set_clock(&clock, &offset_to(at));
-        let stderr = failed_start(&[
-            ("TALLY_DATABASE", db.to_str().unwrap()),
-            ("LD_PRELOAD", library.to_str().unwrap()),
-            ("FAKETIME_TIMESTAMP_FILE", clock.to_str().unwrap()),
-            ("FAKETIME_NO_CACHE", "1"),
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-        ]);
+        let stderr = failed_start(&clocked_env(&db, &library, &clock));
         let last = stderr.lines().last().unwrap();
         assert!(
             last.starts_with("tally: the wall clock reads ")
