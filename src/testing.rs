@@ -28,3 +28,13 @@ pub fn script(path: &Path, text: &str) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// `path` made `len` bytes long in place, as `truncate -s` does.
+pub fn cut(path: &Path, len: u64) {
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}

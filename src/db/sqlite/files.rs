@@ -228,6 +228,7 @@ fn file_id(path: &Path) -> io::Result<Option<(FileId, u64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::cut;
 
     #[test]
     fn notices_deleted_and_replaced_files() {
@@ -276,16 +277,6 @@ mod tests {
         h[92..96].copy_from_slice(&7u32.to_be_bytes());
         std::fs::write(path, &h).unwrap();
         cut(path, len);
-    }
-
-    /// `path` made `len` bytes long in place, as `truncate -s` does.
-    fn cut(path: &Path, len: u64) {
-        std::fs::File::options()
-            .write(true)
-            .open(path)
-            .unwrap()
-            .set_len(len)
-            .unwrap();
     }
 
     #[test]

@@ -17,6 +17,8 @@ use std::{
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 
+use tally::testing::cut;
+
 use crate::helpers::{ADMIN, Binary, failed_start, problem};
 
 /// A size-limited tmpfs on a fresh directory, unmounted when dropped.
@@ -353,16 +355,6 @@ async fn a_database_cut_short_in_place_refuses_writes_and_exits_non_zero() {
     let bin = Binary::start(&[("TALLY_DATABASE", db_str)]);
     assert_eq!(read(&client, &bin, "after").await, 1);
     assert_eq!(read(&client, &bin, "name-of-some-length-299").await, 1);
-}
-
-/// `path` cut to `len` bytes in place, as `truncate -s` does.
-fn cut(path: &Path, len: u64) {
-    std::fs::File::options()
-        .write(true)
-        .open(path)
-        .unwrap()
-        .set_len(len)
-        .unwrap();
 }
 
 /// A `VACUUM` from another process shortens the database file at its
