@@ -81,8 +81,10 @@ pub async fn put(
     }
     // The days before the new window (a shorter one leaves some): no
     // answer reads them; as a prune's, a share now and the rest by the
-    // writer ([`prune_more`]), which notes every `PUT`.
-    let cutoff = kept.oldest.to_string();
+    // writer ([`prune_more`]), which notes every `PUT`, and counted back
+    // as a prune's, so that a `PUT` made again within a step of midnight
+    // deletes no day a clock set right would bring back.
+    let cutoff = spec.kept_days(trusted.prune_from()).oldest.to_string();
     pruned_rows += delete_share(
         conn,
         name.as_str(),
@@ -247,7 +249,10 @@ pub async fn prune_more<S: Store>(
             )
             .await;
         };
-        let cutoff = budget.spec.kept_days(clock::trusted(now).earliest).oldest;
+        let cutoff = budget
+            .spec
+            .kept_days(clock::trusted(now).prune_from())
+            .oldest;
         let cutoff = cutoff.to_string();
         delete_share(conn, name, &cutoff, Some(PRUNE_SHARE), false, &mut next).await
     })
@@ -306,8 +311,9 @@ pub async fn check_many(
             ))));
         }
     }
-    // Counted back from a time no step of the clock has moved on.
-    let prune_from = clock::trusted(now).earliest;
+    // Counted back from a time no step of the clock has moved on, less an
+    // error under a step ([`clock::Trusted::prune_from`]).
+    let prune_from = clock::trusted(now).prune_from();
     let mut decisions = Vec::with_capacity(items.len());
     let mut prunes: Vec<(usize, Day)> = Vec::new();
     for (i, (item, day)) in items.iter().zip(days).enumerate() {

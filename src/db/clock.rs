@@ -91,6 +91,23 @@ impl Trusted {
             latest: now,
         }
     }
+
+    /// What a prune counts the days it deletes back from: [`earliest`]
+    /// less one [`STEP`], so that a day is deleted only once it has been
+    /// out of the window for longer than an error that is not a step.
+    /// Counted from the clock as it reads, a clock up to a step fast at a
+    /// budget's midnight, set right, brought the day that midnight's first
+    /// call had pruned back into the window, read empty (a visitor at its
+    /// limit on that day allowed again). A first call of the day within a
+    /// step of its midnight leaves the day the window left to the next
+    /// day's first call: one more day stored, never read while outside
+    /// the window.
+    ///
+    /// [`earliest`]: Trusted::earliest
+    pub fn prune_from(&self) -> Timestamp {
+        let step = SignedDuration::try_from(STEP).unwrap_or(SignedDuration::ZERO);
+        self.earliest.checked_sub(step).unwrap_or(self.earliest)
+    }
 }
 
 /// A hold as the database keeps it, for a process started during it:

@@ -7,7 +7,7 @@ use sqlx::{Connection, SqliteConnection};
 use super::{
     Database, DbOptions, Error,
     budgets::{self, CheckItem},
-    counters,
+    clock, counters,
 };
 use crate::meter::{self, BudgetSpec, Counts, Day, Decision, Name, Refusal, VisitorId};
 
@@ -107,7 +107,8 @@ async fn reference_check(
     }
     let mut decision = Decision::new(&budget, day, step, now);
     if step.first_of_day {
-        let cutoff = budget.spec.kept_days(now).oldest.to_string();
+        // A day is pruned once it has been out of the window for a step.
+        let cutoff = budget.spec.kept_days(now - clock::STEP).oldest.to_string();
         for sql in [
             "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2",
             "DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2",
@@ -361,7 +362,12 @@ fn random_batch<'a>(
 /// is 0 too, none of whose calls reaches the global counter.
 fn assert_retention_held(budget: &Name, spec: &BudgetSpec, now: Timestamp, after: &[Row]) {
     let kept = spec.kept_days(now);
-    let (today, oldest) = (kept.today.to_string(), kept.oldest.to_string());
+    // The day the window left is kept till the next day's first call when
+    // today's came within a step of midnight.
+    let (today, oldest) = (
+        kept.today.to_string(),
+        kept.oldest.minus_days(1).to_string(),
+    );
     let usage = || {
         after
             .iter()
@@ -1516,6 +1522,88 @@ async fn a_new_window_never_brings_back_a_day_the_old_one_had_left() {
             read.push((d.visitor_calls, d.global_calls));
         }
         assert_eq!(read, [(1, 1), (1, 1)], "{}", new.timezone_name);
+    }
+}
+
+/// A clock up to a step fast at a budget's midnight is no step, and is
+/// held for by no hold: the day's first call, or a `PUT` made again, by
+/// that clock, and then the clock set right, must leave the day the window
+/// had not yet left reading what it counted (its visitor at the limit
+/// stays there), not empty. Past a step after midnight, a day's first call
+/// prunes the day the window left, and a `PUT` too.
+#[tokio::test]
+async fn a_clock_fast_by_less_than_a_step_at_midnight_prunes_no_kept_day() {
+    let name = Name::parse("b").unwrap();
+    let (a, other) = (
+        VisitorId::parse("a").unwrap(),
+        VisitorId::parse("o").unwrap(),
+    );
+    let spec = BudgetSpec::new(2, 50, Some(1), Some("UTC")).unwrap();
+    let at = |s: &str| s.parse::<Timestamp>().unwrap();
+    let oldest = Day::parse("2026-03-09").unwrap();
+    let check = async |conn: &mut SqliteConnection, visitor, day, now| {
+        let item = CheckItem {
+            budget: &name,
+            visitor,
+            day,
+        };
+        budgets::check(conn, item, now).await.unwrap()
+    };
+    for by_put in [false, true] {
+        let mut conn = fresh_db().await;
+        budgets::put(&mut conn, &name, &spec, at("2026-03-10T12:00:00Z"))
+            .await
+            .unwrap();
+        // `a` uses up its limit on 03-09, the oldest day 03-10 keeps.
+        for _ in 0..2 {
+            check(&mut conn, &a, Some(oldest), at("2026-03-10T23:58:00Z")).await;
+        }
+        // The clock 90 s fast: it reads 03-11, whose window has left 03-09.
+        let fast = at("2026-03-11T00:00:30Z");
+        match by_put {
+            false => {
+                let d = check(&mut conn, &other, None, fast).await;
+                assert_eq!(
+                    (d.day.to_string().as_str(), d.pruned_rows),
+                    ("2026-03-11", 0)
+                );
+            }
+            true => {
+                let put = budgets::put(&mut conn, &name, &spec, fast).await.unwrap();
+                assert_eq!(put.pruned_rows, 0);
+            }
+        }
+        // Set right: 03-09 is kept again, and `a` is still at its limit
+        // (a call denied by the visitor's limit reaches no global count).
+        let d = check(&mut conn, &a, Some(oldest), at("2026-03-10T23:59:30Z")).await;
+        assert_eq!(
+            (d.allowed(), d.visitor_calls, d.global_calls),
+            (false, 3, 2),
+            "by a PUT: {by_put}"
+        );
+    }
+
+    // Past the step: the first call of 03-11, and a `PUT`, prune 03-09.
+    for by_put in [false, true] {
+        let mut conn = fresh_db().await;
+        budgets::put(&mut conn, &name, &spec, at("2026-03-10T12:00:00Z"))
+            .await
+            .unwrap();
+        check(&mut conn, &a, Some(oldest), at("2026-03-10T23:58:00Z")).await;
+        let late = at("2026-03-11T00:02:01Z");
+        let pruned = match by_put {
+            false => check(&mut conn, &other, None, late).await.pruned_rows,
+            true => {
+                budgets::put(&mut conn, &name, &spec, late)
+                    .await
+                    .unwrap()
+                    .pruned_rows
+            }
+        };
+        assert_eq!(
+            pruned, 2,
+            "the visitor's row and the day's global row, by a PUT: {by_put}"
+        );
     }
 }
 

@@ -1289,9 +1289,10 @@ async fn a_put_that_waits_past_midnight_reckons_from_after_its_wait() {
     while server_clock(&mut outside).await < midnight + 1 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // The new day's first call on another process, as its prune goes:
-    // yesterday is past a one-day retention now; its global row and a
-    // share of its visitors go. Then the row is let go.
+    // A prune of the new day on another process, as it goes (two minutes
+    // past midnight; here by hand, sooner): yesterday is past a one-day
+    // retention now; its global row and a share of its visitors go. Then
+    // the row is let go.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DELETE FROM budget_global_usage WHERE budget = 'b' AND day = '{yesterday}';
          DELETE FROM budget_visitor_usage WHERE budget = 'b' AND day = '{yesterday}'
@@ -1616,11 +1617,13 @@ async fn replica_started_during_a_hold(locked_at_start: bool) {
 }
 
 /// A batch whose transaction began before midnight and waited for a row
-/// past it, while another process's first call of the new day pruned the
-/// day that left the window: the batch, judging its days by when it
-/// began, counted on that day, brought it back empty, and allowed a
-/// visitor at its limit there again. It judges them again once the days
-/// are held, and runs again: the day has left the window (422).
+/// past it, while the day that left the window was pruned (by a prune
+/// more than two minutes past midnight, a batch waiting that long; here
+/// by hand, at the moment another process's first call of the new day
+/// goes): the batch, judging its days by when it began, counted on that
+/// day, brought it back empty, and allowed a visitor at its limit there
+/// again. It judges them again once the days are held, and runs again:
+/// the day has left the window (422).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_that_waited_past_midnight_brings_back_no_pruned_day() {
     // Each run holds whatever happens; the race must have been run in one
@@ -1706,8 +1709,12 @@ async fn batch_waits_past_midnight() -> bool {
     // Less than the lock timeout later: the server times its lock waits by
     // this clock.
     set_clock(&clock, "2026-05-02 00:00:01");
-    // The new day's first call, on the other process, prunes 04-30.
+    // The new day's first call, on the other process (within two minutes
+    // of midnight, its prune keeps 04-30), and 04-30 pruned.
     let r = check(&bins[1], json!({"visitor": "x"})).await;
+    let pruned = "DELETE FROM budget_visitor_usage WHERE day < '2026-05-01';
+                  DELETE FROM budget_global_usage WHERE day < '2026-05-01'";
+    sqlx::raw_sql(pruned).execute(&mut watch).await.unwrap();
     sqlx::raw_sql("COMMIT").execute(&mut hot).await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
     let first = json(r).await;

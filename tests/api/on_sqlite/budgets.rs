@@ -8,6 +8,7 @@ use serde_json::json;
 use crate::{
     budgets::today_in,
     helpers::{TestApp, problem, spawn_app},
+    input_contract::clear_of_midnight,
 };
 
 async fn days_in_db(app: &TestApp) -> (Vec<String>, Vec<String>) {
@@ -57,6 +58,7 @@ async fn usage_behind(app: &TestApp, days: &[&str]) {
 
 #[tokio::test]
 async fn first_call_of_a_day_prunes_usage_past_retention() {
+    clear_of_midnight("UTC").await;
     let app = spawn_app().await;
     app.budget("p", 100, 100).await;
     // Kiritimati, UTC+14, would show whether the prune counted in the
@@ -96,6 +98,7 @@ async fn first_call_of_a_day_prunes_usage_past_retention() {
 
 #[tokio::test]
 async fn retention_is_per_budget() {
+    clear_of_midnight("UTC").await;
     let app = spawn_app().await;
     let r = app
         .admin_put_budget(
@@ -118,6 +121,7 @@ async fn retention_is_per_budget() {
 /// at a time for as long as it is checked.
 #[tokio::test]
 async fn a_budget_that_admits_no_one_prunes_too() {
+    clear_of_midnight("UTC").await;
     let app = spawn_app().await;
     let r = app
         .admin_put_budget(

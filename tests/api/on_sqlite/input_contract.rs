@@ -10,7 +10,7 @@ use sqlx::{ConnectOptions, sqlite::SqliteConnectOptions};
 
 use crate::{
     helpers::{ADMIN, TestApp, problem, spawn_app},
-    input_contract::{post_check, today_in},
+    input_contract::{clear_of_midnight, post_check, today_in},
 };
 
 fn day(d: Date, plus: i64) -> String {
@@ -99,6 +99,7 @@ async fn a_far_future_day_cannot_wipe_usage() {
 async fn pruning_counts_back_from_the_real_today() {
     let app = spawn_app().await;
     let tz = "Pacific/Kiritimati";
+    clear_of_midnight(tz).await;
     let mut conn = SqliteConnectOptions::new()
         .filename(&app.db_path)
         .connect()
