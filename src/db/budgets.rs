@@ -133,12 +133,16 @@ pub fn from_row(row: BudgetRow) -> Result<Budget, Error> {
     let timezone =
         meter::load_timezone(&timezone_name).map_err(|e| bad(&format!("bad time zone: {e}")))?;
     let limit = |n: i64| u32::try_from(n).map_err(|_| bad(&format!("{n} is no limit")));
+    let retention = u32::try_from(retention_days)
+        .ok()
+        .filter(|d| (1..=BudgetSpec::MAX_RETENTION_DAYS).contains(d))
+        .ok_or_else(|| bad(&format!("{retention_days} is no retention in days")))?;
     Ok(Budget {
         name: Name::parse(&name).map_err(|e| bad(&e.0))?,
         spec: BudgetSpec {
             visitor_limit: limit(visitor_limit)?,
             global_limit: limit(global_limit)?,
-            retention_days: limit(retention_days)?,
+            retention_days: retention,
             timezone,
             timezone_name,
         },

@@ -134,8 +134,12 @@ impl Day {
 
     /// The day `days` before this one, saturating at the earliest date.
     pub fn minus_days(self, days: u32) -> Self {
-        let span = jiff::Span::new().days(i64::from(days));
         let earliest = jiff::civil::date(1, 1, 1);
+        // A span holds at most about 7.3 million days (`Span::days` panics
+        // past it): any more reach back past the earliest date anyway.
+        let Ok(span) = jiff::Span::new().try_days(i64::from(days)) else {
+            return Self(earliest);
+        };
         Self(self.0.checked_sub(span).unwrap_or(earliest).max(earliest))
     }
 
@@ -568,6 +572,10 @@ mod tests {
                 .to_string(),
             "0001-01-01"
         );
+        // More days than a span holds: the earliest date, not a panic.
+        for days in [7_304_485, u32::MAX] {
+            assert_eq!(d.minus_days(days).to_string(), "0001-01-01");
+        }
     }
 
     /// The window follows the budget's own midnight.

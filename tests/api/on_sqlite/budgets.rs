@@ -142,3 +142,58 @@ async fn a_budget_that_admits_no_one_prunes_too() {
     );
     app.stop().await.unwrap();
 }
+
+/// A budget row tally cannot read back (edited by hand past the table's
+/// checks: a retention of more days than a date can reach back, a time
+/// zone tally does not know, a limit no `u32` holds) is the database's
+/// inconsistency: its checks are denied (`503 meter_error`), tally goes on
+/// serving every other budget, and a `PUT` replaces the row. A retention
+/// past what a date span holds once made every check, reset and `PUT` of
+/// the budget kill the writer, and tally with it, again after each start.
+#[tokio::test]
+async fn a_budget_row_tally_cannot_read_denies_its_checks_and_a_put_replaces_it() {
+    use sqlx::ConnectOptions;
+    let app = spawn_app().await;
+    app.budget("fine", 5, 5).await;
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&app.db_path)
+        .connect()
+        .await
+        .unwrap();
+    let rows = [
+        ("far", "retention_days = 7304485"),
+        ("huge", "retention_days = 4294967295"),
+        ("mars", "timezone = 'Mars/Olympus'"),
+        ("negative", "global_limit = -1"),
+    ];
+    for (name, set) in rows {
+        app.budget(name, 5, 5).await;
+        let edit = format!(
+            "PRAGMA ignore_check_constraints = ON; UPDATE budgets SET {set} WHERE name = '{name}'"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(edit))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    for (name, _) in rows {
+        let path = format!("/budgets/{name}/check");
+        let r = app.post_json(&path, json!({"visitor": "v"})).await;
+        let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
+        assert_eq!(
+            (&p["allowed"], &p["reason"]),
+            (&json!(false), &json!("meter_error")),
+            "{name}: {p}"
+        );
+        let r = app.get(&format!("/budgets/{name}/usage")).await;
+        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR, "{name}");
+        // The rest goes on.
+        app.check("fine", "v", &today_in("UTC", 0)).await;
+    }
+    for (name, _) in rows {
+        app.budget(name, 5, 5).await;
+        let d = app.check(name, "v", &today_in("UTC", 0)).await;
+        assert_eq!(d["allowed"], true, "{name}: {d}");
+    }
+    app.stop().await.unwrap();
+}
