@@ -196,9 +196,12 @@ fn header_of(file: &std::fs::File) -> io::Result<Header> {
         return Ok(Header::NotADatabase);
     }
     let u32_at = |at: usize| u32::from_be_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+    // A power of two from 512 to 65536 (1 stands for 65536); any other
+    // value is no database SQLite would open.
     let page_size = match u16::from_be_bytes([h[16], h[17]]) {
         1 => 65536,
-        n => u64::from(n),
+        n if n >= 512 && n.is_power_of_two() => u64::from(n),
+        _ => return Ok(Header::NotADatabase),
     };
     let (changes, pages, valid_for) = (u32_at(24), u32_at(28), u32_at(92));
     Ok(match pages != 0 && changes == valid_for {
@@ -277,6 +280,31 @@ mod tests {
         h[92..96].copy_from_slice(&7u32.to_be_bytes());
         std::fs::write(path, &h).unwrap();
         cut(path, len);
+    }
+
+    /// A page size SQLite cannot have is no database: it divided a
+    /// length by 0 at start.
+    #[test]
+    fn a_header_with_a_page_size_sqlite_cannot_have_is_no_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        database_file(&db, 2, 8192);
+        let with_page = |size: u16| {
+            let mut h = std::fs::read(&db).unwrap();
+            h[16..18].copy_from_slice(&size.to_be_bytes());
+            std::fs::write(&db, h).unwrap();
+            header(&db).unwrap()
+        };
+        for bad in [0, 3, 256, 511, 1000, 4097, 65535] {
+            assert!(matches!(with_page(bad), Header::NotADatabase), "{bad}");
+        }
+        for (field, page) in [(512, 512), (4096, 4096), (32768, 32768), (1, 65536)] {
+            let bytes = 2 * page;
+            assert!(
+                matches!(with_page(field), Header::Length { bytes: b, page: p } if (b, p) == (bytes, page)),
+                "{field}"
+            );
+        }
     }
 
     #[test]
