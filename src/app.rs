@@ -424,8 +424,11 @@ fn try_listen(settings: &Settings) -> anyhow::Result<()> {
 /// Whether listening at `a` and at `b` would take one port: the same
 /// fixed port on the same address, or on a wildcard that covers the other
 /// (`0.0.0.0` every IPv4 address, `[::]` every address, as Linux binds it
-/// by default).
+/// by default). An IPv4 address written the IPv6 way (`[::ffff:127.0.0.1]`)
+/// is that IPv4 address.
 fn shares_a_port(a: SocketAddr, b: SocketAddr) -> bool {
+    let canonical = |s: SocketAddr| SocketAddr::new(s.ip().to_canonical(), s.port());
+    let (a, b) = (canonical(a), canonical(b));
     let covers =
         |w: SocketAddr, x: SocketAddr| w.ip().is_unspecified() && (w.is_ipv6() || x.is_ipv4());
     a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
@@ -651,6 +654,10 @@ mod tests {
             ("0.0.0.0:3000", "[::1]:3000", false),
             ("127.0.0.1:3000", "[::1]:3000", false),
             ("127.0.0.1:3000", "127.0.0.2:3000", false),
+            ("127.0.0.1:3000", "[::ffff:127.0.0.1]:3000", true),
+            ("0.0.0.0:3000", "[::ffff:127.0.0.1]:3000", true),
+            ("[::ffff:0.0.0.0]:3000", "127.0.0.1:3000", true),
+            ("[::ffff:127.0.0.1]:3000", "[::1]:3000", false),
             ("0.0.0.0:3000", "127.0.0.1:3001", false),
             ("127.0.0.1:0", "127.0.0.1:0", false),
         ] {
