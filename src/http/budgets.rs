@@ -298,7 +298,9 @@ pub fn rate_limit_headers(d: &Decision, now: Timestamp) -> HeaderMap {
     let Some(w) = d.day.window(&d.timezone, now) else {
         return h;
     };
-    let left = |limit: u32, used: i64| (i64::from(limit) - used).max(0);
+    // A count below 0 is none a check leaves (a row edited by hand), and
+    // subtracted as it is it could overflow.
+    let left = |limit: u32, used: i64| (i64::from(limit) - used.max(0)).max(0);
     let policy = quota_list([
         (
             "visitor",
@@ -515,6 +517,13 @@ mod tests {
             "\"visitor\";r=0;t=3600, \"global\";r=3999999983;t=3600"
         );
         assert_eq!(h["retry-after"], "3600");
+
+        // Counts no check leaves (rows edited by hand): nothing wraps.
+        let h = rate_limit_headers(&decision(Reason::Ok, i64::MIN + 1, i64::MAX), now);
+        assert_eq!(
+            h["ratelimit"],
+            "\"visitor\";r=3;t=3600, \"global\";r=0;t=3600"
+        );
 
         // Denied on a day that is over: no Retry-After, t=0.
         let later: Timestamp = "2026-03-02T10:00:00Z".parse().unwrap();
