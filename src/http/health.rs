@@ -8,7 +8,8 @@ use super::{AppState, Problem};
 #[utoipa::path(get, path = "/ready", operation_id = "ready", tag = "health",
     responses((status = 200, description = "Accepting writes", body = Object),
         (status = 503, description = "Write queue closed: shutting down",
-         body = super::openapi::ProblemDoc, content_type = "application/problem+json")))]
+         body = super::openapi::ProblemDoc, content_type = "application/problem+json"),
+        super::openapi::FrameProblems))]
 pub async fn ready(State(state): State<AppState>) -> Result<Json<Value>, Problem> {
     if state.db.accepts_writes() {
         Ok(Json(
@@ -23,7 +24,8 @@ pub async fn ready(State(state): State<AppState>) -> Result<Json<Value>, Problem
 }
 
 #[utoipa::path(get, path = "/livez", operation_id = "livez", tag = "health",
-    responses((status = 200, description = "Serving", body = String, content_type = "text/plain")))]
+    responses((status = 200, description = "Serving", body = String, content_type = "text/plain"),
+        super::openapi::FrameProblems))]
 /// Alive while the process serves HTTP. Does no work: also the benchmark's
 /// no-op ceiling.
 pub async fn livez() -> &'static str {

@@ -196,7 +196,8 @@ pub fn metrics_api(state: MetricsState) -> utoipa_axum::router::OpenApiRouter {
 
 /// Prometheus metrics, in the text exposition format.
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "meta",
-    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
+    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"),
+        super::openapi::FrameProblems))]
 async fn render(State(m): State<MetricsState>) -> impl IntoResponse {
     crate::prometheus::sample(&m.db, m.db_path.as_deref());
     (

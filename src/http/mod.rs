@@ -63,7 +63,8 @@ pub fn api_parts(
 
 /// This API's OpenAPI document.
 #[utoipa::path(get, path = "/openapi.json", operation_id = "openapi", tag = "meta",
-    responses((status = 200, description = "OpenAPI document", body = Object)))]
+    responses((status = 200, description = "OpenAPI document", body = Object),
+        openapi::FrameProblems))]
 async fn openapi_json(State(state): State<AppState>) -> impl IntoResponse {
     let doc = state.openapi.get().cloned().unwrap_or_default();
     ([(header::CONTENT_TYPE, "application/json")], doc)

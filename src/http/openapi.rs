@@ -182,6 +182,39 @@ pub enum Problems {
     Unavailable(ProblemDoc),
 }
 
+/// What the request frame answers on any route before its handler runs:
+/// all the probes and the meta routes (which take no input) answer but
+/// for their own statuses.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum FrameProblems {
+    #[response(
+        status = 400,
+        description = "A `Host` field that breaks HTTP/1.1's rule (`/problems/invalid-host`: \
+                       more than one, or none in an HTTP/1.1 request)",
+        content_type = "application/problem+json"
+    )]
+    BadRequest(ProblemDoc),
+    #[response(
+        status = 405,
+        description = "Method not allowed",
+        content_type = "application/problem+json"
+    )]
+    MethodNotAllowed(ProblemDoc),
+    #[response(
+        status = 414,
+        description = "Request target over 8 KiB",
+        content_type = "application/problem+json"
+    )]
+    UriTooLong(ProblemDoc),
+    #[response(
+        status = 431,
+        description = "Header fields too large or too many",
+        content_type = "application/problem+json"
+    )]
+    HeadersTooLarge(ProblemDoc),
+}
+
 /// What only writes can answer.
 #[allow(dead_code)]
 #[derive(utoipa::IntoResponses)]

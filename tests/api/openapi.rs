@@ -47,8 +47,29 @@ async fn the_document_covers_every_route_and_only_real_ones() {
                 responses.contains_key(success),
                 "{method} {path} documents no {success}"
             );
-            // The server knows the route: no 404 "no such route", no 405.
+            // What the request frame answers on any route, before its
+            // handler: each a real answer here, and documented.
             let url = app.url(&path.replace("{name}", "probe"));
+            let m = Method::from_bytes(method.as_bytes()).unwrap();
+            let long = format!("{url}?{}", "a".repeat(9000));
+            let mut crowded = app.client.request(m.clone(), &url);
+            for i in 0..70 {
+                crowded = crowded.header(format!("x-{i}"), "v");
+            }
+            for (status, request) in [
+                (414, app.client.request(m.clone(), long)),
+                (431, crowded),
+                (405, app.client.request(Method::PATCH, &url)),
+            ] {
+                let r = request.send().await.unwrap();
+                assert_eq!(r.status().as_u16(), status, "{method} {path}");
+                assert!(
+                    responses.contains_key(&status.to_string()),
+                    "{method} {path} answers {status} but documents none"
+                );
+            }
+            assert!(responses.contains_key("400"), "{method} {path}: no 400");
+            // The server knows the route: no 404 "no such route", no 405.
             let r = app
                 .client
                 .request(Method::from_bytes(method.as_bytes()).unwrap(), url)
