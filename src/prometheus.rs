@@ -67,7 +67,7 @@ fn describe() {
     describe_gauge!("tally_write_queue_capacity", "Capacity of the write queue.");
     describe_counter!(
         "tally_http_connection_errors_total",
-        "Connections that ended with an error of hyper's, by listener and kind (malformed: a bare 400, too_large: a bare 431 or 414, incomplete, stalled: an answer the client took nothing of for the header timeout, other)."
+        "Connections that ended with an error of hyper's, by listener and kind (malformed: a bare 400, or none to HTTP/2's preface, too_large: a bare 431 or 414, incomplete: the client closed before its answer, stalled: an answer the client took nothing of for the header timeout, other)."
     );
     describe_gauge!(
         "tally_write_batch_age_seconds",
