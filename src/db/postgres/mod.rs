@@ -84,11 +84,17 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 ///   read-only transaction: a standby, or a primary demoted by a
 ///   switchover, that a connection still reaches. The server did not do
 ///   it, and a retry later (on a new connection where
-///   [`needs_new_connection`]) can succeed;
+///   [`needs_new_connection`]) can succeed. So is an answer the driver
+///   could not make sense of (`sqlx::Error::Protocol`: a message out of
+///   turn, a stream ended in the middle of one): the connection's state
+///   is unknown, it is not used again, and a COMMIT so answered may have
+///   committed ([`Error::at_commit`]: outcome unknown, never "nothing was
+///   written");
 /// - the rest as [`Error::from_sqlx`] says.
 pub(super) fn error(e: sqlx::Error) -> Error {
     let code = pg_code(&e);
-    let unreachable = code.is_some_and(|c| connection_done(c) || matches!(c, "53300" | "57014"));
+    let unreachable = code.is_some_and(|c| connection_done(c) || matches!(c, "53300" | "57014"))
+        || matches!(e, sqlx::Error::Protocol(_));
     match code {
         Some("53100") => Error::StorageFull(Arc::new(e)),
         Some("55P03") => Error::Busy(Arc::new(e), super::HeldRow::Own),
@@ -472,5 +478,17 @@ mod tests {
         ] {
             assert!(sent.contains(setting), "{setting} not in {sent}");
         }
+    }
+
+    /// An answer the driver could not read leaves the connection's state
+    /// unknown: it is dropped, and a COMMIT so answered is outcome
+    /// unknown. It was a database error: "nothing was written", and the
+    /// connection used again.
+    #[test]
+    fn an_answer_the_driver_cannot_read_is_a_lost_connection() {
+        let e = error(sqlx::Error::Protocol("unexpected message".into()));
+        assert!(matches!(e, Error::Unavailable(_)), "{e:?}");
+        assert!(needs_new_connection(&e));
+        assert!(matches!(e.at_commit(), Error::OutcomeUnknown));
     }
 }
