@@ -55,8 +55,25 @@ pub enum ReplicaError {
     },
 }
 
-/// How a call to Litestream that timed out begins its error.
-const NO_ANSWER: &str = "no answer within";
+/// Why one call to Litestream's control socket brought no status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SyncError {
+    /// No answer within the call's limit: it says nothing of Litestream
+    /// but that it was slow or stuck.
+    NoAnswer(Duration),
+    /// What went wrong, in words: the socket, the HTTP exchange, or
+    /// Litestream's own answer.
+    Failed(String),
+}
+
+impl std::fmt::Display for SyncError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SyncError::NoAnswer(limit) => write!(f, "no answer within {limit:.1?}"),
+            SyncError::Failed(why) => f.write_str(why),
+        }
+    }
+}
 
 /// One `POST /sync` over the unix socket at `socket`, bounded by `limit`.
 /// With `wait`, Litestream answers once the replica has the sync (or its
@@ -66,7 +83,7 @@ pub async fn sync_once(
     db: &Path,
     wait: Option<Duration>,
     limit: Duration,
-) -> Result<SyncStatus, String> {
+) -> Result<SyncStatus, SyncError> {
     let call = async {
         let stream = UnixStream::connect(socket).await.map_err(|e| {
             // Litestream does not create the socket's directory: it logs a
@@ -121,9 +138,10 @@ pub async fn sync_once(
             )
         })
     };
-    tokio::time::timeout(limit, call)
-        .await
-        .unwrap_or_else(|_| Err(format!("{NO_ANSWER} {limit:.1?}")))
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => answer.map_err(SyncError::Failed),
+        Err(_) => Err(SyncError::NoAnswer(limit)),
+    }
 }
 
 /// Asks Litestream to sync until the replica has caught up, or `overall`
@@ -169,8 +187,8 @@ pub async fn wait_for_replica(
                 tracing::info!(attempt, error = %e, "waiting for litestream");
                 // A call cut short by the deadline says less than what
                 // Litestream answered before it, which stays the reason.
-                if !(e.starts_with(NO_ANSWER) && attempt > 1) {
-                    last = e;
+                if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1) {
+                    last = e.to_string();
                 }
             }
         }
@@ -369,10 +387,12 @@ mod tests {
         let limit = Duration::from_secs(1);
         let missing = dir.path().join("nowhere/litestream.sock");
         let e = sync_once(&missing, &db, None, limit).await.unwrap_err();
+        let e = e.to_string();
         assert!(e.contains("its directory does not exist"), "{e}");
         // A directory that exists, with no socket in it: no such hint.
         let absent = dir.path().join("litestream.sock");
         let e = sync_once(&absent, &db, None, limit).await.unwrap_err();
+        let e = e.to_string();
         assert!(e.starts_with("cannot connect to"), "{e}");
         assert!(!e.contains("directory does not exist"), "{e}");
     }
