@@ -48,6 +48,10 @@ struct Inner {
     header: Option<(header::HeaderName, HeaderValue)>,
 }
 
+/// Longest `detail` a problem answers with, in bytes (before the `...`
+/// that says it was cut).
+pub const MAX_DETAIL_BYTES: usize = 1024;
+
 impl Problem {
     pub fn new(status: StatusCode, slug: &'static str, title: &'static str) -> Self {
         Self(Box::new(Inner {
@@ -62,7 +66,19 @@ impl Problem {
     }
 
     pub fn detail(mut self, detail: impl Into<String>) -> Self {
-        self.0.detail = detail.into();
+        let mut detail = detail.into();
+        // A detail may quote what the client sent (an unknown field's
+        // name, twice in serde's words): an answer is no larger than the
+        // problem needs, whatever the request's size.
+        if detail.len() > MAX_DETAIL_BYTES {
+            let mut end = MAX_DETAIL_BYTES;
+            while !detail.is_char_boundary(end) {
+                end -= 1;
+            }
+            detail.truncate(end);
+            detail.push_str("...");
+        }
+        self.0.detail = detail;
         self
     }
 

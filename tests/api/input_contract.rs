@@ -175,6 +175,26 @@ async fn malformed_bodies_and_media_types() {
     app.stop().await.unwrap();
 }
 
+/// A problem may quote what the client sent (serde names an unknown
+/// field twice): its detail is cut at 1 KiB, so a body near the limit
+/// cannot make an answer twice its size.
+#[tokio::test]
+async fn a_problem_quotes_at_most_a_kibibyte_of_the_request() {
+    let app = spawn_app().await;
+    let field = "é".repeat(30_000);
+    let r = app
+        .post_json("/counters/x", serde_json::json!({ field: 1 }))
+        .await;
+    let p = problem(r, StatusCode::UNPROCESSABLE_ENTITY).await;
+    let detail = p["detail"].as_str().unwrap();
+    assert!(detail.starts_with("éé"), "{detail:.80}");
+    assert!(detail.ends_with("..."), "{detail:.80}");
+    assert!(detail.len() <= 1024 + 3, "{}", detail.len());
+    let r = app.get("/counters/x").await;
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["value"], 0);
+    app.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn huge_bodies_are_413() {
     let app = spawn_app().await;
