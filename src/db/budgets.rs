@@ -82,8 +82,8 @@ pub async fn put(
     // The days before the new window (a shorter one leaves some): no
     // answer reads them; as a prune's, a share now and the rest by the
     // writer ([`prune_more`]), which notes every `PUT`, and counted back
-    // as a prune's, so that a `PUT` made again within a step of midnight
-    // deletes no day a clock set right would bring back.
+    // as a prune's, so that a `PUT` made again just after midnight by a
+    // clock a little fast deletes no day that clock set right brings back.
     let cutoff = spec.kept_days(trusted.prune_from()).oldest.to_string();
     pruned_rows += delete_share(
         conn,
@@ -292,8 +292,9 @@ pub async fn check_many(
 
     let mut usage = DayUsage::read(conn, items, &days).await?;
     // On PostgreSQL `now` is when the transaction began, and the days'
-    // locks may have been waited for past a midnight, while another
-    // process's first call of the new day pruned by it: a day judged kept
+    // locks may have been waited for past a midnight (by more than
+    // `clock::UNSEEN`), while another process's first call of the new day
+    // pruned by it: a day judged kept
     // by `now` may be one that prune deleted, and counting on it would
     // bring it back empty (a visitor at its limit allowed again). Judged
     // again by the clock as it reads now the days are held, a check whose
@@ -316,7 +317,7 @@ pub async fn check_many(
         }
     }
     // Counted back from a time no step of the clock has moved on, less an
-    // error under a step ([`clock::Trusted::prune_from`]).
+    // error no step is seen in ([`clock::Trusted::prune_from`]).
     let prune_from = clock::trusted(now).prune_from();
     let mut decisions = Vec::with_capacity(items.len());
     let mut prunes: Vec<(usize, Day)> = Vec::new();

@@ -59,13 +59,19 @@ pub fn wall_clock() -> Result<Timestamp, String> {
 /// clock between two readings hours apart.
 pub const STEP: Duration = Duration::from_secs(120);
 
+/// The largest error of the clock no step is seen in: just under a
+/// [`STEP`] from one reading to the next, and a clock that creeps, under a
+/// step and the drift allowed on top of it (at most another step, see
+/// [`DRIFT_PPM`]).
+pub const UNSEEN: Duration = Duration::from_secs(2 * STEP.as_secs());
+
 /// How far apart the wall clock and the monotonic clock may drift, in
 /// parts per million of the time since the two were last found in step
 /// (up to one [`STEP`] more), before the readings in between, each under a
 /// step from the last, add up to a step (a time source that moves the
 /// clock a little at a time, a clock that runs fast). Both clocks follow
 /// NTP's rate corrections; a clock kept by nothing drifts by tens of parts
-/// per million (at 100, a step in about two weeks: a hold, and the
+/// per million (at 100, a step in about four weeks: a hold, and the
 /// alert).
 pub const DRIFT_PPM: u32 = 1000;
 
@@ -93,20 +99,22 @@ impl Trusted {
     }
 
     /// What a prune counts the days it deletes back from: [`earliest`]
-    /// less one [`STEP`], so that a day is deleted only once it has been
-    /// out of the window for longer than an error that is not a step.
-    /// Counted from the clock as it reads, a clock up to a step fast at a
-    /// budget's midnight, set right, brought the day that midnight's first
-    /// call had pruned back into the window, read empty (a visitor at its
-    /// limit on that day allowed again). A first call of the day within a
-    /// step of its midnight leaves the day the window left to the next
-    /// day's first call: one more day stored, never read while outside
-    /// the window.
+    /// less [`UNSEEN`], so that a day is deleted only once it has been out
+    /// of the window by more than an error of the clock that no step is
+    /// seen in. Counted from the clock as it reads, a clock a little fast
+    /// at a budget's midnight, set right, brought the day that midnight's
+    /// first call had pruned back into the window, read empty (a visitor
+    /// at its limit on that day allowed again). A first call of the day
+    /// within [`UNSEEN`] of its midnight leaves the day the window left to
+    /// the next day's first call: one more day stored, never read while
+    /// outside the window. (Keys' ages count from [`earliest`] itself: a
+    /// key's lifetime is to be set past the retries it is for by more
+    /// than such an error, see `TALLY_IDEMPOTENCY_KEY_TTL`.)
     ///
     /// [`earliest`]: Trusted::earliest
     pub fn prune_from(&self) -> Timestamp {
-        let step = SignedDuration::try_from(STEP).unwrap_or(SignedDuration::ZERO);
-        self.earliest.checked_sub(step).unwrap_or(self.earliest)
+        let unseen = SignedDuration::try_from(UNSEEN).unwrap_or(SignedDuration::ZERO);
+        self.earliest.checked_sub(unseen).unwrap_or(self.earliest)
     }
 }
 

@@ -107,8 +107,13 @@ async fn reference_check(
     }
     let mut decision = Decision::new(&budget, day, step, now);
     if step.first_of_day {
-        // A day is pruned once it has been out of the window for a step.
-        let cutoff = budget.spec.kept_days(now - clock::STEP).oldest.to_string();
+        // A day is pruned once it has been out of the window for longer
+        // than an error of the clock no step is seen in.
+        let cutoff = budget
+            .spec
+            .kept_days(now - clock::UNSEEN)
+            .oldest
+            .to_string();
         for sql in [
             "DELETE FROM budget_visitor_usage WHERE budget = ?1 AND day < ?2",
             "DELETE FROM budget_global_usage WHERE budget = ?1 AND day < ?2",
@@ -363,7 +368,7 @@ fn random_batch<'a>(
 fn assert_retention_held(budget: &Name, spec: &BudgetSpec, now: Timestamp, after: &[Row]) {
     let kept = spec.kept_days(now);
     // The day the window left is kept till the next day's first call when
-    // today's came within a step of midnight.
+    // today's came just after midnight (`clock::UNSEEN`).
     let (today, oldest) = (
         kept.today.to_string(),
         kept.oldest.minus_days(1).to_string(),
@@ -1525,14 +1530,15 @@ async fn a_new_window_never_brings_back_a_day_the_old_one_had_left() {
     }
 }
 
-/// A clock up to a step fast at a budget's midnight is no step, and is
-/// held for by no hold: the day's first call, or a `PUT` made again, by
-/// that clock, and then the clock set right, must leave the day the window
-/// had not yet left reading what it counted (its visitor at the limit
-/// stays there), not empty. Past a step after midnight, a day's first call
-/// prunes the day the window left, and a `PUT` too.
+/// A clock a little fast at a budget's midnight (less than a step from
+/// one reading to the next, or creeping there: `clock::UNSEEN`) is no
+/// step, and is held for by no hold: the day's first call, or a `PUT` made
+/// again, by that clock, and then the clock set right, must leave the day
+/// the window had not yet left reading what it counted (its visitor at the
+/// limit stays there), not empty. Past `UNSEEN` after midnight, a day's
+/// first call prunes the day the window left, and a `PUT` too.
 #[tokio::test]
-async fn a_clock_fast_by_less_than_a_step_at_midnight_prunes_no_kept_day() {
+async fn a_clock_a_little_fast_at_midnight_prunes_no_kept_day() {
     let name = Name::parse("b").unwrap();
     let (a, other) = (
         VisitorId::parse("a").unwrap(),
@@ -1558,8 +1564,9 @@ async fn a_clock_fast_by_less_than_a_step_at_midnight_prunes_no_kept_day() {
         for _ in 0..2 {
             check(&mut conn, &a, Some(oldest), at("2026-03-10T23:58:00Z")).await;
         }
-        // The clock 90 s fast: it reads 03-11, whose window has left 03-09.
-        let fast = at("2026-03-11T00:00:30Z");
+        // The clock 230 s fast: it reads 03-11, whose window has left
+        // 03-09.
+        let fast = at("2026-03-11T00:02:10Z");
         match by_put {
             false => {
                 let d = check(&mut conn, &other, None, fast).await;
@@ -1575,7 +1582,7 @@ async fn a_clock_fast_by_less_than_a_step_at_midnight_prunes_no_kept_day() {
         }
         // Set right: 03-09 is kept again, and `a` is still at its limit
         // (a call denied by the visitor's limit reaches no global count).
-        let d = check(&mut conn, &a, Some(oldest), at("2026-03-10T23:59:30Z")).await;
+        let d = check(&mut conn, &a, Some(oldest), at("2026-03-10T23:58:30Z")).await;
         assert_eq!(
             (d.allowed(), d.visitor_calls, d.global_calls),
             (false, 3, 2),
@@ -1583,14 +1590,14 @@ async fn a_clock_fast_by_less_than_a_step_at_midnight_prunes_no_kept_day() {
         );
     }
 
-    // Past the step: the first call of 03-11, and a `PUT`, prune 03-09.
+    // Past `UNSEEN`: the first call of 03-11, and a `PUT`, prune 03-09.
     for by_put in [false, true] {
         let mut conn = fresh_db().await;
         budgets::put(&mut conn, &name, &spec, at("2026-03-10T12:00:00Z"))
             .await
             .unwrap();
         check(&mut conn, &a, Some(oldest), at("2026-03-10T23:58:00Z")).await;
-        let late = at("2026-03-11T00:02:01Z");
+        let late = at("2026-03-11T00:04:01Z");
         let pruned = match by_put {
             false => check(&mut conn, &other, None, late).await.pruned_rows,
             true => {

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 
 use crate::helpers::{ADMIN, Readers, TestApp, problem, spawn_app, spawn_with};
 
-/// Waits, if need be, until the day in `tz` began more than the two
+/// Waits, if need be, until the day in `tz` began more than the four
 /// minutes after which a prune deletes the day its window left (a prune
 /// within them keeps it till the next day's first call), and ends in more
 /// than a minute: for a test that asserts what a prune deleted.
@@ -30,8 +30,8 @@ pub(crate) async fn clear_of_midnight(tz: &str) {
     let secs =
         i64::from(time.hour()) * 3600 + i64::from(time.minute()) * 60 + i64::from(time.second());
     let wait = match secs {
-        ..150 => 150 - secs,
-        s if s >= 86_400 - 60 => 86_400 - s + 150,
+        ..270 => 270 - secs,
+        s if s >= 86_400 - 60 => 86_400 - s + 270,
         _ => return,
     };
     tokio::time::sleep(Duration::from_secs(wait.unsigned_abs())).await;

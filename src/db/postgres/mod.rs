@@ -78,8 +78,9 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 ///   whole batch runs again;
 /// - the server out of reach or unable to take writes now:
 ///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
-///   57P01-57P03, shutting down or starting; 57P05 and 25P03, a session
-///   ended for being idle too long; 53300, out of connection
+///   57P01-57P03, shutting down or starting; 57P04, the database
+///   dropped; 57P05, 25P03 and 25P04, a session ended for being idle, or
+///   a transaction open, too long; 53300, out of connection
 ///   slots; 57014, a statement cancelled by `statement_timeout`; 25006, a
 ///   read-only transaction: a standby, or a primary demoted by a
 ///   switchover, that a connection still reaches. The server did not do
@@ -120,14 +121,16 @@ fn needs_new_connection(e: &Error) -> bool {
 
 /// SQLSTATEs after which a connection is of no more use: class 08
 /// (connection exceptions), 57P01-57P03 (the server shutting down or
-/// starting), 57P05 and 25P03 (the server ended a session idle past its
-/// `idle_session_timeout` or `idle_in_transaction_session_timeout`), 25006
-/// (it takes no writes: a standby, a demoted primary).
+/// starting), 57P04 (the database dropped), 57P05, 25P03 and 25P04 (the
+/// server ended a session idle past its `idle_session_timeout` or
+/// `idle_in_transaction_session_timeout`, or a transaction past
+/// PostgreSQL 17's `transaction_timeout`), 25006 (it takes no writes: a
+/// standby, a demoted primary).
 fn connection_done(code: &str) -> bool {
     code.starts_with("08")
         || matches!(
             code,
-            "57P01" | "57P02" | "57P03" | "57P05" | "25P03" | "25006"
+            "57P01" | "57P02" | "57P03" | "57P04" | "57P05" | "25P03" | "25P04" | "25006"
         )
 }
 
@@ -490,5 +493,19 @@ mod tests {
         assert!(matches!(e, Error::Unavailable(_)), "{e:?}");
         assert!(needs_new_connection(&e));
         assert!(matches!(e.at_commit(), Error::OutcomeUnknown));
+    }
+
+    /// The server ending a session (for any reason it gives) ends the
+    /// connection's use; a statement's own failure does not.
+    #[test]
+    fn sessions_the_server_ended_are_connections_done() {
+        for code in [
+            "08006", "57P01", "57P02", "57P03", "57P04", "57P05", "25P03", "25P04", "25006",
+        ] {
+            assert!(connection_done(code), "{code}");
+        }
+        for code in ["57014", "55P03", "40001", "23505", "25P02"] {
+            assert!(!connection_done(code), "{code}");
+        }
     }
 }

@@ -1289,7 +1289,7 @@ async fn a_put_that_waits_past_midnight_reckons_from_after_its_wait() {
     while server_clock(&mut outside).await < midnight + 1 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // A prune of the new day on another process, as it goes (two minutes
+    // A prune of the new day on another process, as it goes (four minutes
     // past midnight; here by hand, sooner): yesterday is past a one-day
     // retention now; its global row and a share of its visitors go. Then
     // the row is let go.
@@ -1618,7 +1618,7 @@ async fn replica_started_during_a_hold(locked_at_start: bool) {
 
 /// A batch whose transaction began before midnight and waited for a row
 /// past it, while the day that left the window was pruned (by a prune
-/// more than two minutes past midnight, a batch waiting that long; here
+/// more than four minutes past midnight, a batch waiting that long; here
 /// by hand, at the moment another process's first call of the new day
 /// goes): the batch, judging its days by when it began, counted on that
 /// day, brought it back empty, and allowed a visitor at its limit there
@@ -1709,7 +1709,7 @@ async fn batch_waits_past_midnight() -> bool {
     // Less than the lock timeout later: the server times its lock waits by
     // this clock.
     set_clock(&clock, "2026-05-02 00:00:01");
-    // The new day's first call, on the other process (within two minutes
+    // The new day's first call, on the other process (within four minutes
     // of midnight, its prune keeps 04-30), and 04-30 pruned.
     let r = check(&bins[1], json!({"visitor": "x"})).await;
     let pruned = "DELETE FROM budget_visitor_usage WHERE day < '2026-05-01';
