@@ -102,7 +102,7 @@ fn assemble(
         #[cfg(feature = "test-hooks")]
         publish_delay: opts.publish_delay,
         batches: 0,
-        failing_since: None,
+        failing: Default::default(),
     };
     (handle, writer.into())
 }

@@ -96,11 +96,28 @@ pub(super) struct WriterLoop<E: Engine> {
     pub(super) publish_delay: Option<Duration>,
     /// Batches taken so far.
     pub(super) batches: u64,
-    /// Since when commits fail for a full disk or an unreachable database,
-    /// to log the start and the end of it rather than every failed batch.
-    /// The message for when it ends.
-    pub(super) failing_since: Option<(std::time::Instant, &'static str)>,
+    /// Since when, and when last, writes met a full disk; and since when
+    /// commits fail for an unreachable database: to log the start and the
+    /// end of each rather than every failed batch (see [`Lasting`]).
+    pub(super) failing: Lasting,
 }
+
+/// The lasting failures the writer logs when they start and when they end,
+/// each on its own: one may begin while the other lasts.
+#[derive(Debug, Default)]
+pub(super) struct Lasting {
+    /// Since when, and when last, a write met a full disk.
+    full: Option<(std::time::Instant, std::time::Instant)>,
+    /// Since when the database cannot be reached.
+    unreachable: Option<std::time::Instant>,
+}
+
+/// How long writes must commit with none meeting a full disk before the
+/// full disk is logged as over. A full disk does not fail every write: one
+/// that fits where there is room (a counter's update in its page, SQLite's
+/// WAL written over from its start) commits while one that needs more
+/// space fails, so a commit says nothing of the disk.
+const FULL_DISK_QUIET: Duration = Duration::from_secs(5);
 
 /// What the writer loop needs of an engine: its writable connection and
 /// whatever comes with it (SQLite's files and checkpoints, PostgreSQL's
@@ -518,10 +535,17 @@ impl<E: Engine> WriterLoop<E> {
         };
         // A transaction of it that failed is logged as the batch's failure,
         // even when others of it committed: that the database answers
-        // again is said once a batch commits whole.
+        // again is said once a batch commits whole. A command of it that
+        // met a full disk while others committed (run one by one, or on
+        // their own) is a full disk all the same; one the storage limit
+        // refused without running is logged by the limit.
+        let met_full = batch.iter().any(|q| {
+            !q.command.is_refused()
+                && matches!(q.command.outcome(), Some(Err(Error::StorageFull(_))))
+        });
         match (&commit, self.engine.stopped().cloned()) {
-            (Ok(()), Some(e)) => self.log_commit(&Err(e), size),
-            _ => self.log_commit(&commit, size),
+            (Ok(()), Some(e)) => self.log_commit(&Err(e), size, met_full),
+            _ => self.log_commit(&commit, size, met_full),
         }
         let took = started.elapsed();
         self.stats.record_batch(size, took);
@@ -552,46 +576,127 @@ impl<E: Engine> WriterLoop<E> {
     }
 
     /// Logs a failed commit once per cause: a full disk or an unreachable
-    /// database when it starts and when it ends, any other failure every
-    /// time.
-    fn log_commit(&mut self, commit: &Result<(), Error>, size: usize) {
-        let (lasting, ended) = match commit {
-            Err(Error::StorageLost(_)) => return,
-            Err(Error::StorageFull(_)) => (
-                "the disk is full: writes fail (507) until space is freed",
-                "space was freed: writes commit again",
-            ),
-            Err(Error::Unavailable(_)) => (
-                "the database cannot be reached: writes fail (503) until it answers again",
-                "the database answers again: writes commit again",
-            ),
+    /// database when it starts and when it ends (each on its own, see
+    /// [`Lasting`]), any other failure every time (at most once in 10 s).
+    /// `met_full`: a command of the batch met a full disk, whatever the
+    /// batch's result.
+    fn log_commit(&mut self, commit: &Result<(), Error>, size: usize, met_full: bool) {
+        let full = met_full || matches!(commit, Err(Error::StorageFull(_)));
+        let unreachable = matches!(commit, Err(Error::Unavailable(_)));
+        let said =
+            self.failing
+                .after_batch(full, unreachable, commit.is_ok(), std::time::Instant::now());
+        for s in said.into_iter().flatten() {
+            match s {
+                Said::FullBegan => {
+                    let error = match commit {
+                        Err(e @ Error::StorageFull(_)) => e.to_string(),
+                        _ => "a write of the batch met it; others committed".to_owned(),
+                    };
+                    tracing::error!(%error, batch = size, "the disk is full: writes that need room fail (507) until space is freed");
+                }
+                Said::FullEnded {
+                    failed_for,
+                    quiet_for,
+                } => {
+                    tracing::warn!(
+                        ?failed_for,
+                        ?quiet_for,
+                        "no write has met a full disk for 5 s: writes commit again"
+                    );
+                }
+                Said::UnreachableBegan => {
+                    if let Err(e) = commit {
+                        tracing::error!(error = %e, batch = size, "the database cannot be reached: writes fail (503) until it answers again");
+                    }
+                }
+                Said::UnreachableEnded { failed_for } => {
+                    tracing::warn!(
+                        ?failed_for,
+                        "the database answers again: writes commit again"
+                    );
+                }
+            }
+        }
+        match commit {
+            Err(Error::StorageLost(_) | Error::StorageFull(_) | Error::Unavailable(_)) | Ok(()) => {
+            }
             Err(e @ Error::OutcomeUnknown) => {
                 tracing::error!(error = %e, batch = size, "the batch's COMMIT may or may not have happened; every caller in it that ran hears outcome-unknown");
-                return;
             }
             Err(e) => {
                 static FAILED: Throttle = Throttle::new(Duration::from_secs(10));
                 if let Some(held_back) = FAILED.admit() {
                     tracing::error!(error = %e, batch = size, held_back, "batch not committed; every caller in it gets an error (one line every 10 s at most; held_back: like lines not written since the last)");
                 }
-                return;
             }
-            Ok(()) => {
-                if let Some((since, ended)) = self.failing_since.take() {
-                    tracing::warn!(failed_for = ?since.elapsed(), "{ended}");
-                }
-                return;
-            }
-        };
-        match self.failing_since {
-            None => {
-                self.failing_since = Some((std::time::Instant::now(), ended));
-                if let Err(e) = commit {
-                    tracing::error!(error = %e, batch = size, "{lasting}");
-                }
-            }
-            Some(_) => tracing::debug!(batch = size, "batch not committed: {lasting}"),
         }
+    }
+}
+
+/// What [`Lasting::after_batch`] has the writer say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    FullBegan,
+    FullEnded {
+        failed_for: Duration,
+        quiet_for: Duration,
+    },
+    UnreachableBegan,
+    UnreachableEnded {
+        failed_for: Duration,
+    },
+}
+
+impl Lasting {
+    /// After a batch at `now`: whether a write of it met a full disk
+    /// (`full`), whether it could not reach the database (`unreachable`),
+    /// and whether it committed. A full disk ends once a batch commits
+    /// with no write having met one for [`FULL_DISK_QUIET`] of batches
+    /// that went through (a batch that failed otherwise, the server out of
+    /// reach, says nothing of the disk); an unreachable database when a
+    /// batch commits.
+    fn after_batch(
+        &mut self,
+        full: bool,
+        unreachable: bool,
+        committed: bool,
+        now: std::time::Instant,
+    ) -> [Option<Said>; 2] {
+        let mut said = [None, None];
+        match (&mut self.full, full || !committed) {
+            (Some((_, last)), true) => *last = now,
+            (None, true) if !full => {}
+            (None, true) => {
+                self.full = Some((now, now));
+                said[0] = Some(Said::FullBegan);
+            }
+            (Some((since, last)), false) => {
+                let quiet_for = now.saturating_duration_since(*last);
+                if committed && quiet_for >= FULL_DISK_QUIET {
+                    said[0] = Some(Said::FullEnded {
+                        failed_for: now.saturating_duration_since(*since),
+                        quiet_for,
+                    });
+                    self.full = None;
+                }
+            }
+            (None, false) => {}
+        }
+        match (self.unreachable, unreachable) {
+            (None, true) => {
+                self.unreachable = Some(now);
+                said[1] = Some(Said::UnreachableBegan);
+            }
+            (Some(since), false) if committed => {
+                self.unreachable = None;
+                said[1] = Some(Said::UnreachableEnded {
+                    failed_for: now.saturating_duration_since(since),
+                });
+            }
+            _ => {}
+        }
+        said
     }
 }
 
@@ -1139,6 +1244,71 @@ mod tests {
 
     use super::*;
     use crate::{db::command::Reply, meter::Name};
+
+    /// A full disk fails only the writes that need room: batches that
+    /// commit in between (an update in its page) do not end it, an
+    /// outage of the server while it lasts is said on its own, and it
+    /// ends once writes have met no full disk for [`FULL_DISK_QUIET`].
+    /// Before, one state for both said "space was freed" at the first
+    /// batch that committed, and nothing of an outage meanwhile.
+    #[test]
+    fn a_full_disk_and_an_outage_are_each_said_once_when_they_begin_and_end() {
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut l = Lasting::default();
+        let mut said = |full, unreachable, committed, ms| {
+            l.after_batch(full, unreachable, committed, at(ms))
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+        };
+        // Refused for room, then a batch of updates commits, then refused.
+        assert_eq!(said(true, false, false, 0), [Said::FullBegan]);
+        assert_eq!(said(false, false, true, 100), []);
+        assert_eq!(said(true, false, true, 200), []);
+        // The server goes, and comes back, while the disk is full.
+        assert_eq!(said(false, true, false, 1_000), [Said::UnreachableBegan]);
+        assert_eq!(said(false, true, false, 2_000), []);
+        assert_eq!(
+            said(false, false, true, 3_000),
+            [Said::UnreachableEnded {
+                failed_for: Duration::from_secs(2)
+            }]
+        );
+        // Still meeting it now and then; then five quiet seconds.
+        assert_eq!(said(true, false, true, 4_000), []);
+        assert_eq!(said(false, false, true, 8_999), []);
+        assert_eq!(
+            said(false, false, true, 9_000),
+            [Said::FullEnded {
+                failed_for: Duration::from_secs(9),
+                quiet_for: Duration::from_secs(5)
+            }]
+        );
+        assert_eq!(said(false, false, true, 9_100), []);
+        // Full again; then the server out of reach for 10 s: no write met
+        // the disk, but none went through either. Back, it is still full
+        // until five seconds of batches have gone through.
+        assert_eq!(said(true, false, false, 10_000), [Said::FullBegan]);
+        assert_eq!(said(false, true, false, 11_000), [Said::UnreachableBegan]);
+        assert_eq!(said(false, true, false, 21_000), []);
+        assert_eq!(
+            said(false, false, true, 21_100),
+            [Said::UnreachableEnded {
+                failed_for: Duration::from_millis(10_100)
+            }]
+        );
+        // A batch that failed for its own reason is no quiet either.
+        assert_eq!(said(false, false, false, 24_000), []);
+        assert_eq!(said(false, false, true, 28_999), []);
+        assert_eq!(
+            said(false, false, true, 29_000),
+            [Said::FullEnded {
+                failed_for: Duration::from_secs(19),
+                quiet_for: Duration::from_secs(5)
+            }]
+        );
+    }
 
     /// The metric counts a command answered without running by its own
     /// refusal, as its caller hears it, whatever its batch did; a command
