@@ -448,8 +448,8 @@ pub async fn open(
     if !standing.up_to_date {
         migrator.run(&mut conn).await.map_err(|e| {
             fail(format!(
-                "cannot migrate (migrations need a role that may create tables in schema \
-                 `{schema}`): {e}"
+                "cannot migrate{}: {e}",
+                migration_hint(&e, &schema)
             ))
         })?;
     }
@@ -457,6 +457,29 @@ pub async fn open(
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
     Ok((readers, WriterConn::new(options)))
+}
+
+/// What a failed migration's SQLSTATE says to do, if anything: a role
+/// that may not create tables, or a table of tally's there with no record
+/// of the migration that made it.
+fn migration_hint(e: &sqlx::migrate::MigrateError, schema: &str) -> String {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    let code = std::iter::from_fn(|| {
+        let this = source?;
+        source = this.source();
+        Some(this)
+    })
+    .find_map(|s| s.downcast_ref::<sqlx::Error>().and_then(pg_code));
+    match code {
+        Some("42501") => {
+            format!(" (migrations need a role that may create tables in schema `{schema}`)")
+        }
+        Some("42P07") => format!(
+            " (a table of tally's is in schema `{schema}` with no record of the migration that \
+             made it: was `_sqlx_migrations` dropped or renamed?)"
+        ),
+        _ => String::new(),
+    }
 }
 
 #[cfg(test)]

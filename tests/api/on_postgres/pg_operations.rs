@@ -1096,6 +1096,48 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
     run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
 }
 
+/// A migration that fails says why as the server did: a role that may not
+/// create tables is told so, and a database whose tables are there but
+/// whose record of the migrations is not (`_sqlx_migrations` renamed) is
+/// told that, not that its role lacks rights (every failed migration was).
+#[tokio::test]
+async fn a_failed_migration_says_what_the_server_refused() {
+    let url = postgres::fresh_database().await;
+    let role = unique("tally_new");
+    let db = database_name(&url).to_owned();
+    run_sql(
+        &url,
+        format!(
+            "CREATE ROLE {role} LOGIN;
+             REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             GRANT CONNECT ON DATABASE {db} TO {role};
+             GRANT USAGE ON SCHEMA public TO {role};"
+        ),
+    )
+    .await;
+    let app_url = url.replacen("://tally@", &format!("://{role}@"), 1);
+    let e = failed_start(&[("TALLY_DATABASE", &app_url)]);
+    assert!(
+        e.contains("migrations need a role that may create tables in schema `public`"),
+        "{e}"
+    );
+    run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
+
+    let client = Client::new();
+    kept_once(&client, &url).await;
+    run_sql(
+        &url,
+        "ALTER TABLE _sqlx_migrations RENAME TO migrations_kept".into(),
+    )
+    .await;
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(
+        e.contains("was `_sqlx_migrations` dropped or renamed?"),
+        "{e}"
+    );
+    assert!(!e.contains("may create tables"), "{e}");
+}
+
 /// A schema named with `TALLY_POSTGRES_SCHEMA`, outside the role's
 /// `search_path`, is where a fresh database gets tally's tables, the
 /// migrations' included, and where its writes go.
