@@ -187,7 +187,7 @@ pub enum Error {
     /// The disk (or the database's size limit) is full: nothing was
     /// written, and the same write succeeds once space is freed. Not a bug,
     /// so it is told apart from [`Self::Database`].
-    #[error("the disk is full: {0}")]
+    #[error("the disk is full: {}", Driver(.0))]
     StorageFull(#[source] Arc<sqlx::Error>),
     /// The database file, or its `-wal` or `-shm`, was deleted or replaced
     /// while tally had it open, or the database file was cut short in
@@ -202,23 +202,26 @@ pub enum Error {
     /// connection dropped, the server shutting down or out of connection
     /// slots): nothing was written, and the same write succeeds once it
     /// answers again.
-    #[error("the database cannot be reached: {0}")]
+    #[error("the database cannot be reached: {}", Driver(.0))]
     Unavailable(#[source] Arc<sqlx::Error>),
     /// A row the command needs was held by another transaction (another
     /// process's batch, an operator's open transaction) for longer than
     /// the lock timeout: this command wrote nothing, and the same write
     /// succeeds once the row is released. The batch's other commands are
     /// not held up by it.
-    #[error("a row it needs was locked by another transaction past the lock timeout: {0}")]
+    #[error(
+        "a row it needs was locked by another transaction past the lock timeout: {}",
+        Driver(.0)
+    )]
     Busy(#[source] Arc<sqlx::Error>, HeldRow),
     /// The transaction lost a race with another (a deadlock, a
     /// serialization failure): nothing of it committed, and the same
     /// transaction run again can succeed.
-    #[error("the transaction lost a race with another: {0}")]
+    #[error("the transaction lost a race with another: {}", Driver(.0))]
     Raced(#[source] Arc<sqlx::Error>),
     /// The database failed. Shared, because one failed COMMIT is every
     /// caller's answer in a batch.
-    #[error("database error: {0}")]
+    #[error("database error: {}", Driver(.0))]
     Database(#[source] Arc<sqlx::Error>),
     /// A `PUT` would create a budget again while more of its deleted
     /// namesake's usage is left than one share deletes
@@ -234,6 +237,30 @@ pub enum Error {
     /// Never the client's doing.
     #[error("internal error: {0}")]
     Internal(Arc<str>),
+}
+
+/// A driver's error as tally tells it: PostgreSQL's own answer with its
+/// SQLSTATE (which an operator can look up) instead of sqlx's `at line N`,
+/// a line of the server's C source, read as one of a migration's; any
+/// other error as sqlx tells it.
+struct Driver<'a>(&'a sqlx::Error);
+
+impl std::fmt::Display for Driver<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pg = self
+            .0
+            .as_database_error()
+            .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>());
+        match pg {
+            Some(pg) => write!(
+                f,
+                "error returned from database: {} (SQLSTATE {})",
+                pg.message(),
+                pg.code()
+            ),
+            None => self.0.fmt(f),
+        }
+    }
 }
 
 impl Error {

@@ -2202,3 +2202,26 @@ async fn on_postgres_the_clock_hold_row_takes_an_end_only_of_its_own_hold() {
     drop(conn);
     db.drop().await;
 }
+
+/// PostgreSQL's errors are told with their SQLSTATE, not with sqlx's
+/// `at line N` (a line of the server's C source, which an operator took
+/// for one of a migration's).
+#[tokio::test]
+async fn postgres_errors_are_told_with_their_sqlstate() {
+    use sqlx::{Connection, PgConnection};
+    let db = FreshPostgres::new("sqlstate").await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let e = sqlx::raw_sql("SELECT * FROM no_such_table")
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains(" at line "), "sqlx's own words: {e}");
+    let told = super::postgres::error(e).to_string();
+    assert_eq!(
+        told,
+        "database error: error returned from database: relation \"no_such_table\" does not \
+         exist (SQLSTATE 42P01)"
+    );
+    drop(conn);
+    db.drop().await;
+}
