@@ -247,11 +247,7 @@ struct Driver<'a>(&'a sqlx::Error);
 
 impl std::fmt::Display for Driver<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let pg = self
-            .0
-            .as_database_error()
-            .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>());
-        match pg {
+        match postgres::pg_error(self.0) {
             Some(pg) => write!(
                 f,
                 "error returned from database: {} (SQLSTATE {})",

@@ -664,16 +664,17 @@ impl Lasting {
         now: std::time::Instant,
     ) -> [Option<Said>; 2] {
         let mut said = [None, None];
-        match (&mut self.full, full || !committed) {
-            (Some((_, last)), true) => *last = now,
-            (None, true) if !full => {}
-            (None, true) => {
+        match &mut self.full {
+            None if full => {
                 self.full = Some((now, now));
                 said[0] = Some(Said::FullBegan);
             }
-            (Some((since, last)), false) => {
+            None => {}
+            // Met again, or no batch went through: no quiet.
+            Some((_, last)) if full || !committed => *last = now,
+            Some((since, last)) => {
                 let quiet_for = now.saturating_duration_since(*last);
-                if committed && quiet_for >= FULL_DISK_QUIET {
+                if quiet_for >= FULL_DISK_QUIET {
                     said[0] = Some(Said::FullEnded {
                         failed_for: now.saturating_duration_since(*since),
                         quiet_for,
@@ -681,7 +682,6 @@ impl Lasting {
                     self.full = None;
                 }
             }
-            (None, false) => {}
         }
         match (self.unreachable, unreachable) {
             (None, true) => {

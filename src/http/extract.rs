@@ -77,14 +77,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJ
 
 /// Whether reading the body failed because it did not arrive in time.
 fn timed_out(r: &axum::extract::rejection::BytesRejection) -> bool {
-    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
-    while let Some(err) = e {
-        if err.is::<crate::server::BodyTimedOut>() {
-            return true;
-        }
-        e = err.source();
-    }
-    false
+    anyhow::Chain::new(r).any(|e| e.is::<crate::server::BodyTimedOut>())
 }
 
 /// Reads the body (within the router's size limit) and parses it with

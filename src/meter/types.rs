@@ -267,7 +267,7 @@ impl BudgetSpec {
 
     /// The days whose usage the budget keeps, seen at `now`: today in its
     /// time zone and the `retention_days` days before it. Pruning deletes
-    /// every day before the [`KeptDays::oldest`] of two minutes earlier
+    /// every day before the [`KeptDays::oldest`] of four minutes earlier
     /// (`db::clock::Trusted::prune_from`).
     pub fn kept_days(&self, now: Timestamp) -> KeptDays {
         KeptDays::at(&self.timezone, self.retention_days, now)

@@ -63,11 +63,15 @@ use crate::{
     meter::BudgetSpec,
 };
 
-/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
-fn pg_code(e: &sqlx::Error) -> Option<&str> {
+/// PostgreSQL's answer in `e`, if the server answered.
+pub(super) fn pg_error(e: &sqlx::Error) -> Option<&sqlx::postgres::PgDatabaseError> {
     e.as_database_error()
         .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .map(|pg| pg.code())
+}
+
+/// PostgreSQL's SQLSTATE of `e`, if the server answered with one.
+fn pg_code(e: &sqlx::Error) -> Option<&str> {
+    pg_error(e).map(|pg| pg.code())
 }
 
 /// What a PostgreSQL error means:
@@ -463,13 +467,8 @@ pub async fn open(
 /// that may not create tables, or a table of tally's there with no record
 /// of the migration that made it.
 fn migration_hint(e: &sqlx::migrate::MigrateError, schema: &str) -> String {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    let code = std::iter::from_fn(|| {
-        let this = source?;
-        source = this.source();
-        Some(this)
-    })
-    .find_map(|s| s.downcast_ref::<sqlx::Error>().and_then(pg_code));
+    let code =
+        anyhow::Chain::new(e).find_map(|s| s.downcast_ref::<sqlx::Error>().and_then(pg_code));
     match code {
         Some("42501") => {
             format!(" (migrations need a role that may create tables in schema `{schema}`)")
