@@ -1036,6 +1036,31 @@ async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     stop_all(bins).await;
 }
 
+/// A new login role (named from `prefix`) that may connect to the
+/// database at `url` and use its schema `public` but create nothing in it,
+/// given `grants` too (`{role}` in them names it); its name and a URL that
+/// logs in as it. Roles outlive databases on the shared server: a test
+/// drops it (`DROP OWNED BY`, `DROP ROLE`) when done.
+async fn role_without_create(url: &str, prefix: &str, grants: &str) -> (String, String) {
+    let role = unique(prefix);
+    let db = database_name(url).to_owned();
+    let grants = grants.replace("{role}", &role);
+    run_sql(
+        url,
+        format!(
+            "CREATE ROLE {role} LOGIN;
+             REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             GRANT CONNECT ON DATABASE {db} TO {role};
+             GRANT USAGE ON SCHEMA public TO {role};
+             {grants}"
+        ),
+    )
+    .await;
+    let app_url = url.replacen("://tally@", &format!("://{role}@"), 1);
+    assert_ne!(app_url, url);
+    (role, app_url)
+}
+
 /// The common split of roles: one that owns the schema migrates, one that
 /// may only read and write the tables serves. With nothing left to migrate
 /// tally starts no migration, which would need to create a table; before,
@@ -1047,23 +1072,14 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
     let client = Client::new();
     kept_once(&client, &url).await;
 
-    let role = unique("tally_app");
-    let db = database_name(&url).to_owned();
-    run_sql(
+    let (role, app_url) = role_without_create(
         &url,
-        format!(
-            "CREATE ROLE {role} LOGIN;
-             REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-             GRANT CONNECT ON DATABASE {db} TO {role};
-             GRANT USAGE ON SCHEMA public TO {role};
-             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role};
-             INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-             VALUES (99, 'a newer release', true, '\\x00', 1);"
-        ),
+        "tally_app",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role};
+         INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99, 'a newer release', true, '\\x00', 1);",
     )
     .await;
-    let app_url = url.replacen("://tally@", &format!("://{role}@"), 1);
-    assert_ne!(app_url, url);
     let app = processes(1, &app_url, &[]);
     let r = client
         .post(app[0].url("/counters/kept"))
@@ -1103,19 +1119,7 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
 #[tokio::test]
 async fn a_failed_migration_says_what_the_server_refused() {
     let url = postgres::fresh_database().await;
-    let role = unique("tally_new");
-    let db = database_name(&url).to_owned();
-    run_sql(
-        &url,
-        format!(
-            "CREATE ROLE {role} LOGIN;
-             REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-             GRANT CONNECT ON DATABASE {db} TO {role};
-             GRANT USAGE ON SCHEMA public TO {role};"
-        ),
-    )
-    .await;
-    let app_url = url.replacen("://tally@", &format!("://{role}@"), 1);
+    let (role, app_url) = role_without_create(&url, "tally_new", "").await;
     let e = failed_start(&[("TALLY_DATABASE", &app_url)]);
     assert!(
         e.contains("migrations need a role that may create tables in schema `public`"),
