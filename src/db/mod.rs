@@ -243,7 +243,7 @@ pub enum Error {
 /// SQLSTATE (which an operator can look up) instead of sqlx's `at line N`,
 /// a line of the server's C source, read as one of a migration's; any
 /// other error as sqlx tells it.
-struct Driver<'a>(&'a sqlx::Error);
+pub(crate) struct Driver<'a>(pub(crate) &'a sqlx::Error);
 
 impl std::fmt::Display for Driver<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -59,7 +59,7 @@ use super::{
 };
 use crate::{
     config::PostgresUrl,
-    db::{DbOptions, OpenError, migrations, reads::Readers as ReadPool},
+    db::{DbOptions, Driver, OpenError, migrations, reads::Readers as ReadPool},
     meter::BudgetSpec,
 };
 
@@ -350,7 +350,7 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
         })
     }
     .await
-    .map_err(|e: sqlx::Error| format!("cannot find tally's schema: {e}"));
+    .map_err(|e: sqlx::Error| format!("cannot find tally's schema: {}", Driver(&e)));
     found?
 }
 
@@ -415,7 +415,12 @@ pub async fn open(
     let encoding: String = sqlx::query_scalar("SELECT current_setting('server_encoding')")
         .fetch_one(&mut conn)
         .await
-        .map_err(|e| fail(format!("cannot read the database's encoding: {e}")))?;
+        .map_err(|e| {
+            fail(format!(
+                "cannot read the database's encoding: {}",
+                Driver(&e)
+            ))
+        })?;
     if encoding != "UTF8" {
         return Err(fail(format!(
             "the database is encoded {encoding}; tally stores names and visitor ids as UTF-8, \
@@ -437,12 +442,15 @@ pub async fn open(
         .bind(&search_path)
         .execute(&mut conn)
         .await
-        .map_err(|e| fail(format!("cannot set the search_path: {e}")))?;
+        .map_err(|e| fail(format!("cannot set the search_path: {}", Driver(&e))))?;
     let options = options.options([("search_path", search_path)]);
     let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
-    let applied = applied_migrations(&mut conn)
-        .await
-        .map_err(|e| fail(format!("cannot read the applied migrations: {e}")))?;
+    let applied = applied_migrations(&mut conn).await.map_err(|e| {
+        fail(format!(
+            "cannot read the applied migrations: {}",
+            Driver(&e)
+        ))
+    })?;
     let standing = migrations::standing(&migrator, &applied);
     standing.admit().map_err(&fail)?;
     migrations::warn_of_newer(&standing.newer);
@@ -452,8 +460,9 @@ pub async fn open(
     if !standing.up_to_date {
         migrator.run(&mut conn).await.map_err(|e| {
             fail(format!(
-                "cannot migrate{}: {e}",
-                migration_hint(&e, &schema)
+                "cannot migrate{}: {}",
+                migration_hint(&e, &schema),
+                Migration(&e)
             ))
         })?;
     }
@@ -461,6 +470,23 @@ pub async fn open(
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
     Ok((readers, WriterConn::new(options)))
+}
+
+/// A failed migration as sqlx tells it, but with PostgreSQL's answer told
+/// as [`Driver`] tells it (its SQLSTATE, not `at line N`).
+struct Migration<'a>(&'a sqlx::migrate::MigrateError);
+
+impl std::fmt::Display for Migration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use sqlx::migrate::MigrateError;
+        match self.0 {
+            MigrateError::Execute(e) => write!(f, "while executing migrations: {}", Driver(e)),
+            MigrateError::ExecuteMigration(e, version) => {
+                write!(f, "while executing migration {version}: {}", Driver(e))
+            }
+            e => e.fmt(f),
+        }
+    }
 }
 
 /// What a failed migration's SQLSTATE says to do, if anything: a role

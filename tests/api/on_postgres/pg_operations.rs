@@ -1115,7 +1115,8 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
 /// A migration that fails says why as the server did: a role that may not
 /// create tables is told so, and a database whose tables are there but
 /// whose record of the migrations is not (`_sqlx_migrations` renamed) is
-/// told that, not that its role lacks rights (every failed migration was).
+/// told that, not that its role lacks rights (every failed migration was);
+/// each with the SQLSTATE the server answered.
 #[tokio::test]
 async fn a_failed_migration_says_what_the_server_refused() {
     let url = postgres::fresh_database().await;
@@ -1125,6 +1126,10 @@ async fn a_failed_migration_says_what_the_server_refused() {
         e.contains("migrations need a role that may create tables in schema `public`"),
         "{e}"
     );
+    // The server's answer with its SQLSTATE, not sqlx's `at line N` (a
+    // line of the server's C source, read as one of the migration's).
+    assert!(e.contains("(SQLSTATE 42501)"), "{e}");
+    assert!(!e.contains(" at line "), "{e}");
     run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
 
     let client = Client::new();
@@ -1137,6 +1142,10 @@ async fn a_failed_migration_says_what_the_server_refused() {
     let e = failed_start(&[("TALLY_DATABASE", &url)]);
     assert!(
         e.contains("was `_sqlx_migrations` dropped or renamed?"),
+        "{e}"
+    );
+    assert!(
+        e.contains("(SQLSTATE 42P07)") && !e.contains(" at line "),
         "{e}"
     );
     assert!(!e.contains("may create tables"), "{e}");
