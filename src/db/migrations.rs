@@ -90,6 +90,51 @@ pub fn warn_of_newer(newer: &[i64]) {
     }
 }
 
+/// The tables `migrator`'s migrations create (`CREATE TABLE name`), each
+/// once, in the order they are created.
+pub fn tables(migrator: &Migrator) -> Vec<String> {
+    let mut tables: Vec<String> = Vec::new();
+    for m in migrator
+        .iter()
+        .filter(|m| m.migration_type.is_up_migration())
+    {
+        let words: Vec<&str> = m.sql.as_str().split_whitespace().collect();
+        for pair in words.windows(3) {
+            if pair[0].eq_ignore_ascii_case("CREATE") && pair[1].eq_ignore_ascii_case("TABLE") {
+                let name = pair[2].split('(').next().unwrap_or_default();
+                if !name.is_empty() && !tables.iter().any(|t| t == name) {
+                    tables.push(name.to_owned());
+                }
+            }
+        }
+    }
+    tables
+}
+
+/// Whether tally may run on a database whose migrations are applied but
+/// whose tables `missing` are not there (dropped or renamed by hand):
+/// not, since every request that needs one would fail, while the
+/// process looked ready.
+pub fn admit_tables(missing: &[String]) -> Result<(), String> {
+    match missing {
+        [] => Ok(()),
+        missing => Err(format!(
+            "tally's table{s} {names} {are} missing, though the migrations that create {them} \
+             are recorded as applied (dropped or renamed by hand?): every request that needs \
+             {them} would fail. Restore {them} (from a backup, or rename {them} back), then \
+             start tally again",
+            s = if missing.len() == 1 { "" } else { "s" },
+            names = missing
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            are = if missing.len() == 1 { "is" } else { "are" },
+            them = if missing.len() == 1 { "it" } else { "them" },
+        )),
+    }
+}
+
 /// A migrator that does not refuse a database a newer tally migrated.
 pub fn tolerant(mut migrator: Migrator) -> Migrator {
     migrator.set_ignore_missing(true);
@@ -99,6 +144,32 @@ pub fn tolerant(mut migrator: Migrator) -> Migrator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tables a start looks for are the ones the migrations create.
+    #[test]
+    fn each_engine_knows_its_tables_from_its_migrations() {
+        let common = [
+            "counters",
+            "budgets",
+            "budget_global_usage",
+            "budget_visitor_usage",
+            "idempotency_keys",
+        ];
+        let mut pg: Vec<&str> = common.to_vec();
+        pg.push("clock_hold");
+        assert_eq!(tables(&sqlx::migrate!("./migrations/postgres")), pg);
+        let mut sqlite: Vec<&str> = common.to_vec();
+        sqlite.extend(["replica_starts", "clock_hold"]);
+        assert_eq!(tables(&sqlx::migrate!("./migrations/sqlite")), sqlite);
+        assert!(admit_tables(&[]).is_ok());
+        let e = admit_tables(&["counters".into()]).unwrap_err();
+        assert!(e.starts_with("tally's table `counters` is missing"), "{e}");
+        let e = admit_tables(&["counters".into(), "budgets".into()]).unwrap_err();
+        assert!(
+            e.contains("tables `counters`, `budgets` are missing"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn standing_against_the_known_migrations() {

@@ -133,6 +133,13 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
         }
         migrations::warn_of_newer(&standing.newer);
         migrate(&migrator, &mut conn, path).await?;
+        let missing = missing_tables(&mut conn, &migrations::tables(&migrator))
+            .await
+            .map_err(open_err)?;
+        migrations::admit_tables(&missing).map_err(|reason| OpenError::Refused {
+            path: path.to_owned(),
+            reason,
+        })?;
         if opts.under_litestream {
             replicated::record(path);
             sqlx::query(
@@ -521,6 +528,21 @@ async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
     .fetch_one(conn)
     .await?;
     Ok(n > 0)
+}
+
+/// Which of `tables` the database does not hold, in their order.
+async fn missing_tables(
+    conn: &mut SqliteConnection,
+    tables: &[String],
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT value FROM json_each(?1)
+         WHERE value NOT IN (SELECT name FROM sqlite_schema WHERE type = 'table')
+         ORDER BY key",
+    )
+    .bind(serde_json::to_string(tables).unwrap_or_default())
+    .fetch_all(conn)
+    .await
 }
 
 /// The read-only pool: opened read-only *and* with `query_only`.

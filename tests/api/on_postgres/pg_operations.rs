@@ -908,7 +908,6 @@ async fn a_refused_read_connection_is_answered_at_once() {
     stop_all(bins).await;
 }
 
-/// The value of counter `name` as `bin` reads it.
 /// A process on `url` (migrating it, if fresh) writes counter `kept` once,
 /// and stops.
 async fn kept_once(client: &Client, url: &str) {
@@ -918,6 +917,7 @@ async fn kept_once(client: &Client, url: &str) {
     stop_all(bins).await;
 }
 
+/// The value of counter `name` as `bin` reads it.
 async fn counter(client: &Client, bin: &Binary, name: &str) -> i64 {
     let r = client
         .get(bin.url(&format!("/counters/{name}")))
@@ -1149,6 +1149,40 @@ async fn a_failed_migration_says_what_the_server_refused() {
         "{e}"
     );
     assert!(!e.contains("may create tables"), "{e}");
+}
+
+/// A database whose migrations are recorded but one of whose tables is
+/// gone (dropped or renamed by hand) is refused at start, naming the
+/// tables: before, tally started, said it was ready, and answered every
+/// request that needed them 500. Put back, the data is served again.
+#[tokio::test]
+async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
+    let url = postgres::fresh_database().await;
+    let client = Client::new();
+    kept_once(&client, &url).await;
+    run_sql(
+        &url,
+        "ALTER TABLE counters RENAME TO counters_kept; \
+         ALTER TABLE clock_hold RENAME TO clock_hold_kept"
+            .into(),
+    )
+    .await;
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(
+        e.contains("tally's tables `counters`, `clock_hold` are missing"),
+        "{e}"
+    );
+    run_sql(&url, "ALTER TABLE counters_kept RENAME TO counters".into()).await;
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(e.contains("tally's table `clock_hold` is missing"), "{e}");
+    run_sql(
+        &url,
+        "ALTER TABLE clock_hold_kept RENAME TO clock_hold".into(),
+    )
+    .await;
+    let bins = processes(1, &url, &[]);
+    assert_eq!(counter(&client, &bins[0], "kept").await, 1);
+    stop_all(bins).await;
 }
 
 /// A schema named with `TALLY_POSTGRES_SCHEMA`, outside the role's

@@ -126,6 +126,43 @@ fn a_setting_that_is_not_utf8_is_refused_by_name() {
     assert!(!db.exists(), "nothing was opened");
 }
 
+/// A database whose migrations are recorded but one of whose tables is
+/// gone (dropped or renamed by hand) is refused at start, naming it:
+/// before, tally started, said it was ready, and answered every request
+/// that needed it 500. Put back, the data is served again.
+#[tokio::test]
+async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    let mut bin = crate::helpers::Binary::start(&env);
+    let r = reqwest::Client::new()
+        .post(bin.url("/counters/kept"))
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    bin.sigterm();
+    bin.wait(std::time::Duration::from_secs(20)).await;
+    drop(bin);
+
+    let path = db.to_str().unwrap();
+    crate::helpers::behind(path, "ALTER TABLE counters RENAME TO counters_kept").await;
+    let stderr = crate::helpers::failed_start(&env);
+    assert!(
+        stderr.contains("tally's table `counters` is missing"),
+        "{stderr}"
+    );
+    crate::helpers::behind(path, "ALTER TABLE counters_kept RENAME TO counters").await;
+    let bin = crate::helpers::Binary::start(&env);
+    let v: serde_json::Value = reqwest::get(bin.url("/counters/kept"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["value"], 1);
+}
+
 /// A database a newer tally migrated (a rollback after an upgrade that
 /// brought a migration) is served, with a warning naming what this tally
 /// does not know; before, every start failed on it, and a rollback
