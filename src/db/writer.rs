@@ -108,9 +108,20 @@ pub(super) struct WriterLoop<E: Engine> {
 pub(super) struct Lasting {
     /// Since when, and when last, a write met a full disk.
     full: Option<(std::time::Instant, std::time::Instant)>,
-    /// Since when the database cannot be reached.
-    unreachable: Option<std::time::Instant>,
+    /// Since when the database cannot be reached, and whether that was
+    /// logged.
+    unreachable: Option<(std::time::Instant, bool)>,
+    /// When an outage was last logged, and how many began since without
+    /// being logged: one outage every [`OUTAGE_LOG_EVERY`] at most, as
+    /// the reads log theirs (a session cancelled every 50 ms by an
+    /// operator's loop was one pair of lines each time).
+    outage_logged: Option<std::time::Instant>,
+    outages_held: u64,
 }
+
+/// The least time between two outages the writer logs. One that lasts is
+/// logged all the same, late, once this has passed.
+const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How long writes must commit with none meeting a full disk before the
 /// full disk is logged as over. A full disk does not fail every write: one
@@ -605,9 +616,9 @@ impl<E: Engine> WriterLoop<E> {
                         "no write has met a full disk for 5 s: writes commit again"
                     );
                 }
-                Said::UnreachableBegan => {
+                Said::UnreachableBegan { held_back } => {
                     if let Err(e) = commit {
-                        tracing::error!(error = %e, batch = size, "the database cannot be reached: writes fail (503) until it answers again");
+                        tracing::error!(error = %e, batch = size, held_back, "the database cannot be reached: writes fail (503) until it answers again (one outage every 10 s at most; held_back: outages since the last, not logged)");
                     }
                 }
                 Said::UnreachableEnded { failed_for } => {
@@ -642,7 +653,10 @@ enum Said {
         failed_for: Duration,
         quiet_for: Duration,
     },
-    UnreachableBegan,
+    UnreachableBegan {
+        /// Outages since the last one logged, not logged.
+        held_back: u64,
+    },
     UnreachableEnded {
         failed_for: Duration,
     },
@@ -685,18 +699,41 @@ impl Lasting {
         }
         match (self.unreachable, unreachable) {
             (None, true) => {
-                self.unreachable = Some(now);
-                said[1] = Some(Said::UnreachableBegan);
+                self.outages_held += 1;
+                let logged = self.log_outage(now);
+                self.unreachable = Some((now, logged.is_some()));
+                said[1] = logged.map(|held_back| Said::UnreachableBegan { held_back });
             }
-            (Some(since), false) if committed => {
+            // Its start was held back, and it lasts: said once it may be.
+            (Some((since, false)), true) => {
+                if let Some(held_back) = self.log_outage(now) {
+                    self.unreachable = Some((since, true));
+                    said[1] = Some(Said::UnreachableBegan { held_back });
+                }
+            }
+            (Some((since, logged)), false) if committed => {
                 self.unreachable = None;
-                said[1] = Some(Said::UnreachableEnded {
+                said[1] = logged.then(|| Said::UnreachableEnded {
                     failed_for: now.saturating_duration_since(since),
                 });
             }
             _ => {}
         }
         said
+    }
+
+    /// Whether an outage may be logged at `now`, and if so how many
+    /// others began since the last one logged without being logged.
+    fn log_outage(&mut self, now: std::time::Instant) -> Option<u64> {
+        let due = self
+            .outage_logged
+            .is_none_or(|at| now.saturating_duration_since(at) >= OUTAGE_LOG_EVERY);
+        if !due {
+            return None;
+        }
+        self.outage_logged = Some(now);
+        // This one is counted in, and is not held back.
+        Some(std::mem::take(&mut self.outages_held).saturating_sub(1))
     }
 }
 
@@ -1267,7 +1304,10 @@ mod tests {
         assert_eq!(said(false, false, true, 100), []);
         assert_eq!(said(true, false, true, 200), []);
         // The server goes, and comes back, while the disk is full.
-        assert_eq!(said(false, true, false, 1_000), [Said::UnreachableBegan]);
+        assert_eq!(
+            said(false, true, false, 1_000),
+            [Said::UnreachableBegan { held_back: 0 }]
+        );
         assert_eq!(said(false, true, false, 2_000), []);
         assert_eq!(
             said(false, false, true, 3_000),
@@ -1290,7 +1330,10 @@ mod tests {
         // the disk, but none went through either. Back, it is still full
         // until five seconds of batches have gone through.
         assert_eq!(said(true, false, false, 10_000), [Said::FullBegan]);
-        assert_eq!(said(false, true, false, 11_000), [Said::UnreachableBegan]);
+        assert_eq!(
+            said(false, true, false, 11_000),
+            [Said::UnreachableBegan { held_back: 0 }]
+        );
         assert_eq!(said(false, true, false, 21_000), []);
         assert_eq!(
             said(false, false, true, 21_100),
@@ -1306,6 +1349,63 @@ mod tests {
             [Said::FullEnded {
                 failed_for: Duration::from_secs(19),
                 quiet_for: Duration::from_secs(5)
+            }]
+        );
+    }
+
+    /// Outages are logged one every [`OUTAGE_LOG_EVERY`] at most, with
+    /// how many were not: an operator's loop cancelling the writer's
+    /// statement every 50 ms was a pair of lines each time. One whose
+    /// start was held back and that lasts is logged late, and its end with
+    /// it; one never logged ends in silence.
+    #[test]
+    fn outages_are_logged_one_every_ten_seconds_at_most() {
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut l = Lasting::default();
+        let mut said = |unreachable, committed, ms| {
+            l.after_batch(false, unreachable, committed, at(ms))
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            said(true, false, 0),
+            [Said::UnreachableBegan { held_back: 0 }]
+        );
+        assert_eq!(
+            said(false, true, 50),
+            [Said::UnreachableEnded {
+                failed_for: Duration::from_millis(50)
+            }]
+        );
+        // A cancel every 100 ms for 9.9 s: nothing said.
+        for i in 1..100 {
+            assert_eq!(said(true, false, i * 100), [], "{i}");
+            assert_eq!(said(false, true, i * 100 + 50), [], "{i}");
+        }
+        // The next, 10 s after the first: said, with the 99 before it.
+        assert_eq!(
+            said(true, false, 10_000),
+            [Said::UnreachableBegan { held_back: 99 }]
+        );
+        assert_eq!(
+            said(false, true, 10_050),
+            [Said::UnreachableEnded {
+                failed_for: Duration::from_millis(50)
+            }]
+        );
+        // One held back that lasts: said once it may be, and its end.
+        assert_eq!(said(true, false, 11_000), []);
+        assert_eq!(said(true, false, 15_000), []);
+        assert_eq!(
+            said(true, false, 20_000),
+            [Said::UnreachableBegan { held_back: 0 }]
+        );
+        assert_eq!(
+            said(false, true, 21_000),
+            [Said::UnreachableEnded {
+                failed_for: Duration::from_secs(10)
             }]
         );
     }
