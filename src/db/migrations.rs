@@ -77,9 +77,10 @@ pub fn standing(migrator: &Migrator, applied: &[(i64, Vec<u8>, bool)]) -> Standi
 /// Says, once at start, that a newer tally migrated the database. Every
 /// migration is written so that the release before it runs on its result
 /// (tables added, and columns that are nullable or have a default; no
-/// column dropped, renamed or narrowed, no new constraint or trigger that
-/// the release before could break): a rollback after an upgrade that
-/// migrated works.
+/// column dropped, renamed, narrowed or changed in type or collation, no
+/// new constraint or trigger that the release before could break): a
+/// rollback after an upgrade that migrated works, and so does a rolling
+/// upgrade, whose old processes serve on after the migration.
 pub fn warn_of_newer(newer: &[i64]) {
     if !newer.is_empty() {
         tracing::warn!(

@@ -123,6 +123,17 @@ fn needs_new_connection(e: &Error) -> bool {
     }
 }
 
+/// Whether `e` is PostgreSQL refusing a statement the connection prepared
+/// before a table it reads changed under it (SQLSTATE 0A000, "cached plan
+/// must not change result type": a column's type or collation altered, by
+/// a newer tally's migration or by hand). The connection's prepared
+/// statements are of no more use, and a new connection prepares them
+/// again. A server also answers 0A000 for a feature it does not have, so
+/// the work runs once more on a new connection, not again and again.
+fn plans_changed(e: &Error) -> bool {
+    matches!(e, Error::Database(e) if pg_code(e) == Some("0A000"))
+}
+
 /// SQLSTATEs after which a connection is of no more use: class 08
 /// (connection exceptions), 57P01-57P03 (the server shutting down or
 /// starting), 57P04 (the database dropped), 57P05, 25P03 and 25P04 (the
@@ -475,6 +486,9 @@ pub async fn open(
     .await
     .map_err(|e| fail(format!("cannot look for tally's tables: {}", Driver(&e))))?;
     migrations::admit_tables(&missing).map_err(&fail)?;
+    rights(&mut conn, &migrations::tables(&migrator), &schema)
+        .await
+        .map_err(&fail)?;
     let _ = sqlx::Connection::close(conn).await;
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
@@ -496,6 +510,61 @@ impl std::fmt::Display for Migration<'_> {
             e => e.fmt(f),
         }
     }
+}
+
+/// What tally does to each of its tables.
+const TABLE_RIGHTS: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+/// Whether the role may do to each of `tables` what tally does: a role
+/// that may not was found out by the first request that needed the table
+/// (or, for the clock's hold, by one warning, and a process that then
+/// went on without it). A table added by an upgrade belongs to the role
+/// that migrated, and a role that only serves has no rights on it until
+/// they are granted.
+async fn rights(conn: &mut PgConnection, tables: &[String], schema: &str) -> Result<(), String> {
+    let lacking: Vec<(String, Vec<String>)> = sqlx::query_as(
+        "SELECT t, array_agg(p ORDER BY j)
+         FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i),
+              unnest($2::text[]) WITH ORDINALITY AS y (p, j)
+         WHERE NOT has_table_privilege(t, p)
+         GROUP BY t, i ORDER BY i",
+    )
+    .bind(tables)
+    .bind(TABLE_RIGHTS)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| {
+        format!(
+            "cannot read the role's rights on tally's tables: {}",
+            Driver(&e)
+        )
+    })?;
+    if lacking.is_empty() {
+        return Ok(());
+    }
+    let role: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| format!("cannot read the role's name: {}", Driver(&e)))?;
+    let role = quote_ident(&role);
+    let told: Vec<String> = lacking
+        .iter()
+        .map(|(t, rights)| format!("{} on `{t}`", rights.join(", ")))
+        .collect();
+    let schema = quote_ident(schema);
+    let names: Vec<String> = lacking
+        .iter()
+        .map(|(t, _)| format!("{schema}.{}", quote_ident(t)))
+        .collect();
+    Err(format!(
+        "role {role} lacks {}: tally reads and writes every table of its own. Grant them \
+         (GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {role}), and for the tables later \
+         releases add, once, as the role that migrates: ALTER DEFAULT PRIVILEGES IN SCHEMA {} \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {role}",
+        told.join("; "),
+        names.join(", "),
+        schema,
+    ))
 }
 
 /// What a failed migration's SQLSTATE says to do, if anything: a role

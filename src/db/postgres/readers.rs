@@ -113,7 +113,11 @@ impl Readers {
                 break Err(timed_out(READ_TIMEOUT));
             };
             match r {
-                Err(e) if needs_new_connection(&e) => {
+                // A connection that broke, or whose statements were
+                // prepared before a table changed under them: so were the
+                // others pooled with it, and all go; a pooled one is tried
+                // once more on a new one.
+                Err(e) if needs_new_connection(&e) || plans_changed(&e) => {
                     drop(Object::take(conn));
                     if pooled && again {
                         again = false;

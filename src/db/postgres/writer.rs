@@ -274,6 +274,9 @@ impl WriterConn {
         // that finds it gone, before COMMIT, committed nothing and runs
         // once more on a new one.
         let mut stale = self.conn.is_some();
+        // A table changed under the connection's prepared statements: the
+        // batch, which nothing of committed, runs once more on a new one.
+        let mut replanned = false;
         loop {
             let limit = match self.deadline {
                 Some(deadline) => deadline.saturating_duration_since(Instant::now()),
@@ -335,6 +338,12 @@ impl WriterConn {
                 }
                 // Lost every time: the server is too busy to take it now.
                 Err(Error::Raced(source)) => return Err(Error::Unavailable(source.clone())),
+                Err(e) if plans_changed(e) && !replanned => {
+                    replanned = true;
+                    let e = e.clone();
+                    self.drop_connection(&e);
+                    continue;
+                }
                 Err(e) if needs_new_connection(e) && stale => {
                     stale = false;
                     let e = e.clone();
@@ -406,7 +415,7 @@ impl WriterConn {
     /// `r`, having dropped the connection if its error calls for a new one.
     fn keep_if_sound<T>(&mut self, r: Result<T, Error>) -> Result<T, Error> {
         if let Err(e) = &r
-            && needs_new_connection(e)
+            && (needs_new_connection(e) || plans_changed(e))
         {
             self.drop_connection(e);
         }

@@ -1112,6 +1112,49 @@ async fn a_role_that_may_only_read_and_write_serves_a_migrated_database() {
     run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
 }
 
+/// The same split through an upgrade that adds a table: the new table
+/// belongs to the role that migrated, and the serving role has no rights
+/// on it until they are granted. Such a role is refused at start, told
+/// which rights it lacks on which tables and the `GRANT` that gives them;
+/// before, it started, warned once that it could not read the clock's
+/// hold, and served on without it (and a table it could not update
+/// failed every request that needed it).
+#[tokio::test]
+async fn a_role_without_rights_on_a_table_of_tallys_is_refused_at_start() {
+    let url = postgres::fresh_database().await;
+    let client = Client::new();
+    kept_once(&client, &url).await;
+    let (role, app_url) = role_without_create(
+        &url,
+        "tally_srv",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role};
+         REVOKE ALL ON clock_hold FROM {role};
+         REVOKE UPDATE ON counters FROM {role};",
+    )
+    .await;
+    let e = failed_start(&[("TALLY_DATABASE", &app_url)]);
+    assert!(
+        e.contains(&format!(
+            "role {role} lacks UPDATE on `counters`; SELECT, INSERT, UPDATE, DELETE on `clock_hold`"
+        )),
+        "{e}"
+    );
+    let grant = format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON public.counters, public.clock_hold TO {role}"
+    );
+    assert!(e.contains(&grant), "{e}");
+    assert!(
+        e.contains("ALTER DEFAULT PRIVILEGES IN SCHEMA public"),
+        "{e}"
+    );
+    // Granted as it says, it serves.
+    run_sql(&url, grant).await;
+    let app = processes(1, &app_url, &[]);
+    assert_eq!(counter(&client, &app[0], "kept").await, 1);
+    stop_all(app).await;
+    run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
+}
+
 /// A migration that fails says why as the server did: a role that may not
 /// create tables is told so, and a database whose tables are there but
 /// whose record of the migrations is not (`_sqlx_migrations` renamed) is
@@ -1149,6 +1192,65 @@ async fn a_failed_migration_says_what_the_server_refused() {
         "{e}"
     );
     assert!(!e.contains("may create tables"), "{e}");
+}
+
+/// A column's collation changed under a serving process (what a newer
+/// tally's migration does, or an operator's `ALTER TABLE`): PostgreSQL
+/// refuses the statements its connections prepared before (0A000, "cached
+/// plan must not change result type"). The writer runs the batch again on
+/// a new connection, the readers drop their pool: every request is
+/// answered as before. Before, every increment and counter read answered
+/// 500 until the process was restarted, while `/ready` said yes.
+#[tokio::test]
+async fn a_column_changed_under_a_serving_process_costs_no_request() {
+    let url = postgres::fresh_database().await;
+    let client = Client::new();
+    let bins = processes(1, &url, &[]);
+    put_budget(
+        &client,
+        &bins[0],
+        "b",
+        json!({"visitor_limit": 1000, "global_limit": 1000}),
+    )
+    .await;
+    let round = async |expected: i64| {
+        let r = client
+            .post(bins[0].url("/counters/c"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json(r).await["value"], expected);
+        assert_eq!(counter(&client, &bins[0], "c").await, expected);
+        let r = client
+            .post(bins[0].url("/budgets/b/check"))
+            .json(&json!({"visitor": "v"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json(r).await["visitor_calls"], expected);
+        let r = client
+            .get(bins[0].url("/budgets/b/usage?visitor=v"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json(r).await["visitor_calls"], expected);
+    };
+    // Every statement prepared, on the writer's connection and a reader's.
+    round(1).await;
+    round(2).await;
+    run_sql(
+        &url,
+        "ALTER TABLE counters ALTER COLUMN name TYPE TEXT COLLATE \"POSIX\"; \
+         ALTER TABLE budget_visitor_usage ALTER COLUMN visitor TYPE TEXT COLLATE \"POSIX\""
+            .into(),
+    )
+    .await;
+    for n in 3..6 {
+        round(n).await;
+    }
+    let logs = bins[0].log_text();
+    assert!(logs.contains("SQLSTATE 0A000"), "{logs}");
+    stop_all(bins).await;
 }
 
 /// A database whose migrations are recorded but one of whose tables is
