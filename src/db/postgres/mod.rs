@@ -79,7 +79,8 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 /// - 55P03 lock_not_available, a lock not had within `lock_timeout`:
 ///   [`Error::Busy`], this command's alone;
 /// - 40001 serialization failure, 40P01 deadlock: [`Error::Raced`], the
-///   whole batch runs again;
+///   whole batch runs again; so does 0A000 (see [`plans_changed`]), once,
+///   on a new connection;
 /// - the server out of reach or unable to take writes now:
 ///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
 ///   57P01-57P03, shutting down or starting; 57P04, the database
@@ -104,6 +105,9 @@ pub(super) fn error(e: sqlx::Error) -> Error {
         Some("53100") => Error::StorageFull(Arc::new(e)),
         Some("55P03") => Error::Busy(Arc::new(e), super::HeldRow::Own),
         Some("40001" | "40P01") => Error::Raced(Arc::new(e)),
+        // A statement prepared before its table changed ([`plans_changed`]):
+        // the transaction's, not one command's.
+        Some("0A000") => Error::Raced(Arc::new(e)),
         _ if unreachable => Error::Unavailable(Arc::new(e)),
         _ => Error::from_sqlx(e),
     }
@@ -131,7 +135,7 @@ fn needs_new_connection(e: &Error) -> bool {
 /// again. A server also answers 0A000 for a feature it does not have, so
 /// the work runs once more on a new connection, not again and again.
 fn plans_changed(e: &Error) -> bool {
-    matches!(e, Error::Database(e) if pg_code(e) == Some("0A000"))
+    matches!(e, Error::Raced(e) if pg_code(e) == Some("0A000"))
 }
 
 /// SQLSTATEs after which a connection is of no more use: class 08

@@ -325,6 +325,15 @@ impl WriterConn {
                 return Err(Error::OutcomeUnknown);
             };
             match &applied {
+                // Refused on a new connection too: not a stale statement
+                // but a feature the server does not have, the batch's error.
+                Err(e) if plans_changed(e) && replanned => return applied,
+                Err(e) if plans_changed(e) => {
+                    replanned = true;
+                    let e = e.clone();
+                    self.drop_connection(&e);
+                    continue;
+                }
                 Err(e) if e.is_retryable() && attempt < RACE_RETRIES => {
                     attempt += 1;
                     metrics::counter!("tally_write_retries_total").increment(1);
@@ -338,12 +347,6 @@ impl WriterConn {
                 }
                 // Lost every time: the server is too busy to take it now.
                 Err(Error::Raced(source)) => return Err(Error::Unavailable(source.clone())),
-                Err(e) if plans_changed(e) && !replanned => {
-                    replanned = true;
-                    let e = e.clone();
-                    self.drop_connection(&e);
-                    continue;
-                }
                 Err(e) if needs_new_connection(e) && stale => {
                     stale = false;
                     let e = e.clone();

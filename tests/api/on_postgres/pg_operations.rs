@@ -1213,14 +1213,9 @@ async fn a_column_changed_under_a_serving_process_costs_no_request() {
         json!({"visitor_limit": 1000, "global_limit": 1000}),
     )
     .await;
+    // A check first: a batch of checks that meets a statement's error goes
+    // on command by command, each command failing on its own.
     let round = async |expected: i64| {
-        let r = client
-            .post(bins[0].url("/counters/c"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(json(r).await["value"], expected);
-        assert_eq!(counter(&client, &bins[0], "c").await, expected);
         let r = client
             .post(bins[0].url("/budgets/b/check"))
             .json(&json!({"visitor": "v"}))
@@ -1228,6 +1223,20 @@ async fn a_column_changed_under_a_serving_process_costs_no_request() {
             .await
             .unwrap();
         assert_eq!(json(r).await["visitor_calls"], expected);
+        let r = client
+            .post(bins[0].url("/counters/c"))
+            .header("idempotency-key", format!("k{expected}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json(r).await["value"], expected);
+        let r = client
+            .post(bins[0].url("/counters/d"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json(r).await["value"], expected);
+        assert_eq!(counter(&client, &bins[0], "c").await, expected);
         let r = client
             .get(bins[0].url("/budgets/b/usage?visitor=v"))
             .send()
@@ -1241,7 +1250,8 @@ async fn a_column_changed_under_a_serving_process_costs_no_request() {
     run_sql(
         &url,
         "ALTER TABLE counters ALTER COLUMN name TYPE TEXT COLLATE \"POSIX\"; \
-         ALTER TABLE budget_visitor_usage ALTER COLUMN visitor TYPE TEXT COLLATE \"POSIX\""
+         ALTER TABLE budget_visitor_usage ALTER COLUMN visitor TYPE TEXT COLLATE \"POSIX\"; \
+         ALTER TABLE idempotency_keys ALTER COLUMN key TYPE TEXT COLLATE \"POSIX\""
             .into(),
     )
     .await;
