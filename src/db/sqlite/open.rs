@@ -537,7 +537,7 @@ async fn missing_tables(
 ) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT value FROM json_each(?1)
-         WHERE value NOT IN (SELECT name FROM sqlite_schema WHERE type = 'table')
+         WHERE value NOT IN (SELECT name FROM sqlite_master WHERE type = 'table')
          ORDER BY key",
     )
     .bind(serde_json::to_string(tables).unwrap_or_default())
