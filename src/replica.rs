@@ -46,7 +46,9 @@ impl SyncStatus {
 pub enum ReplicaError {
     #[error(
         "the replica is unreachable: no confirmed sync through {socket} within {waited:.1?} \
-         (last: {last}); refusing to serve without a working backup"
+         (last: {last}); refusing to serve without a working backup (the object store does \
+         not answer, or answers too slowly for the database's size within \
+         TALLY_REPLICA_WAIT_TIMEOUT)"
     )]
     Unreachable {
         socket: PathBuf,
