@@ -121,7 +121,7 @@ pub fn admit_tables(missing: &[String]) -> Result<(), String> {
         [] => Ok(()),
         missing => Err(format!(
             "tally's table{s} {names} {are} missing, though the migrations that create {them} \
-             are recorded as applied (dropped or renamed by hand?): every request that needs \
+             are recorded as applied (dropped or renamed by hand?): whatever tally does with \
              {them} would fail. Restore {them} (from a backup, or rename {them} back), then \
              start tally again",
             s = if missing.len() == 1 { "" } else { "s" },

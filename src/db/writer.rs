@@ -627,6 +627,14 @@ impl<E: Engine> WriterLoop<E> {
                         "the database answers again: writes commit again"
                     );
                 }
+                Said::OutagesUntold { outages } => {
+                    tracing::warn!(
+                        outages,
+                        "the database could not be reached this many more times since the last \
+                         outage logged, each briefly (writes in them failed, 503); it answers \
+                         now"
+                    );
+                }
             }
         }
         match commit {
@@ -659,6 +667,10 @@ enum Said {
     },
     UnreachableEnded {
         failed_for: Duration,
+    },
+    /// Outages since the last one logged, each over before it could be.
+    OutagesUntold {
+        outages: u64,
     },
 }
 
@@ -718,6 +730,19 @@ impl Lasting {
                 });
             }
             _ => {}
+        }
+        // Outages held back that no later one logged told of: said once
+        // the database answers and a line may be written, so that the log
+        // never ends on "answers again" with outages after it untold.
+        if said[1].is_none()
+            && self.unreachable.is_none()
+            && committed
+            && self.outages_held > 0
+            && let Some(held_back) = self.log_outage(now)
+        {
+            said[1] = Some(Said::OutagesUntold {
+                outages: held_back + 1,
+            });
         }
         said
     }
@@ -1408,6 +1433,18 @@ mod tests {
                 failed_for: Duration::from_secs(10)
             }]
         );
+        // Short ones after the last logged, and then none: told once a
+        // line may be written, not left untold behind "answers again".
+        assert_eq!(said(true, false, 22_000), []);
+        assert_eq!(said(false, true, 22_050), []);
+        assert_eq!(said(true, false, 23_000), []);
+        assert_eq!(said(false, true, 23_050), []);
+        assert_eq!(said(false, true, 29_999), []);
+        assert_eq!(
+            said(false, true, 30_000),
+            [Said::OutagesUntold { outages: 2 }]
+        );
+        assert_eq!(said(false, true, 40_000), []);
     }
 
     /// The metric counts a command answered without running by its own

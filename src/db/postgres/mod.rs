@@ -79,8 +79,8 @@ fn pg_code(e: &sqlx::Error) -> Option<&str> {
 /// - 55P03 lock_not_available, a lock not had within `lock_timeout`:
 ///   [`Error::Busy`], this command's alone;
 /// - 40001 serialization failure, 40P01 deadlock: [`Error::Raced`], the
-///   whole batch runs again; so does 0A000 (see [`plans_changed`]), once,
-///   on a new connection;
+///   whole batch runs again; so does the plan cache's 0A000 (see
+///   [`plans_changed`]), once, on a new connection;
 /// - the server out of reach or unable to take writes now:
 ///   [`Error::Unavailable`]. SQLSTATE class 08, connection exceptions;
 ///   57P01-57P03, shutting down or starting; 57P04, the database
@@ -107,7 +107,7 @@ pub(super) fn error(e: sqlx::Error) -> Error {
         Some("40001" | "40P01") => Error::Raced(Arc::new(e)),
         // A statement prepared before its table changed ([`plans_changed`]):
         // the transaction's, not one command's.
-        Some("0A000") => Error::Raced(Arc::new(e)),
+        Some("0A000") if stale_plan(&e) => Error::Raced(Arc::new(e)),
         _ if unreachable => Error::Unavailable(Arc::new(e)),
         _ => Error::from_sqlx(e),
     }
@@ -132,10 +132,18 @@ fn needs_new_connection(e: &Error) -> bool {
 /// must not change result type": a column's type or collation altered, by
 /// a newer tally's migration or by hand). The connection's prepared
 /// statements are of no more use, and a new connection prepares them
-/// again. A server also answers 0A000 for a feature it does not have, so
-/// the work runs once more on a new connection, not again and again.
+/// again; the work runs once more on one, not again and again.
 fn plans_changed(e: &Error) -> bool {
     matches!(e, Error::Raced(e) if pg_code(e) == Some("0A000"))
+}
+
+/// Whether a 0A000 is the plan cache's ([`plans_changed`]): told by the
+/// server's routine, which its translations leave as it is. Any other
+/// 0A000 is a feature the server does not have (CockroachDB answers so),
+/// the statement's own error: a new connection would fail alike, and
+/// reconnecting for it on every batch stormed the server with sessions.
+fn stale_plan(e: &sqlx::Error) -> bool {
+    pg_error(e).and_then(|pg| pg.routine()) == Some("RevalidateCachedQuery")
 }
 
 /// SQLSTATEs after which a connection is of no more use: class 08
@@ -530,7 +538,9 @@ async fn rights(conn: &mut PgConnection, tables: &[String], schema: &str) -> Res
         "SELECT t, array_agg(p ORDER BY j)
          FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i),
               unnest($2::text[]) WITH ORDINALITY AS y (p, j)
-         WHERE NOT has_table_privilege(t, p)
+         -- A right on every column counts (DELETE has none of its own).
+         WHERE NOT CASE WHEN p = 'DELETE' THEN has_table_privilege(t, p)
+                        ELSE has_any_column_privilege(t, p) END
          GROUP BY t, i ORDER BY i",
     )
     .bind(tables)
@@ -550,15 +560,15 @@ async fn rights(conn: &mut PgConnection, tables: &[String], schema: &str) -> Res
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| format!("cannot read the role's name: {}", Driver(&e)))?;
-    let role = quote_ident(&role);
+    let role = always_quoted(&role);
     let told: Vec<String> = lacking
         .iter()
         .map(|(t, rights)| format!("{} on `{t}`", rights.join(", ")))
         .collect();
-    let schema = quote_ident(schema);
+    let schema = always_quoted(schema);
     let names: Vec<String> = lacking
         .iter()
-        .map(|(t, _)| format!("{schema}.{}", quote_ident(t)))
+        .map(|(t, _)| format!("{schema}.{}", always_quoted(t)))
         .collect();
     Err(format!(
         "role {role} lacks {}: tally reads and writes every table of its own. Grant them \
@@ -569,6 +579,12 @@ async fn rights(conn: &mut PgConnection, tables: &[String], schema: &str) -> Res
         names.join(", "),
         schema,
     ))
+}
+
+/// `name` as a quoted SQL identifier, which psql reads whatever it is (a
+/// keyword such as `user` included), for statements an operator pastes.
+fn always_quoted(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// What a failed migration's SQLSTATE says to do, if anything: a role

@@ -530,14 +530,15 @@ async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
     Ok(n > 0)
 }
 
-/// Which of `tables` the database does not hold, in their order.
+/// Which of `tables` the database does not hold, in their order (SQLite's
+/// names are the same in any case).
 async fn missing_tables(
     conn: &mut SqliteConnection,
     tables: &[String],
 ) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT value FROM json_each(?1)
-         WHERE value NOT IN (SELECT name FROM sqlite_master WHERE type = 'table')
+         WHERE lower(value) NOT IN (SELECT lower(name) FROM sqlite_master WHERE type = 'table')
          ORDER BY key",
     )
     .bind(serde_json::to_string(tables).unwrap_or_default())
