@@ -77,15 +77,12 @@ impl std::fmt::Display for SyncError {
     }
 }
 
-/// One `POST /sync` over the unix socket at `socket`, bounded by `limit`.
-/// With `wait`, Litestream answers once the replica has the sync (or its
-/// `wait` has passed); without, once the local sync is done.
-pub async fn sync_once(
-    socket: &Path,
-    db: &Path,
-    wait: Option<Duration>,
-    limit: Duration,
-) -> Result<SyncStatus, SyncError> {
+/// One `POST /sync` over the unix socket at `socket`, bounded by `limit`:
+/// Litestream's local sync (the database's new transactions taken into its
+/// own files), answered with the local and the replicated transaction ids.
+/// It never asks Litestream to wait for the replica (see
+/// [`wait_for_replica`]).
+pub async fn sync_once(socket: &Path, db: &Path, limit: Duration) -> Result<SyncStatus, SyncError> {
     let call = async {
         let stream = UnixStream::connect(socket).await.map_err(|e| {
             // Litestream does not create the socket's directory: it logs a
@@ -108,8 +105,8 @@ pub async fn sync_once(
         tokio::spawn(conn);
         let body = serde_json::json!({
             "path": db,
-            "wait": wait.is_some(),
-            "timeout": wait.unwrap_or(limit).as_secs().max(1),
+            "wait": false,
+            "timeout": limit.as_secs().max(1),
         });
         let req = Request::post("/sync")
             .header("host", "litestream")
@@ -146,9 +143,15 @@ pub async fn sync_once(
     }
 }
 
-/// Asks Litestream to sync until the replica has caught up, or `overall`
-/// has passed. Each call waits at most `per_call` (plus a little slack),
-/// and none runs past `overall`.
+/// Asks Litestream, a few times a second, how far the replica is, until it
+/// has caught up or `overall` has passed. Each call waits at most
+/// `per_call` for an answer, and none runs past `overall`. The calls ask
+/// for Litestream's local sync only, not for its wait: Litestream makes a
+/// call's time limit the deadline of the uploads (and the download of the
+/// replica's latest file) it waits for, so a call that waited cut them off
+/// at its limit, and each started again from nothing; its own replication
+/// loop makes them, with no deadline, and the answers show when they
+/// land.
 pub async fn wait_for_replica(
     socket: &Path,
     db: &Path,
@@ -162,12 +165,9 @@ pub async fn wait_for_replica(
     while Instant::now() < deadline {
         let left = deadline.saturating_duration_since(Instant::now());
         attempt += 1;
-        // Litestream counts its wait in whole seconds, at least one, and
-        // answers a little after it: the call gets some slack, but is cut
-        // at the deadline, which an answer after it would miss anyway.
-        let wait = per_call.min(left).max(Duration::from_secs(1));
-        let limit = (wait + Duration::from_secs(2)).min(left);
-        match sync_once(socket, db, Some(wait), limit).await {
+        // Cut at the deadline, which an answer after it would miss anyway.
+        let limit = per_call.min(left);
+        match sync_once(socket, db, limit).await {
             Ok(s) if s.is_replicated() => {
                 tracing::info!(
                     txid = s.txid,
@@ -269,7 +269,7 @@ pub async fn watch(socket: PathBuf, db: PathBuf, every: Duration) {
     loop {
         tick.tick().await;
         let now = Instant::now();
-        match sync_once(&socket, &db, None, every.max(Duration::from_secs(1))).await {
+        match sync_once(&socket, &db, every.max(Duration::from_secs(1))).await {
             Ok(s) => {
                 metrics::gauge!("tally_replica_up").set(1.0);
                 metrics::gauge!("tally_replica_local_txid").set(s.txid as f64);
@@ -388,12 +388,12 @@ mod tests {
         let db = dir.path().join("tally.db");
         let limit = Duration::from_secs(1);
         let missing = dir.path().join("nowhere/litestream.sock");
-        let e = sync_once(&missing, &db, None, limit).await.unwrap_err();
+        let e = sync_once(&missing, &db, limit).await.unwrap_err();
         let e = e.to_string();
         assert!(e.contains("its directory does not exist"), "{e}");
         // A directory that exists, with no socket in it: no such hint.
         let absent = dir.path().join("litestream.sock");
-        let e = sync_once(&absent, &db, None, limit).await.unwrap_err();
+        let e = sync_once(&absent, &db, limit).await.unwrap_err();
         let e = e.to_string();
         assert!(e.starts_with("cannot connect to"), "{e}");
         assert!(!e.contains("directory does not exist"), "{e}");

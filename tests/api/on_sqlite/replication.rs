@@ -285,6 +285,86 @@ async fn a_restart_in_place_serves_only_once_the_replica_takes_a_write() {
     stop_cleanly(run).await;
 }
 
+/// A loopback forwarder to an S3 server that takes what is sent to it at
+/// `bytes_per_second` at most, as a slow link or a throttled bucket does;
+/// answers come back at once.
+async fn slow_uploads(
+    upstream: &str,
+    bytes_per_second: u64,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let target: std::net::SocketAddr = upstream.trim_start_matches("http://").parse().unwrap();
+    let (addr, task) = accept_each(move |mut inbound| async move {
+        let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+            return;
+        };
+        let (mut out_read, mut out_write) = outbound.into_split();
+        let (mut in_read, mut in_write) = inbound.split();
+        let up = async {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n @ 1..) = in_read.read(&mut buf).await {
+                tokio::time::sleep(Duration::from_micros(
+                    n as u64 * 1_000_000 / bytes_per_second,
+                ))
+                .await;
+                if out_write.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        };
+        tokio::select! {
+            () = up => {}
+            _ = tokio::io::copy(&mut out_read, &mut in_write) => {}
+        }
+    })
+    .await;
+    (format!("http://{addr}"), task)
+}
+
+/// The startup gate over a store that takes uploads slowly: the first
+/// upload of a database (Litestream's snapshot) takes longer than one call
+/// to Litestream's control socket. The gate asked Litestream to wait for
+/// the replica, and Litestream made the call's 10 s limit the deadline of
+/// the upload itself: cut off at 10 s ("context deadline exceeded" in its
+/// log) and started again from nothing; with a database large enough for
+/// the link, never done, and every start failed (measured with a 75 MB
+/// database at 500 KB/s). The gate now only asks how far the replica is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_upload_longer_than_one_call_gets_through_the_gate() {
+    let s3 = S3::start().await;
+    s3.create_bucket("slow").await;
+    let (endpoint, forwarder) = slow_uploads(&s3.endpoint, 100_000).await;
+    let mut d = Deployment::new(&endpoint, "slow");
+    d.extra_env
+        .push(("TALLY_REPLICA_WAIT_TIMEOUT".into(), "120".into()));
+    // A database of about 2.5 MB that does not compress: 25 s or more of
+    // uploads at 100 KB/s.
+    {
+        let db = d.db();
+        std::fs::create_dir_all(db.parent().unwrap()).unwrap();
+        let bin = crate::helpers::Binary::start(&[("TALLY_DATABASE", db.to_str().unwrap())]);
+        let r = Client::new().post(bin.url("/counters/c")).send().await;
+        assert_eq!(r.unwrap().status(), StatusCode::OK);
+        let mut bin = bin;
+        bin.sigterm();
+        bin.wait(Duration::from_secs(20)).await;
+        crate::helpers::behind(
+            db.to_str().unwrap(),
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 25000)
+             INSERT INTO counters (name, value) SELECT hex(randomblob(40)), i FROM n",
+        )
+        .await;
+    }
+    let run = d.replicate();
+    run.wait_serving(Duration::from_secs(120)).await;
+    let r = reqwest::get(run.url("/counters/c")).await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["value"], 1);
+    let logs = run.log_text();
+    assert!(!logs.contains("context deadline exceeded"), "{logs}");
+    stop_cleanly(run).await;
+    forwarder.abort();
+}
+
 /// Litestream with tally as its child on `d`, watched until it exits: it
 /// must never listen, must give up (non-zero) after `at_least` and within a
 /// minute. Returns the log.
