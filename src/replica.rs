@@ -162,6 +162,16 @@ pub async fn wait_for_replica(
     let deadline = started + overall;
     let mut last = String::from("no attempt");
     let mut attempt = 0u32;
+    // Asked a few times a second; said every 10 s at most.
+    let mut said_at: Option<Instant> = None;
+    let mut may_say = || {
+        let now = Instant::now();
+        let due = said_at.is_none_or(|at| now.duration_since(at) >= PROGRESS_EVERY);
+        if due {
+            said_at = Some(now);
+        }
+        due
+    };
     while Instant::now() < deadline {
         let left = deadline.saturating_duration_since(Instant::now());
         attempt += 1;
@@ -183,10 +193,14 @@ pub async fn wait_for_replica(
                     "status {:?}, txid {}, replicated txid {}",
                     s.status, s.txid, s.replicated_txid
                 );
-                tracing::info!(attempt, txid = s.txid, replicated_txid = s.replicated_txid, status = %s.status, "replica not in sync yet");
+                if may_say() {
+                    tracing::info!(attempt, txid = s.txid, replicated_txid = s.replicated_txid, status = %s.status, "replica not in sync yet");
+                }
             }
             Err(e) => {
-                tracing::info!(attempt, error = %e, "waiting for litestream");
+                if may_say() {
+                    tracing::info!(attempt, error = %e, "waiting for litestream");
+                }
                 // A call cut short by the deadline says less than what
                 // Litestream answered before it, which stays the reason.
                 if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1) {
@@ -204,6 +218,9 @@ pub async fn wait_for_replica(
         last,
     })
 }
+
+/// How often the gate says how the wait for the replica goes.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
 /// How far the replica is behind, from successive answers of Litestream.
 #[derive(Debug, Default)]
