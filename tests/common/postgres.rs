@@ -155,11 +155,29 @@ impl PgServer {
             self.port
         );
         let log = self.dir.path().join("log");
-        run(self
-            .pg_ctl(&["-w", "-t", "30", "-o", &options, "-l"])
-            .arg(log)
-            .arg("start")
-            .envs(self.env.iter().map(|(k, v)| (k, v))));
+        let start = || {
+            let mut c = self.pg_ctl(&["-w", "-t", "30", "-o", &options, "-l"]);
+            c.arg(&log)
+                .arg("start")
+                .envs(self.env.iter().map(|(k, v)| (k, v)));
+            c
+        };
+        // libfaketime (0.9.10) shares a semaphore from the first process
+        // it is preloaded into (runuser, then pg_ctl) with their children,
+        // and the one that made it removes it when it exits: a child that
+        // opens it a moment late exits 1 ("sem_open failed and recreation
+        // attempts failed"), and the start fails though the server is
+        // fine. Seen once in a CI run; such a start is tried again.
+        for _ in 1..3 {
+            let out = start().output().unwrap();
+            if out.status.success() {
+                return;
+            }
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert!(said.contains("libfaketime:"), "pg_ctl start failed: {said}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        run(&mut start());
     }
 
     /// Stops the server the way an operator or a failover would: fast
