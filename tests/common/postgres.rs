@@ -164,10 +164,12 @@ impl PgServer {
         };
         // libfaketime (0.9.10) shares a semaphore from the first process
         // it is preloaded into (runuser, then pg_ctl) with their children,
-        // and the one that made it removes it when it exits: a child that
-        // opens it a moment late exits 1 ("sem_open failed and recreation
-        // attempts failed"), and the start fails though the server is
-        // fine. Seen once in a CI run; such a start is tried again.
+        // and the one that made it removes it when it exits: a process
+        // that opens it a moment late exits 1 ("sem_open failed and
+        // recreation attempts failed"), and pg_ctl fails, whether the
+        // server started or not. Seen once in a CI run (the server had
+        // started): such a start counts if the server answers within
+        // pg_ctl's 30 s, and is tried again if it is not running.
         for _ in 1..3 {
             let out = start().output().unwrap();
             if out.status.success() {
@@ -175,7 +177,22 @@ impl PgServer {
             }
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(said.contains("libfaketime:"), "pg_ctl start failed: {said}");
-            std::thread::sleep(Duration::from_millis(500));
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while self.pg_ctl(&["status"]).status().unwrap().success() {
+                let ready = self
+                    .as_postgres("pg_isready")
+                    .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                    .status()
+                    .unwrap();
+                if ready.success() {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the server runs but takes no connection: {said}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
         run(&mut start());
     }
