@@ -489,18 +489,17 @@ pub async fn open(
             ))
         })?;
     }
+    let tables = migrations::tables(&migrator);
     let missing: Vec<String> = sqlx::query_scalar(
         "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
          WHERE to_regclass(t) IS NULL ORDER BY i",
     )
-    .bind(migrations::tables(&migrator))
+    .bind(&tables)
     .fetch_all(&mut conn)
     .await
     .map_err(|e| fail(format!("cannot look for tally's tables: {}", Driver(&e))))?;
     migrations::admit_tables(&missing).map_err(&fail)?;
-    rights(&mut conn, &migrations::tables(&migrator), &schema)
-        .await
-        .map_err(&fail)?;
+    rights(&mut conn, &tables, &schema).await.map_err(&fail)?;
     let _ = sqlx::Connection::close(conn).await;
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));

@@ -154,13 +154,8 @@ async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
     );
     crate::helpers::behind(path, "ALTER TABLE counters_kept RENAME TO counters").await;
     let bin = crate::helpers::Binary::start(&env);
-    let v: serde_json::Value = reqwest::get(bin.url("/counters/kept"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(v["value"], 1);
+    let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
+    assert_eq!(crate::helpers::json(r).await["value"], 1);
 }
 
 /// A database a newer tally migrated (a rollback after an upgrade that
