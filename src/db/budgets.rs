@@ -122,6 +122,12 @@ pub fn from_rows(rows: Vec<BudgetRow>) -> Result<HashMap<String, Budget>, Error>
 /// A budget as stored. A row tally cannot read back is its own
 /// inconsistency, never the client's.
 pub fn from_row(row: BudgetRow) -> Result<Budget, Error> {
+    let name = row.name.clone();
+    read_row(row).map_err(|what| Error::Internal(format!("stored budget `{name}`: {what}").into()))
+}
+
+/// A budget as stored, or what in its row tally cannot read back.
+pub fn read_row(row: BudgetRow) -> Result<Budget, String> {
     let BudgetRow {
         name,
         visitor_limit,
@@ -129,16 +135,15 @@ pub fn from_row(row: BudgetRow) -> Result<Budget, Error> {
         retention_days,
         timezone: timezone_name,
     } = row;
-    let bad = |what: &str| Error::Internal(format!("stored budget `{name}`: {what}").into());
     let timezone =
-        meter::load_timezone(&timezone_name).map_err(|e| bad(&format!("bad time zone: {e}")))?;
-    let limit = |n: i64| u32::try_from(n).map_err(|_| bad(&format!("{n} is no limit")));
+        meter::load_timezone(&timezone_name).map_err(|e| format!("bad time zone: {e}"))?;
+    let limit = |n: i64| u32::try_from(n).map_err(|_| format!("{n} is no limit"));
     let retention = u32::try_from(retention_days)
         .ok()
         .filter(|d| (1..=BudgetSpec::MAX_RETENTION_DAYS).contains(d))
-        .ok_or_else(|| bad(&format!("{retention_days} is no retention in days")))?;
+        .ok_or_else(|| format!("{retention_days} is no retention in days"))?;
     Ok(Budget {
-        name: Name::parse(&name).map_err(|e| bad(&e.0))?,
+        name: Name::parse(&name).map_err(|e| e.0)?,
         spec: BudgetSpec {
             visitor_limit: limit(visitor_limit)?,
             global_limit: limit(global_limit)?,

@@ -15,8 +15,10 @@ use crate::meter::{InvalidInput, Name};
 pub struct PageRequest {
     /// Only names starting with these bytes.
     pub prefix: Option<Name>,
-    /// Only names after this one: the last name of the previous page.
-    pub after: Option<Name>,
+    /// Only names after this text: the last name of the previous page. Any
+    /// text, not only a name: a page may end on a stored name tally cannot
+    /// read (see [`Unreadable`]), and the next page starts after it.
+    pub after: Option<String>,
     /// At most this many, [`PageRequest::MAX_LIMIT`] at most.
     pub limit: u32,
 }
@@ -26,12 +28,23 @@ impl PageRequest {
     pub const MAX_LIMIT: u32 = 1000;
 
     /// A request with a limit of 1 to [`Self::MAX_LIMIT`]
-    /// ([`Self::DEFAULT_LIMIT`] when left out).
+    /// ([`Self::DEFAULT_LIMIT`] when left out), after a text that is not
+    /// empty and holds no NUL (which neither engine stores in a name, and
+    /// PostgreSQL refuses in any text).
     pub fn new(
         prefix: Option<Name>,
-        after: Option<Name>,
+        after: Option<String>,
         limit: Option<u32>,
     ) -> Result<Self, InvalidInput> {
+        if after
+            .as_deref()
+            .is_some_and(|a| a.is_empty() || a.contains('\0'))
+        {
+            return Err(InvalidInput(
+                "after: must be the `next` of a page: a text of 1 or more characters, no NUL"
+                    .into(),
+            ));
+        }
         let limit = limit.unwrap_or(Self::DEFAULT_LIMIT);
         if !(1..=Self::MAX_LIMIT).contains(&limit) {
             return Err(InvalidInput(format!(
@@ -54,7 +67,7 @@ impl PageRequest {
         // The higher of the two lower bounds is the whole of it: past
         // `after` and at least `prefix`.
         let (from, inclusive) = match &self.after {
-            Some(after) if after.as_str() >= prefix => (after.as_str().to_owned(), false),
+            Some(after) if after.as_str() >= prefix => (after.clone(), false),
             _ => (prefix.to_owned(), true),
         };
         KeyRange {
@@ -66,18 +79,42 @@ impl PageRequest {
     }
 
     /// The page from rows read for [`Self::range`]: at most `limit` of
-    /// them, and `next` (the last name of this page) only if a row
-    /// followed it.
-    pub(super) fn page<T>(&self, mut items: Vec<T>, name: impl Fn(&T) -> &Name) -> Page<T> {
+    /// them, each `read` into an item or, if tally cannot read it back (a
+    /// row edited by hand), named among the page's [`Unreadable`] rows;
+    /// and `next` (the last stored name of this page, read or not) only if
+    /// a row followed it. An unreadable row takes its place on the page
+    /// like any other, so that no page is longer than `limit` and paging
+    /// goes past it.
+    pub(super) fn page<R, T>(
+        &self,
+        mut rows: Vec<R>,
+        name: impl Fn(&R) -> &str,
+        read: impl Fn(R) -> Result<T, String>,
+    ) -> Page<T> {
         let limit = usize::try_from(self.limit).unwrap_or(usize::MAX);
-        let next = match items.len() > limit {
+        let next = match rows.len() > limit {
             true => {
-                items.truncate(limit);
-                items.last().map(|i| name(i).clone())
+                rows.truncate(limit);
+                rows.last().map(|r| name(r).to_owned())
             }
             false => None,
         };
-        Page { items, next }
+        let mut page = Page {
+            items: Vec::with_capacity(rows.len()),
+            unreadable: Vec::new(),
+            next,
+        };
+        for row in rows {
+            let stored = name(&row).to_owned();
+            match read(row) {
+                Ok(item) => page.items.push(item),
+                Err(problem) => page.unreadable.push(Unreadable {
+                    name: stored,
+                    problem,
+                }),
+            }
+        }
+        page
     }
 }
 
@@ -85,7 +122,20 @@ impl PageRequest {
 #[derive(Debug)]
 pub struct Page<T> {
     pub items: Vec<T>,
-    pub next: Option<Name>,
+    /// Rows of the page tally cannot read back, in name order.
+    pub unreadable: Vec<Unreadable>,
+    pub next: Option<String>,
+}
+
+/// A stored row tally cannot read back: a name it would refuse, a time
+/// zone it does not know, a limit out of range (edited by hand, or left by
+/// a tz database that has since dropped the zone). It is listed by name
+/// with why, so that one such row neither fails every page it falls on
+/// nor hides the names after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    pub name: String,
+    pub problem: String,
 }
 
 /// Rows with `from <= name` (`from < name` if not `inclusive`) and
@@ -128,7 +178,7 @@ mod tests {
     }
 
     fn request(prefix: Option<&str>, after: Option<&str>, limit: u32) -> PageRequest {
-        PageRequest::new(prefix.map(name), after.map(name), Some(limit)).unwrap()
+        PageRequest::new(prefix.map(name), after.map(str::to_owned), Some(limit)).unwrap()
     }
 
     #[test]
@@ -164,7 +214,8 @@ mod tests {
         let mut bytes: Vec<&str> = names.to_vec();
         bytes.sort_unstable();
         for prefix in names.iter().map(Some).chain([None]) {
-            for after in names.iter().map(Some).chain([None]) {
+            let odd = ["a b", " ", "a\u{e9}", "~", "\u{10FFFF}"];
+            for after in names.iter().chain(&odd).map(Some).chain([None]) {
                 let r = request(prefix.copied(), after.copied(), 5).range();
                 let inside = |n: &str| {
                     (if r.inclusive {
@@ -186,16 +237,61 @@ mod tests {
         }
     }
 
+    fn read(row: &'static str) -> Result<Name, String> {
+        Name::parse(row).map_err(|e| e.0)
+    }
+
     #[test]
     fn next_only_when_a_row_followed() {
         let r = request(None, None, 2);
-        let rows = |n: &[&str]| n.iter().map(|s| name(s)).collect::<Vec<_>>();
-        let page = r.page(rows(&["a", "b", "c"]), |n| n);
-        assert_eq!(page.items, rows(&["a", "b"]));
-        assert_eq!(page.next, Some(name("b")));
-        let page = r.page(rows(&["a", "b"]), |n| n);
+        let page = r.page(vec!["a", "b", "c"], |n| n, read);
+        assert_eq!(page.items, vec![name("a"), name("b")]);
+        assert_eq!(page.next.as_deref(), Some("b"));
+        let page = r.page(vec!["a", "b"], |n| n, read);
         assert_eq!(page.next, None);
-        let page = r.page(rows(&[]), |n| n);
-        assert!(page.items.is_empty() && page.next.is_none());
+        let page = r.page(vec![], |n| n, read);
+        assert!(page.items.is_empty() && page.unreadable.is_empty() && page.next.is_none());
+    }
+
+    /// A row that cannot be read is named with why, counts towards the
+    /// page's limit like any other, and may end the page: `next` is then
+    /// its stored name, which a request takes as `after`, so the walk goes
+    /// on past it rather than stopping or going round.
+    #[test]
+    fn an_unreadable_row_is_named_and_paged_past() {
+        let rows = ["a", "a b", "c", "d"];
+        let r = request(None, None, 2);
+        let page = r.page(rows[..3].to_vec(), |n| n, read);
+        assert_eq!(page.items, vec![name("a")]);
+        assert_eq!(page.unreadable.len(), 1);
+        assert_eq!(page.unreadable[0].name, "a b");
+        assert!(
+            page.unreadable[0].problem.contains("' '"),
+            "{:?}",
+            page.unreadable
+        );
+        assert_eq!(page.next.as_deref(), Some("a b"));
+        let r = request(None, page.next.as_deref(), 2);
+        assert_eq!(
+            (r.range().from.as_str(), r.range().inclusive),
+            ("a b", false)
+        );
+        let page = r.page(rows[2..].to_vec(), |n| n, read);
+        assert_eq!(page.items, vec![name("c"), name("d")]);
+        assert!(page.unreadable.is_empty() && page.next.is_none());
+    }
+
+    #[test]
+    fn after_is_any_text_but_empty_or_nul() {
+        for ok in ["a", "a b", "\u{e9}", "/", "\u{10FFFF}"] {
+            assert!(
+                PageRequest::new(None, Some(ok.into()), None).is_ok(),
+                "{ok:?}"
+            );
+        }
+        for bad in ["", "a\0b"] {
+            let e = PageRequest::new(None, Some(bad.into()), None).unwrap_err();
+            assert!(e.0.starts_with("after:"), "{bad:?}: {}", e.0);
+        }
     }
 }

@@ -15,7 +15,7 @@ use super::{
     },
     instrument::request_id,
     openapi::{AdminProblems, CheckWriteProblems, Problems, WriteProblems},
-    pages::{ListQuery, NoBody, NoQuery},
+    pages::{ListQuery, NoBody, NoQuery, UnreadableView},
 };
 use crate::{
     db,
@@ -113,10 +113,13 @@ pub async fn get(
 pub struct BudgetList {
     /// Each as `GET /budgets/{name}` answers it, by name in byte order.
     budgets: Vec<BudgetView>,
+    /// Rows of this page tally cannot read back, by name; only on a page
+    /// that has some.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    unreadable: Vec<UnreadableView>,
     /// The last name of this page, to pass as `after` for the next one;
     /// `null` on the last page.
-    #[schema(value_type = Option<String>)]
-    next: Option<Name>,
+    next: Option<String>,
 }
 
 /// Budgets by name in byte order, a page at a time. Pages are keyed by
@@ -132,6 +135,7 @@ pub async fn list(
     let page = state.db.list_budgets(&q.page()?).await?;
     Ok(Json(BudgetList {
         budgets: page.items.into_iter().map(BudgetView::from).collect(),
+        unreadable: UnreadableView::all(page.unreadable),
         next: page.next,
     }))
 }

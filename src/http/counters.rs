@@ -11,7 +11,7 @@ use super::{
     extract::{Admin, IdempotencyKeyHeader, OptionalJson, Path, Query, replayed_header},
     instrument::request_id,
     openapi::{AdminProblems, CounterProblems, Problems, WriteProblems},
-    pages::{ListQuery, NoBody, NoQuery},
+    pages::{ListQuery, NoBody, NoQuery, UnreadableView},
 };
 use crate::meter::Name;
 
@@ -140,10 +140,13 @@ pub async fn get(
 pub struct CounterList {
     /// By name in byte order.
     counters: Vec<NamedValue>,
+    /// Rows of this page tally cannot read back, by name; only on a page
+    /// that has some.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    unreadable: Vec<UnreadableView>,
     /// The last name of this page, to pass as `after` for the next one;
     /// `null` on the last page.
-    #[schema(value_type = Option<String>)]
-    next: Option<Name>,
+    next: Option<String>,
 }
 
 /// Counters and their values by name in byte order, a page at a time
@@ -164,6 +167,7 @@ pub async fn list(
             .into_iter()
             .map(|(name, value)| NamedValue { name, value })
             .collect(),
+        unreadable: UnreadableView::all(page.unreadable),
         next: page.next,
     }))
 }

@@ -2,11 +2,12 @@
 //! prefix, where the page starts, and how long it is; and the empty query
 //! and body of a delete.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::Problem;
 use crate::{
-    db::list::PageRequest,
+    db::list::{PageRequest, Unreadable},
     meter::{InvalidInput, Name},
 };
 
@@ -20,9 +21,10 @@ pub struct ListQuery {
     /// `a_` lists `a_b`, never `a-b`). A name itself.
     #[param(value_type = Option<Name>, inline)]
     prefix: Option<String>,
-    /// Only names after this one, in byte order: the `next` of the
-    /// previous page. A name itself.
-    #[param(value_type = Option<Name>, inline)]
+    /// Only names after this text, in byte order: the `next` of the
+    /// previous page (a name, or the stored name of a row listed as
+    /// unreadable). Not empty, no NUL.
+    #[param(value_type = Option<String>)]
     after: Option<String>,
     /// The most entries on the page: 1 to 1000, 100 when left out.
     #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
@@ -53,9 +55,29 @@ impl ListQuery {
             .transpose()?;
         Ok(PageRequest::new(
             name("prefix", &self.prefix)?,
-            name("after", &self.after)?,
+            self.after.clone(),
             limit,
         )?)
+    }
+}
+
+/// A stored row of the page tally cannot read back (edited by hand, say):
+/// it is not among the page's entries, and is named here with why. A `PUT`
+/// of a budget replaces its row, a `DELETE` removes it; a name the API
+/// does not take is for SQL to mend.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UnreadableView {
+    /// The name as stored.
+    name: String,
+    /// What in the row cannot be read.
+    problem: String,
+}
+
+impl UnreadableView {
+    pub fn all(rows: Vec<Unreadable>) -> Vec<Self> {
+        rows.into_iter()
+            .map(|Unreadable { name, problem }| Self { name, problem })
+            .collect()
     }
 }
 
