@@ -3,8 +3,10 @@
 //! Under `litestream replicate -exec tally`, tally starts before Litestream
 //! has even looked at the database. A pod must never serve writes that have
 //! no working backup, so before binding its listener tally asks Litestream
-//! to sync and wait (`POST /sync` with `"wait": true`) until the answer
-//! shows that the replica holds everything the database holds.
+//! a few times a second how far the replica is (`POST /sync` without
+//! waiting: Litestream makes a wait's time limit the deadline of the upload
+//! itself) until the answer shows that the replica holds everything the
+//! database holds.
 //!
 //! Once serving, [`watch`] keeps asking (a sync without waiting answers the
 //! local and the replicated transaction ids) and exports how far, and for

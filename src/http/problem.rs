@@ -267,8 +267,9 @@ impl From<db::Error> for Problem {
                 "Storage full",
             )
             .detail(
-                "the database's disk is full; nothing was written. \
-                 Retrying is safe and succeeds once space is freed",
+                "the database's disk is full, or the database reached tally's storage limit \
+                 (TALLY_STORAGE_LIMIT); nothing was written. Retrying is safe and succeeds once \
+                 space is freed",
             )
             .with("reason", "storage_full")
             .retry_after(STORAGE_RETRY_AFTER),

@@ -447,7 +447,10 @@ async fn an_unreadable_row_is_named_and_paged_past() {
     Kind::Budgets.create(&app, "d").await;
     app.sql_behind("UPDATE budgets SET timezone = 'Mars/Olympus' WHERE name = 'd'")
         .await;
-    assert_eq!(Kind::Budgets.delete(&app, "d").await, StatusCode::NO_CONTENT);
+    assert_eq!(
+        Kind::Budgets.delete(&app, "d").await,
+        StatusCode::NO_CONTENT
+    );
     Kind::Budgets.create(&app, "b").await;
     let (names, next) = Kind::Budgets.names(&app, "").await;
     assert_eq!(
