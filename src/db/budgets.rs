@@ -13,8 +13,9 @@ use super::{
     command::{Deleted, Stored},
     store::{BudgetRow, Store, in_transaction},
 };
-use crate::meter::{
-    self, Budget, BudgetSpec, Counts, Day, Decision, Name, Refusal, Step, VisitorId,
+use crate::{
+    meter::{self, Budget, BudgetSpec, Counts, Day, Decision, Name, Refusal, Step, VisitorId},
+    telemetry::Throttle,
 };
 
 /// Creates or replaces a budget's configuration. Usage on the days the
@@ -357,6 +358,22 @@ pub async fn check_many(
     Ok(decisions)
 }
 
+/// Logs a usage count below 0 found by a check (one line every 10 s at
+/// most).
+fn told_negative(budget: &str, day: &str, visitor: Option<&str>, calls: i64) {
+    static NEGATIVE: Throttle = Throttle::new(std::time::Duration::from_secs(10));
+    if let Some(held_back) = NEGATIVE.admit() {
+        tracing::warn!(
+            budget,
+            day,
+            visitor = visitor.unwrap_or("(the day's global count)"),
+            calls,
+            held_back,
+            "a stored usage count below 0 (edited by hand?) is counted from 0; the check writes it back (one line every 10 s at most; held_back: like lines not written since the last)"
+        );
+    }
+}
+
 /// The usage rows a batch of checks touches: read once, counted in memory,
 /// written back once.
 struct DayUsage {
@@ -396,9 +413,21 @@ impl DayUsage {
         global_keys.dedup();
         conn.lock_days(&global_keys).await.map_err(Error::at_day)?;
         for row in conn.read_usage(&visitor_keys, &global_keys).await? {
+            // A count below 0 is none a check leaves (a row edited by hand:
+            // calls "taken back"): counted from as it stands, it would let
+            // that many calls through unseen, and a global row at -1 every
+            // call of the day (its 0 after a call is never written back).
+            // Counted from 0, the day's next check writes the row right.
+            let calls = match row.calls {
+                n if n < 0 => {
+                    told_negative(&row.budget, &row.day, row.visitor.as_deref(), n);
+                    0
+                }
+                n => n,
+            };
             match row.visitor {
-                Some(v) => usage.visitors.insert((row.budget, row.day, v), row.calls),
-                None => usage.globals.insert((row.budget, row.day), row.calls),
+                Some(v) => usage.visitors.insert((row.budget, row.day, v), calls),
+                None => usage.globals.insert((row.budget, row.day), calls),
             };
         }
         Ok(usage)

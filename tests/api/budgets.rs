@@ -723,3 +723,46 @@ async fn a_deleted_budgets_usage_is_purged_to_the_last_row() {
     let log = gone(&bin).await;
     assert!(log.contains("usage of deleted budgets found"), "{log}");
 }
+
+/// A usage count below 0 (edited by hand: calls "taken back") is counted
+/// from 0, and the day's next check writes it right. Counted from as it
+/// stood, a global row at -1 let every call of the day through (its 0
+/// after a call was never written back), a budget with a global limit of
+/// 0 included, and a visitor at -100 had 100 calls more.
+#[tokio::test]
+async fn a_usage_count_below_zero_is_counted_from_zero() {
+    let app = spawn_app().await;
+    app.budget("taken", 1, 2).await;
+    app.budget("shut", 5, 0).await;
+    let day = today_in("UTC", 0);
+    for budget in ["taken", "shut"] {
+        app.check(budget, "a", &day).await;
+    }
+    app.sql_behind("UPDATE budget_global_usage SET calls = -1")
+        .await;
+    app.sql_behind("UPDATE budget_visitor_usage SET calls = -100")
+        .await;
+    let allowed = |d: &Value| d["allowed"].as_bool().unwrap();
+    // `shut` denies everything, whatever is stored.
+    for visitor in ["b", "c", "d"] {
+        let d = app.check("shut", visitor, &day).await;
+        assert!(!allowed(&d), "{d}");
+    }
+    // `a` may make one call, and the day two.
+    let d = app.check("taken", "a", &day).await;
+    assert!(allowed(&d), "{d}");
+    assert_eq!(
+        (&d["visitor_calls"], &d["global_calls"]),
+        (&json!(1), &json!(1))
+    );
+    let d = app.check("taken", "a", &day).await;
+    assert!(!allowed(&d), "{d}");
+    let d = app.check("taken", "b", &day).await;
+    assert!(allowed(&d), "{d}");
+    let d = app.check("taken", "c", &day).await;
+    assert!(!allowed(&d), "{d}");
+    assert_eq!(d["global_calls"], 3, "{d}");
+    let usage = app.usage("taken", &format!("day={day}")).await;
+    assert_eq!(usage["global_calls"], 3, "{usage}");
+    app.stop().await.unwrap();
+}
