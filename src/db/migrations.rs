@@ -119,20 +119,45 @@ pub fn tables(migrator: &Migrator) -> Vec<String> {
 pub fn admit_tables(missing: &[String]) -> Result<(), String> {
     match missing {
         [] => Ok(()),
-        missing => Err(format!(
-            "tally's table{s} {names} {are} missing, though the migrations that create {them} \
-             are recorded as applied (dropped or renamed by hand?): whatever tally does with \
-             {them} would fail. Restore {them} (from a backup, or rename {them} back), then \
-             start tally again",
-            s = if missing.len() == 1 { "" } else { "s" },
-            names = missing
+        missing => {
+            let Named {
+                s,
+                names,
+                are,
+                them,
+            } = Named::new(missing);
+            Err(format!(
+                "tally's table{s} {names} {are} missing, though the migrations that create \
+                 {them} are recorded as applied (dropped or renamed by hand?): whatever tally \
+                 does with {them} would fail. Restore {them} (from a backup, or rename {them} \
+                 back), then start tally again",
+            ))
+        }
+    }
+}
+
+/// Tables as a message names them (`` `a` `` or `` `a`, `b` ``), with the
+/// words that agree with how many.
+pub struct Named {
+    pub s: &'static str,
+    pub names: String,
+    pub are: &'static str,
+    pub them: &'static str,
+}
+
+impl Named {
+    pub fn new(tables: &[String]) -> Self {
+        let one = tables.len() == 1;
+        Named {
+            s: if one { "" } else { "s" },
+            names: tables
                 .iter()
                 .map(|t| format!("`{t}`"))
                 .collect::<Vec<_>>()
                 .join(", "),
-            are = if missing.len() == 1 { "is" } else { "are" },
-            them = if missing.len() == 1 { "it" } else { "them" },
-        )),
+            are: if one { "is" } else { "are" },
+            them: if one { "it" } else { "them" },
+        }
     }
 }
 

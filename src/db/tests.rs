@@ -500,6 +500,33 @@ async fn a_one_trip_batch_that_overflows_commits_nothing() {
     assert_eq!(r, Some(vec![1]));
 }
 
+/// A one-trip batch whose values cannot be read back after its COMMIT (a
+/// counters table rebuilt without STRICT under a running tally, holding a
+/// REAL) committed: its callers hear outcome-unknown, not "nothing was
+/// written", on which a client would retry and count twice.
+#[tokio::test]
+async fn a_one_trip_batch_committed_but_unreadable_is_outcome_unknown() {
+    let mut conn = fresh_db().await;
+    sqlx::raw_sql(
+        "DROP TABLE counters;
+         CREATE TABLE counters (name TEXT NOT NULL PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+         INSERT INTO counters VALUES ('real', 1.5), ('fine', 1);",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let n = names(&["fine", "real"]);
+    let r =
+        counters::increment_many_committed(&mut conn, &[(&n[0], 1), (&n[1], 1)], "BEGIN IMMEDIATE")
+            .await;
+    assert!(matches!(r, Err(Error::OutcomeUnknown)), "{r:?}");
+    let fine: i64 = sqlx::query_scalar("SELECT value FROM counters WHERE name = 'fine'")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(fine, 2, "the batch committed");
+}
+
 /// A new database is made under a working name and put at its path whole:
 /// what a start stopped while it created one left there is removed by the
 /// next, which creates the database whole (under Litestream too, where a

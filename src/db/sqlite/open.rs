@@ -140,6 +140,13 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
             path: path.to_owned(),
             reason,
         })?;
+        let loose = loose_tables(&mut conn, &migrations::tables(&migrator))
+            .await
+            .map_err(open_err)?;
+        admit_strict(&loose).map_err(|reason| OpenError::Refused {
+            path: path.to_owned(),
+            reason,
+        })?;
         if opts.under_litestream {
             replicated::record(path);
             sqlx::query(
@@ -544,6 +551,48 @@ async fn missing_tables(
     .bind(serde_json::to_string(tables).unwrap_or_default())
     .fetch_all(conn)
     .await
+}
+
+/// Which of `tables` are not STRICT, in their order: every table of
+/// tally's is created STRICT, and one rebuilt without it (by another
+/// tool) takes a value of any type into any column, such as a counter
+/// that overflowed turned into a REAL, which tally then cannot read back.
+async fn loose_tables(
+    conn: &mut SqliteConnection,
+    tables: &[String],
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT value FROM json_each(?1)
+         WHERE lower(value) IN (SELECT lower(name) FROM pragma_table_list
+                                WHERE schema = 'main' AND type = 'table' AND strict = 0)
+         ORDER BY key",
+    )
+    .bind(serde_json::to_string(tables).unwrap_or_default())
+    .fetch_all(conn)
+    .await
+}
+
+/// Whether tally may run with its tables `loose` not STRICT: not.
+fn admit_strict(loose: &[String]) -> Result<(), String> {
+    match loose {
+        [] => Ok(()),
+        loose => {
+            let migrations::Named {
+                s,
+                names,
+                are,
+                them,
+            } = migrations::Named::new(loose);
+            Err(format!(
+                "tally's table{s} {names} {are} not STRICT (rebuilt by another tool?): SQLite \
+                 would then store values of any type in {them}, such as a counter past the \
+                 largest integer turned into a REAL, which tally cannot read back (writes it \
+                 committed would be answered as failed). Rebuild {them} as tally's migrations \
+                 create {them} (`CREATE TABLE ... STRICT`, see migrations/sqlite/), copying the \
+                 rows over, then start tally again",
+            ))
+        }
+    }
 }
 
 /// The read-only pool: opened read-only *and* with `query_only`.

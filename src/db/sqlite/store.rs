@@ -155,7 +155,16 @@ impl Store for SqliteConnection {
             .fetch_all(&mut *self)
             .await;
         match rows {
-            Ok(rows) => Ok(Some(the_one_row(rows, "counter upsert")?)),
+            // The script's COMMIT has run: a result that cannot be read
+            // back (a table rebuilt without STRICT under a running tally,
+            // holding a REAL) leaves the batch committed, not failed.
+            Ok(rows) => match the_one_row(rows, "counter upsert") {
+                Ok(values) => Ok(Some(values)),
+                Err(e) => {
+                    tracing::error!(error = %e, "a batch of increments committed, but its values cannot be read back; its callers hear outcome-unknown");
+                    Err(Error::OutcomeUnknown)
+                }
+            },
             Err(e) if is_overflow(&e) => {
                 self.exec("ROLLBACK").await?;
                 Ok(None)

@@ -126,6 +126,18 @@ fn a_setting_that_is_not_utf8_is_refused_by_name() {
     assert!(!db.exists(), "nothing was opened");
 }
 
+/// Starts tally on `env`'s database, counts `kept` up to 1, and stops it.
+async fn kept_one_and_stopped(env: &[(&str, &str)]) {
+    let mut bin = crate::helpers::Binary::start(env);
+    let r = reqwest::Client::new()
+        .post(bin.url("/counters/kept"))
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    bin.sigterm();
+    bin.wait(std::time::Duration::from_secs(20)).await;
+}
+
 /// A database whose migrations are recorded but one of whose tables is
 /// gone (dropped or renamed by hand) is refused at start, naming it:
 /// before, tally started, said it was ready, and answered every request
@@ -135,15 +147,7 @@ async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let env = [("TALLY_DATABASE", db.to_str().unwrap())];
-    let mut bin = crate::helpers::Binary::start(&env);
-    let r = reqwest::Client::new()
-        .post(bin.url("/counters/kept"))
-        .send()
-        .await;
-    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
-    bin.sigterm();
-    bin.wait(std::time::Duration::from_secs(20)).await;
-    drop(bin);
+    kept_one_and_stopped(&env).await;
 
     let path = db.to_str().unwrap();
     crate::helpers::behind(path, "ALTER TABLE counters RENAME TO counters_kept").await;
@@ -153,6 +157,42 @@ async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
         "{stderr}"
     );
     crate::helpers::behind(path, "ALTER TABLE counters_kept RENAME TO counters").await;
+    let bin = crate::helpers::Binary::start(&env);
+    let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
+    assert_eq!(crate::helpers::json(r).await["value"], 1);
+}
+
+/// A table of tally's rebuilt without STRICT (by another tool) is refused
+/// at start, named. Served, it took a REAL into a counter (one past the
+/// largest integer, or written by hand), and every batch holding that
+/// counter then committed and was answered `500` "nothing was written":
+/// a client retrying on that counted twice.
+#[tokio::test]
+async fn a_table_rebuilt_without_strict_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    kept_one_and_stopped(&env).await;
+
+    let path = db.to_str().unwrap();
+    crate::helpers::behind(
+        path,
+        "CREATE TABLE loose (name TEXT NOT NULL PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+         INSERT INTO loose SELECT * FROM counters;
+         ALTER TABLE counters RENAME TO counters_strict;
+         ALTER TABLE loose RENAME TO counters;",
+    )
+    .await;
+    let stderr = crate::helpers::failed_start(&env);
+    assert!(
+        stderr.contains("tally's table `counters` is not STRICT"),
+        "{stderr}"
+    );
+    crate::helpers::behind(
+        path,
+        "DROP TABLE counters; ALTER TABLE counters_strict RENAME TO counters;",
+    )
+    .await;
     let bin = crate::helpers::Binary::start(&env);
     let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
     assert_eq!(crate::helpers::json(r).await["value"], 1);
