@@ -322,8 +322,17 @@ impl From<db::Error> for Problem {
                 if let Some(held_back) = DATABASE_ERRORS.admit() {
                     tracing::error!(error = %e, request_id = %super::instrument::request_id().as_deref().unwrap_or(""), held_back, "database error (one line every 10 s at most; held_back: like lines not written since the last)");
                 }
-                Self::internal("the database failed; nothing was written")
-                    .with("reason", "database_error")
+                // tally's own words (a stored row it cannot read back names
+                // the row), unlike a driver's error, which may quote SQL.
+                let detail = match &e {
+                    db::Error::Internal(what) => {
+                        format!(
+                            "tally cannot use what the database holds: {what}; nothing was written"
+                        )
+                    }
+                    _ => "the database failed; nothing was written".to_owned(),
+                };
+                Self::internal(detail).with("reason", "database_error")
             }
         }
     }

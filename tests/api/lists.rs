@@ -443,6 +443,17 @@ async fn an_unreadable_row_is_named_and_paged_past() {
         assert!(second.get("unreadable").is_none(), "{second}");
         assert_eq!(second["next"], Value::Null, "{second}");
     }
+    // Read alone, it is a 500 that names it.
+    let p = problem(
+        app.get("/budgets/b").await,
+        StatusCode::INTERNAL_SERVER_ERROR,
+    )
+    .await;
+    let detail = p["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("stored budget `b`: bad time zone"),
+        "{detail}"
+    );
     // A DELETE removes the row; a PUT replaces one: it is listed again.
     Kind::Budgets.create(&app, "d").await;
     app.sql_behind("UPDATE budgets SET timezone = 'Mars/Olympus' WHERE name = 'd'")
