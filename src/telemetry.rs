@@ -160,6 +160,18 @@ impl Throttle {
         self.admit_held_at(START.elapsed().as_millis() as u64)
     }
 
+    /// The lines held back and never told, once a line may be written
+    /// (`Some(n)`, n > 0; the count starts again): for a place whose
+    /// failures have stopped, so that the last of them held back are told
+    /// too. `None` while none is held back or the period runs.
+    pub fn untold(&self) -> Option<u64> {
+        if self.held.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        self.due_at(START.elapsed().as_millis() as u64)
+            .filter(|&held| held > 0)
+    }
+
     fn admit_held_at(&self, now: u64) -> Option<u64> {
         self.due_at(now).map(|held| held.saturating_sub(1))
     }

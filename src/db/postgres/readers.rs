@@ -36,6 +36,9 @@ enum OutageLine {
     Starts { held_back: u64 },
     /// Reads answer again, after an outage that was logged.
     Ends,
+    /// Reads have answered for a while, and this many outages since the
+    /// last line were not logged (each begun and ended within the period).
+    Untold { outages: u64 },
 }
 
 struct ReaderConnections {
@@ -147,6 +150,11 @@ impl Readers {
                  held_back: outages since the last, not logged)"
             ),
             (Some(OutageLine::Ends), _) => tracing::warn!("reads: the database answers again"),
+            (Some(OutageLine::Untold { outages }), _) => tracing::warn!(
+                outages,
+                "reads: the database could not be reached this many more times since the last \
+                 outage logged, each briefly (reads in them failed, 503); it answers now"
+            ),
             _ => {}
         }
     }
@@ -157,8 +165,18 @@ impl Readers {
     fn outage_line(&self, failed: bool) -> Option<OutageLine> {
         let was_failing = self.failing.swap(failed, Ordering::Relaxed);
         if !failed {
-            return (was_failing && self.logged.swap(false, Ordering::Relaxed))
-                .then_some(OutageLine::Ends);
+            return match was_failing {
+                true => self
+                    .logged
+                    .swap(false, Ordering::Relaxed)
+                    .then_some(OutageLine::Ends),
+                // Answering: the outages held back are told once the
+                // throttle lets a line through, though none follows.
+                false => self
+                    .outages
+                    .untold()
+                    .map(|outages| OutageLine::Untold { outages }),
+            };
         }
         let held_back = match was_failing {
             false => self.outages.admit()?,
@@ -412,5 +430,34 @@ mod tests {
         assert_eq!(readers.outage_line(true), starts(0), "logged late");
         assert_eq!(readers.outage_line(true), None);
         assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
+    }
+
+    /// Outages held back whose reads then answer for good are told in one
+    /// line once the throttle lets one through: the log does not end on
+    /// "answers again" with outages never told.
+    #[test]
+    fn outages_held_back_are_told_once_reads_answer() {
+        let options =
+            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
+        let mut readers = Readers::new(options, 2);
+        let every = Duration::from_secs(1);
+        readers.outages = crate::telemetry::Throttle::new(every);
+        assert_eq!(
+            readers.outage_line(true),
+            Some(OutageLine::Starts { held_back: 0 })
+        );
+        assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
+        for _ in 0..3 {
+            assert_eq!(readers.outage_line(true), None);
+            assert_eq!(readers.outage_line(false), None);
+        }
+        assert_eq!(readers.outage_line(false), None, "within the period");
+        std::thread::sleep(every);
+        assert_eq!(
+            readers.outage_line(false),
+            Some(OutageLine::Untold { outages: 3 })
+        );
+        std::thread::sleep(every);
+        assert_eq!(readers.outage_line(false), None, "told once");
     }
 }
