@@ -303,9 +303,28 @@ impl Application {
         tracing::info!("HTTP stopped; draining the write queue");
 
         self.db.close();
+        let mut abandoned = false;
         let written = match writer_died {
             Some(e) => Err(e),
-            None => writer.join().await,
+            None => {
+                match tokio::time::timeout(settings.writer_drain_timeout, writer.join()).await {
+                    Ok(written) => written,
+                    // Every caller of what it still held has gone (the HTTP
+                    // drain is over), so stopping without it loses nothing
+                    // answered; whatever it had not committed is not, and a
+                    // transaction left open is rolled back by the database.
+                    Err(_) => {
+                        abandoned = true;
+                        tracing::error!(
+                            writer_drain_timeout = ?settings.writer_drain_timeout,
+                            "the writer did not finish within the writer drain timeout (the \
+                             database not answering?); stopping without it: what it still held had \
+                             no caller left to answer, and may or may not have committed"
+                        );
+                        Ok(())
+                    }
+                }
+            }
         };
         self.db.close_readers().await;
         if let Some(m) = metrics {
@@ -318,7 +337,10 @@ impl Application {
 
         served.context("HTTP server task failed")?;
         written?;
-        tracing::info!("stopped cleanly");
+        match abandoned {
+            true => tracing::warn!("stopped, without the writer"),
+            false => tracing::info!("stopped cleanly"),
+        }
         Ok(())
     }
 }

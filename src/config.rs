@@ -150,6 +150,16 @@ pub struct Settings {
     #[arg(long, env = "TALLY_DRAIN_TIMEOUT", default_value = "10", value_parser = parse_positive_seconds)]
     pub drain_timeout: Duration,
 
+    /// How long the writer may take, once the HTTP drain is over, to
+    /// commit what its queue still holds and close the database, in
+    /// seconds. Past it tally exits without it: every caller of what it
+    /// held had already left (answered, timed out or dropped at the
+    /// drain), so nothing answered is lost; a database that stopped
+    /// answering (a partition) would otherwise hold the stop for a whole
+    /// batch's time limit and more, past a pod's grace period.
+    #[arg(long, env = "TALLY_WRITER_DRAIN_TIMEOUT", default_value = "5", value_parser = parse_positive_seconds)]
+    pub writer_drain_timeout: Duration,
+
     /// Longest a single request may run before it is answered 503, in seconds.
     #[arg(long, env = "TALLY_REQUEST_TIMEOUT", default_value = "30", value_parser = parse_positive_seconds)]
     pub request_timeout: Duration,

@@ -268,6 +268,44 @@ async fn a_stuck_client_cannot_hold_shutdown_past_the_drain_timeout() {
     drop(stuck);
 }
 
+/// A writer that does not finish once the HTTP drain is over (its
+/// database stopped answering: a partition) cannot hold the stop past
+/// `TALLY_WRITER_DRAIN_TIMEOUT`: tally exits 0 without it, and nothing
+/// answered is lost (its caller was dropped at the drain). Before, a stop
+/// in a partition took a whole batch's time limit and more (36 s
+/// measured on PostgreSQL), past the chart's grace period of 30 s.
+#[tokio::test]
+async fn a_stuck_writer_cannot_hold_shutdown_past_the_writer_drain_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let mut bin = Binary::start(&[
+        ("TALLY_DATABASE", db.as_str()),
+        ("TALLY_TEST_WRITER_DELAY_MS", "60000"),
+        ("TALLY_DRAIN_TIMEOUT", "0.5"),
+        ("TALLY_WRITER_DRAIN_TIMEOUT", "1"),
+    ]);
+    let write = tokio::spawn(Client::new().post(bin.url("/counters/held")).send());
+    bin.writer_holds(1).await;
+    let started = std::time::Instant::now();
+    bin.sigterm();
+    let status = bin.wait(Duration::from_secs(30)).await;
+    let took = started.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(15),
+        "the stop took {took:?}"
+    );
+    let log = bin.log_text();
+    assert!(
+        log.contains("did not finish within the writer drain timeout"),
+        "{log}"
+    );
+    assert!(log.contains("stopped, without the writer"), "{log}");
+    assert!(!log.contains("stopped cleanly"), "{log}");
+    // Never answered: dropped at the drain.
+    assert!(write.await.unwrap().is_err());
+}
+
 /// kill -9 in the middle of a write load: every write answered 200 is in
 /// the database when it starts again.
 #[tokio::test]

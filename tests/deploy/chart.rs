@@ -454,6 +454,10 @@ fn assert_grace(docs: &[Value], drain: u64, writer: u64, sync: u64, margin: u64)
     );
     assert_eq!(env(tally(docs), "TALLY_DRAIN_TIMEOUT"), drain.to_string());
     assert_eq!(
+        env(tally(docs), "TALLY_WRITER_DRAIN_TIMEOUT"),
+        writer.to_string()
+    );
+    assert_eq!(
         seconds(&litestream_config(docs)["shutdown-sync-timeout"]),
         sync
     );
@@ -1227,6 +1231,7 @@ fn extra_env_may_not_replace_what_the_chart_sets() {
         .collect();
     for must in [
         "TALLY_DRAIN_TIMEOUT",
+        "TALLY_WRITER_DRAIN_TIMEOUT",
         "TALLY_REPLICA_WAIT_TIMEOUT",
         "LITESTREAM_PATH",
         "TALLY_DATABASE",

@@ -444,6 +444,10 @@ fn grace_covers_the_delay_the_drain_and_the_writer_only() {
     );
     assert_eq!(env(tally(&docs), "TALLY_SHUTDOWN_DELAY"), delay.to_string());
     assert_eq!(env(tally(&docs), "TALLY_DRAIN_TIMEOUT"), drain.to_string());
+    assert_eq!(
+        env(tally(&docs), "TALLY_WRITER_DRAIN_TIMEOUT"),
+        writer.to_string()
+    );
 
     // Litestream's sync timeout plays no part.
     let docs = with_url(&[
@@ -459,6 +463,7 @@ fn grace_covers_the_delay_the_drain_and_the_writer_only() {
     );
     assert_eq!(env(tally(&docs), "TALLY_SHUTDOWN_DELAY"), "2");
     assert_eq!(env(tally(&docs), "TALLY_DRAIN_TIMEOUT"), "17");
+    assert_eq!(env(tally(&docs), "TALLY_WRITER_DRAIN_TIMEOUT"), "3");
 }
 
 #[test]

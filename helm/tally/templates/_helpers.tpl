@@ -130,9 +130,9 @@ Whether Litestream's metrics listener runs: only where Litestream does.
 The pod's termination grace, in seconds: with PostgreSQL the time tally
 serves on after SIGTERM (TALLY_SHUTDOWN_DELAY), tally's drain, the
 writer's drain, Litestream's final sync (SQLite only) and a margin. The
-same values are rendered into TALLY_SHUTDOWN_DELAY, TALLY_DRAIN_TIMEOUT and
-shutdown-sync-timeout (configmap.yaml), so the sum cannot drift from its
-parts.
+same values are rendered into TALLY_SHUTDOWN_DELAY, TALLY_DRAIN_TIMEOUT,
+TALLY_WRITER_DRAIN_TIMEOUT and shutdown-sync-timeout (configmap.yaml), so
+the sum cannot drift from its parts.
 */}}
 {{- define "tally.terminationGracePeriodSeconds" -}}
 {{- with .Values.shutdown }}
@@ -415,6 +415,8 @@ names.
   value: {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
 - name: TALLY_DRAIN_TIMEOUT
   value: {{ .Values.shutdown.drainTimeoutSeconds | int | quote }}
+- name: TALLY_WRITER_DRAIN_TIMEOUT
+  value: {{ .Values.shutdown.writerDrainSeconds | int | quote }}
 {{- if not (include "tally.postgres" .) }}
 - name: TALLY_REPLICA_WAIT_TIMEOUT
   value: {{ .Values.config.replicaWaitTimeoutSeconds | int | quote }}
