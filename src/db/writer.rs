@@ -154,6 +154,11 @@ pub(super) trait Engine: Send + 'static {
     /// server's cannot.
     fn check(&mut self) -> Result<(), Lost>;
 
+    /// Called once a second while no batch comes: what ages with time
+    /// alone is brought up to date (on PostgreSQL, rows found held and
+    /// not asked for since are forgotten, and `tally_rows_held` says so).
+    fn idle(&mut self) {}
+
     /// Forgets one share (at most [`super::keys::FORGET_SHARE`]) of the
     /// idempotency keys older than `ttl`; returns how many.
     async fn forget_expired_keys(&mut self, ttl: Duration) -> Result<u64, Error>;
@@ -351,6 +356,7 @@ impl<E: Engine> WriterLoop<E> {
                     // holds every write behind it.
                     self.stats.set_on_batch(true);
                     self.read_hold_late().await;
+                    self.engine.idle();
                     let checked = self.engine.check();
                     // A prune left part done goes on with no batch to
                     // follow (a day's first call, then quiet): shares

@@ -61,6 +61,13 @@ impl Engine for WriterConn {
         Ok(())
     }
 
+    /// Rows found held are forgotten [`held::FORGET_AFTER`] after the last
+    /// ask even when no batch follows, so that `tally_rows_held` does not
+    /// go on showing a row no write would be refused for.
+    fn idle(&mut self) {
+        self.held.learn(&[], Instant::now());
+    }
+
     async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
         WriterConn::forget_expired_keys(self, ttl).await
     }

@@ -524,7 +524,8 @@ async fn a_row_locked_outside_tally_holds_up_only_its_own_writes() {
 /// which every check of that budget needs). Once each process has found
 /// them held, by waiting out the lock timeout, the writes beside them,
 /// its own and the other process's, are not held up again, and the writes
-/// to them are refused at once (row-busy; a check denied, meter_error).
+/// to them are refused at once (row-busy; a check denied, meter_error);
+/// released, they are forgotten without a write to them.
 /// (Each batch holding a write to a held row waited the lock timeout, so a
 /// client retrying that write held up every other write of the process,
 /// and the other processes' writes to the rows it had locked meanwhile:
@@ -654,6 +655,14 @@ async fn a_write_beside_a_held_row_is_not_held_up_by_it() {
     for (name, want) in [("c1", 1 + 2 * ROUNDS), ("c3", 1 + 2 * ROUNDS)] {
         let r = client.get(bins[0].url(&format!("/counters/{name}"))).send();
         assert_eq!(json(r.await.unwrap()).await["value"], want, "{name}");
+    }
+    // The first process, written to no more, forgets the rows 10 s after
+    // it last found them held, and shows it (the gauge went on showing
+    // them until a write came).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&client, &bins[0], "tally_rows_held").await != Some(0.0) {
+        assert!(Instant::now() < deadline, "rows still shown held");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stop_all(bins).await;
 }
