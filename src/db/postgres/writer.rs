@@ -456,9 +456,10 @@ fn log_busy(batch: &[Queued]) {
             commands = busy.len(),
             first = %first,
             "rows held by another transaction past the lock timeout (a session outside \
-             tally, or a tally session the network cut off, which PostgreSQL ends after \
-             idle_in_transaction_session_timeout, 30 s): those commands were answered \
-             row-busy, the rest of the batch committed"
+             tally; a tally session the network cut off, which PostgreSQL ends after \
+             idle_in_transaction_session_timeout, 30 s; or another tally process's batch, \
+             slow for its distance to the server): those commands were answered row-busy, \
+             the rest of the batch committed"
         );
     }
 }
