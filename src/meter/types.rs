@@ -325,11 +325,23 @@ fn parse_timezone_name(name: &str) -> Result<(TimeZone, String), InvalidInput> {
 
 /// The time zone of a budget as stored. A name stored by an earlier version
 /// that only the host's database knows still loads, so that an existing
-/// budget keeps working; new names must pass [`parse_timezone_name`].
+/// budget keeps working; new names must pass [`parse_timezone_name`]. But
+/// not `localtime`, whichever zone each host is set to: processes on two
+/// hosts sharing one database would count the same call on two days (a
+/// visitor allowed once a day, allowed on both).
 pub fn load_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
-    parse_timezone_name(name)
-        .map(|(tz, _)| tz)
-        .or_else(|e| TimeZone::get(name).map_err(|_| e))
+    parse_timezone_name(name).map(|(tz, _)| tz).or_else(|e| {
+        if name
+            .trim_start_matches('/')
+            .eq_ignore_ascii_case("localtime")
+        {
+            return Err(InvalidInput(format!(
+                "`{name}` is whatever zone the host is set to, so processes on other hosts \
+                 would count on other days; put the budget again with an IANA name"
+            )));
+        }
+        TimeZone::get(name).map_err(|_| e)
+    })
 }
 
 /// A stored budget.
@@ -641,6 +653,15 @@ mod tests {
         // A name stored before the rule, known to the host only, still loads.
         assert!(load_timezone("Europe/Berlin").is_ok());
         assert!(load_timezone("Mars/Olympus").is_err());
+        // Not one that names the host's own setting.
+        for host in ["localtime", "LocalTime"] {
+            let e = load_timezone(host).unwrap_err();
+            assert!(
+                e.0.contains("whatever zone the host is set to"),
+                "{host}: {}",
+                e.0
+            );
+        }
     }
 
     fn at(s: &str) -> Timestamp {
