@@ -381,6 +381,9 @@ struct DayUsage {
     visitors: HashMap<(String, String, String), i64>,
     /// (budget, day) -> calls
     globals: HashMap<(String, String), i64>,
+    /// Global rows read below 0 and counted from 0: written back even if
+    /// no check of the batch reached them.
+    mended: Vec<(String, String)>,
 }
 
 impl DayUsage {
@@ -393,6 +396,7 @@ impl DayUsage {
         let mut usage = DayUsage {
             visitors: HashMap::new(),
             globals: HashMap::new(),
+            mended: Vec::new(),
         };
         let visitor_keys: Vec<(&str, &str, &str)> = items
             .iter()
@@ -421,6 +425,9 @@ impl DayUsage {
             let calls = match row.calls {
                 n if n < 0 => {
                     told_negative(&row.budget, &row.day, row.visitor.as_deref(), n);
+                    if row.visitor.is_none() {
+                        usage.mended.push((row.budget.clone(), row.day.clone()));
+                    }
                     0
                 }
                 n => n,
@@ -459,7 +466,8 @@ impl DayUsage {
     }
 
     /// Both write-backs. A day whose checks were all denied by the visitor
-    /// limit gets no global row.
+    /// limit gets no global row (but one read below 0 is written back at
+    /// 0).
     async fn write(self, conn: &mut impl Store) -> Result<(), Error> {
         let visitor_rows: Vec<_> = self
             .visitors
@@ -469,7 +477,7 @@ impl DayUsage {
         let global_rows: Vec<_> = self
             .globals
             .iter()
-            .filter(|(_, c)| **c > 0)
+            .filter(|(key, c)| **c > 0 || self.mended.contains(key))
             .map(|((b, d), c)| (b.as_str(), d.as_str(), *c))
             .collect();
         conn.write_usage(&visitor_rows, &global_rows).await

@@ -734,8 +734,9 @@ async fn a_usage_count_below_zero_is_counted_from_zero() {
     let app = spawn_app().await;
     app.budget("taken", 1, 2).await;
     app.budget("shut", 5, 0).await;
+    app.budget("mend", 1, 5).await;
     let day = today_in("UTC", 0);
-    for budget in ["taken", "shut"] {
+    for budget in ["taken", "shut", "mend"] {
         app.check(budget, "a", &day).await;
     }
     app.sql_behind("UPDATE budget_global_usage SET calls = -1")
@@ -764,5 +765,12 @@ async fn a_usage_count_below_zero_is_counted_from_zero() {
     assert_eq!(d["global_calls"], 3, "{d}");
     let usage = app.usage("taken", &format!("day={day}")).await;
     assert_eq!(usage["global_calls"], 3, "{usage}");
+    // Written back even when no check reaches it (every one denied by the
+    // visitor limit), so that it is not read below 0 again.
+    app.budget("mend", 0, 5).await;
+    let d = app.check("mend", "z", &day).await;
+    assert_eq!(d["reason"], "visitor_limit", "{d}");
+    let usage = app.usage("mend", &format!("day={day}")).await;
+    assert_eq!(usage["global_calls"], 0, "{usage}");
     app.stop().await.unwrap();
 }
