@@ -202,7 +202,7 @@ fn told<T>(page: Page<T>) -> Page<T> {
         && let Some(held_back) = UNREADABLE.admit()
     {
         tracing::warn!(
-            name = %first.name,
+            name = ?first.name,
             problem = %first.problem,
             on_page = page.unreadable.len(),
             held_back,

@@ -23,8 +23,8 @@ pub struct ListQuery {
     prefix: Option<String>,
     /// Only names after this text, in byte order: the `next` of the
     /// previous page (a name, or the stored name of a row listed as
-    /// unreadable). Not empty, no NUL.
-    #[param(value_type = Option<String>, min_length = 1, pattern = "^[^\\x00]+$")]
+    /// unreadable, which may be empty).
+    #[param(value_type = Option<String>)]
     after: Option<String>,
     /// The most entries on the page: 1 to 1000, 100 when left out.
     #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]

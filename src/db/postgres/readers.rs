@@ -324,9 +324,9 @@ pub async fn usage_counts(
 
 /// A page of a table by name, compared and ordered byte by byte: `$1` the
 /// lower bound (compared with `$op`), `$2` the upper (excluded), `$3` the
-/// most rows.
+/// most rows; without an upper bound (`$upper` empty), `$2` the most rows.
 macro_rules! list_sql {
-    ($columns:literal, $table:literal, $op:literal) => {
+    ($columns:literal, $table:literal, $op:literal, $upper:literal, $limit:literal) => {
         concat!(
             "SELECT ",
             $columns,
@@ -334,10 +334,41 @@ macro_rules! list_sql {
             $table,
             " WHERE name COLLATE \"C\" ",
             $op,
-            " $1 AND name COLLATE \"C\" < $2",
-            " ORDER BY name COLLATE \"C\" LIMIT $3"
+            " $1",
+            $upper,
+            " ORDER BY name COLLATE \"C\" LIMIT ",
+            $limit
         )
     };
+}
+
+/// [`list_sql`] for `range`, and the query with its bounds bound. A lower
+/// bound holding a NUL (the `next` of a SQLite page, passed by a client to
+/// this engine, which stores none and refuses it in any text) is the same
+/// range cut at the NUL, with U+0001 after it, inclusive.
+macro_rules! list_query {
+    ($columns:literal, $table:literal, $range:expr) => {{
+        let range: &KeyRange = $range;
+        let (from, inclusive) = match range.from.split_once('\0') {
+            Some((before, _)) => (format!("{before}\u{1}"), true),
+            None => (range.from.clone(), range.inclusive),
+        };
+        let sql = match (inclusive, range.below.is_some()) {
+            (true, true) => {
+                list_sql!($columns, $table, ">=", " AND name COLLATE \"C\" < $2", "$3")
+            }
+            (true, false) => list_sql!($columns, $table, ">=", "", "$2"),
+            (false, true) => {
+                list_sql!($columns, $table, ">", " AND name COLLATE \"C\" < $2", "$3")
+            }
+            (false, false) => list_sql!($columns, $table, ">", "", "$2"),
+        };
+        let query = sqlx::query_as(sql).bind(from);
+        match &range.below {
+            Some(below) => query.bind(below.clone()).bind(range.take),
+            None => query.bind(range.take),
+        }
+    }};
 }
 
 /// Budgets whose names are in `range` (see `KeyRange`), by name: one range
@@ -346,25 +377,14 @@ pub async fn list_budgets(
     conn: &mut PgConnection,
     range: KeyRange,
 ) -> Result<Vec<BudgetRow>, Error> {
-    let sql = match range.inclusive {
-        true => list_sql!(
-            "name, visitor_limit, global_limit, retention_days, timezone",
-            "budgets",
-            ">="
-        ),
-        false => list_sql!(
-            "name, visitor_limit, global_limit, retention_days, timezone",
-            "budgets",
-            ">"
-        ),
-    };
-    sqlx::query_as(sql)
-        .bind(&range.from)
-        .bind(&range.below)
-        .bind(range.take)
-        .fetch_all(conn)
-        .await
-        .map_err(error)
+    list_query!(
+        "name, visitor_limit, global_limit, retention_days, timezone",
+        "budgets",
+        &range
+    )
+    .fetch_all(conn)
+    .await
+    .map_err(error)
 }
 
 /// Counters whose names are in `range`, by name, as [`list_budgets`].
@@ -372,14 +392,7 @@ pub async fn list_counters(
     conn: &mut PgConnection,
     range: KeyRange,
 ) -> Result<Vec<(String, i64)>, Error> {
-    let sql = match range.inclusive {
-        true => list_sql!("name, value", "counters", ">="),
-        false => list_sql!("name, value", "counters", ">"),
-    };
-    sqlx::query_as(sql)
-        .bind(&range.from)
-        .bind(&range.below)
-        .bind(range.take)
+    list_query!("name, value", "counters", &range)
         .fetch_all(conn)
         .await
         .map_err(error)

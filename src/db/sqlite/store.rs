@@ -33,9 +33,9 @@ macro_rules! upsert_counters {
 }
 
 /// A page of a table by name: `?1` the lower bound (compared with `$op`),
-/// `?2` the upper (excluded), `?3` the most rows.
+/// `?2` the upper (excluded; `$upper` empty for none), `?3` the most rows.
 macro_rules! list_sql {
-    ($columns:literal, $table:literal, $op:literal) => {
+    ($columns:literal, $table:literal, $op:literal, $upper:literal) => {
         concat!(
             "SELECT ",
             $columns,
@@ -43,8 +43,23 @@ macro_rules! list_sql {
             $table,
             " WHERE name ",
             $op,
-            " ?1 AND name < ?2 ORDER BY name LIMIT ?3"
+            " ?1",
+            $upper,
+            " ORDER BY name LIMIT ?3"
         )
+    };
+}
+
+/// [`list_sql`] for `range`: the lower bound's comparison, and an upper
+/// bound only if the range has one (a prefix's end).
+macro_rules! list_sql_for {
+    ($columns:literal, $table:literal, $range:expr) => {
+        match ($range.inclusive, $range.below.is_some()) {
+            (true, true) => list_sql!($columns, $table, ">=", " AND name < ?2"),
+            (true, false) => list_sql!($columns, $table, ">=", ""),
+            (false, true) => list_sql!($columns, $table, ">", " AND name < ?2"),
+            (false, false) => list_sql!($columns, $table, ">", ""),
+        }
     };
 }
 
@@ -696,18 +711,11 @@ pub async fn usage_counts(
 /// Budgets whose names are in `range` (see `KeyRange`), by name: one range
 /// scan of the primary key. Text compares byte by byte (`BINARY`).
 pub async fn list_budgets(pool: &SqlitePool, range: &KeyRange) -> Result<Vec<BudgetRow>, Error> {
-    let sql = match range.inclusive {
-        true => list_sql!(
-            "name, visitor_limit, global_limit, retention_days, timezone",
-            "budgets",
-            ">="
-        ),
-        false => list_sql!(
-            "name, visitor_limit, global_limit, retention_days, timezone",
-            "budgets",
-            ">"
-        ),
-    };
+    let sql = list_sql_for!(
+        "name, visitor_limit, global_limit, retention_days, timezone",
+        "budgets",
+        range
+    );
     sqlx::query_as(sql)
         .bind(&range.from)
         .bind(&range.below)
@@ -722,11 +730,7 @@ pub async fn list_counters(
     pool: &SqlitePool,
     range: &KeyRange,
 ) -> Result<Vec<(String, i64)>, Error> {
-    let sql = match range.inclusive {
-        true => list_sql!("name, value", "counters", ">="),
-        false => list_sql!("name, value", "counters", ">"),
-    };
-    sqlx::query_as(sql)
+    sqlx::query_as(list_sql_for!("name, value", "counters", range))
         .bind(&range.from)
         .bind(&range.below)
         .bind(range.take)
