@@ -489,6 +489,10 @@ fn grace_period_is_the_sum_of_its_parts() {
         ("shutdown.marginSeconds", "7"),
     ]);
     assert_grace(&docs, 17, 3, 41, 7);
+    // The writer's drain is a setting of tally's now, which takes no 0:
+    // refused by the chart, not a crash loop at every start.
+    let e = refused(&[BUCKET, ("shutdown.writerDrainSeconds", "0")]);
+    assert!(e.contains("writerDrainSeconds"), "{e}");
 }
 
 #[test]
