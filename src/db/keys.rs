@@ -216,14 +216,40 @@ fn decode_decision(s: &str) -> Result<Decision, String> {
         visitor_limit: d.visitor_limit,
         global_limit: d.global_limit,
         pruned_rows: 0,
-        timezone: load_timezone(&d.timezone).map_err(|e| e.0)?,
+        timezone: replayed_timezone(&d.timezone),
         decided_at: None,
     })
+}
+
+/// The time zone a stored answer's headers are told in. A replay answers
+/// what was decided, whatever has become of the budget: a zone a budget can
+/// no longer be read with (`localtime`, which the first release stored)
+/// is looked up on the host as it was then, and one nowhere to be found
+/// any more tells the headers in UTC, rather than deny the retry of a call
+/// that was counted.
+fn replayed_timezone(name: &str) -> jiff::tz::TimeZone {
+    load_timezone(name)
+        .ok()
+        .or_else(|| jiff::tz::TimeZone::get(name).ok())
+        .unwrap_or(jiff::tz::TimeZone::UTC)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stored answer is replayed whatever its zone has become: one the
+    /// budget can no longer be read with, or one no database knows.
+    #[test]
+    fn a_stored_answer_is_replayed_whatever_its_zone() {
+        for zone in ["Europe/Berlin", "localtime", "Mars/Olympus"] {
+            let stored = format!(
+                r#"{{"reason":"ok","day":"2026-12-05","visitor_calls":1,"global_calls":2,"visitor_limit":3,"global_limit":4,"timezone":"{zone}"}}"#
+            );
+            let d = decode_decision(&stored).unwrap_or_else(|e| panic!("{zone}: {e}"));
+            assert_eq!((d.visitor_calls, d.global_calls), (1, 2), "{zone}");
+        }
+    }
 
     /// No key is forgotten before it is `ttl` old, whatever part of a
     /// second it was stored at and however `ttl` ends.
