@@ -105,6 +105,14 @@ impl Engine for SqliteWriter {
     /// non-zero exit would skip its final sync, exactly when it matters.
     async fn close(mut self) {
         if self.checkpoint_on_close {
+            // A reader outside tally (an operator's `sqlite3` session) holds
+            // a checkpoint up for the busy timeout: a second, not the 5 s
+            // writes wait, so that the stop stays well within
+            // `TALLY_WRITER_DRAIN_TIMEOUT`. What is left is checkpointed at
+            // the next start.
+            let _ = sqlx::raw_sql("PRAGMA busy_timeout = 1000")
+                .execute(&mut self.conn)
+                .await;
             match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(TRUNCATE)")
                 .fetch_one(&mut self.conn)
                 .await

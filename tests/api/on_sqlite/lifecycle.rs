@@ -198,6 +198,48 @@ async fn a_table_rebuilt_without_strict_is_refused_at_start() {
     assert_eq!(crate::helpers::json(r).await["value"], 1);
 }
 
+/// A reader outside tally holding a snapshot at the stop (an operator's
+/// `sqlite3` session) holds up the final checkpoint a second, not the 5 s
+/// writes wait: the stop is clean, says the WAL stays, and keeps well
+/// within `TALLY_WRITER_DRAIN_TIMEOUT`. It waited 5 s, and the writer's
+/// drain, also 5 s by default, was cut off and logged as a writer that
+/// did not finish.
+#[tokio::test]
+async fn a_reader_outside_holds_the_final_checkpoint_a_second_only() {
+    use sqlx::{ConnectOptions, Executor};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    let mut bin = crate::helpers::Binary::start(&env);
+    let r = reqwest::Client::new()
+        .post(bin.url("/counters/kept"))
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    reader
+        .execute("BEGIN; SELECT count(*) FROM counters;")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    bin.sigterm();
+    let status = bin.wait(std::time::Duration::from_secs(20)).await;
+    let took = started.elapsed();
+    let log = bin.log_text();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(
+        log.contains("final WAL checkpoint was blocked by a reader"),
+        "{log}"
+    );
+    assert!(log.contains("stopped cleanly"), "{log}");
+    assert!(took < std::time::Duration::from_millis(4500), "{took:?}");
+    drop(reader);
+}
+
 /// A database a newer tally migrated (a rollback after an upgrade that
 /// brought a migration) is served, with a warning naming what this tally
 /// does not know; before, every start failed on it, and a rollback
