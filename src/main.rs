@@ -13,8 +13,27 @@ use tally::{
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tally: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = rt.block_on(run());
+    // Not a wait on whatever blocking work is still under way (a walk of
+    // the database's directory, a host name looked up while DNS does not
+    // answer): dropped, the runtime would wait for it without limit, past
+    // every timeout of the stop.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    code
+}
+
+async fn run() -> ExitCode {
     // Read before anything else: the later the read, the longer a parent
     // could die unnoticed (see `stop_requested`).
     let parent = std::os::unix::process::parent_id();
@@ -61,10 +80,19 @@ async fn serve(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     tracing::info!(?settings, "starting");
     // One process at a time on a SQLite database, held until tally exits:
     // not while a restore fills its directory, nor beside another tally.
-    let _lock = match &settings.database {
+    let lock = match &settings.database {
         tally::Storage::Sqlite(db) => Some(lock_database(db)?),
         tally::Storage::Postgres(_) => None,
     };
+    let served = serve_locked(settings, parent).await;
+    // Held until the process exits, which releases it: a writer left
+    // behind by the stop (see `TALLY_WRITER_DRAIN_TIMEOUT`) may still be
+    // at the file until then.
+    std::mem::forget(lock);
+    served
+}
+
+async fn serve_locked(settings: tally::Settings, parent: u32) -> anyhow::Result<()> {
     if let Some(db) = settings.database.sqlite_path()
         && let Some(m) = tally::restore::unfinished(db)
     {
