@@ -317,9 +317,12 @@ impl Application {
                         abandoned = true;
                         tracing::error!(
                             writer_drain_timeout = ?settings.writer_drain_timeout,
+                            queued = self.db.queue_depth(),
+                            on_batch_for = ?self.db.batch_age(),
                             "the writer did not finish within the writer drain timeout (the \
-                             database not answering?); stopping without it: what it still held had \
-                             no caller left to answer, and may or may not have committed"
+                             database not answering?); stopping without it: the commands it \
+                             still held (queued, and the batch it was on, if any) had no caller \
+                             left to answer, and may or may not have committed"
                         );
                         Ok(())
                     }

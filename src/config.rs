@@ -582,7 +582,7 @@ fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
 fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
     let d = parse_seconds(s)?;
     if d < Duration::from_millis(1) {
-        return Err(format!("`{s}` must be more than 0 seconds"));
+        return Err(format!("`{s}` must be at least a millisecond (0.001)"));
     }
     Ok(d)
 }
