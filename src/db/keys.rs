@@ -11,7 +11,7 @@ use super::{
     command::{Cleared, Deleted},
     store::{Store, StoredKey},
 };
-use crate::meter::{Day, Decision, IdempotencyKey, Reason, load_timezone};
+use crate::meter::{Day, Decision, IdempotencyKey, Reason, replayed_timezone};
 use serde::{Deserialize, Serialize};
 
 /// How long a key is remembered unless configured
@@ -219,19 +219,6 @@ fn decode_decision(s: &str) -> Result<Decision, String> {
         timezone: replayed_timezone(&d.timezone),
         decided_at: None,
     })
-}
-
-/// The time zone a stored answer's headers are told in. A replay answers
-/// what was decided, whatever has become of the budget: a zone a budget can
-/// no longer be read with (`localtime`, which the first release stored)
-/// is looked up on the host as it was then, and one nowhere to be found
-/// any more tells the headers in UTC, rather than deny the retry of a call
-/// that was counted.
-fn replayed_timezone(name: &str) -> jiff::tz::TimeZone {
-    load_timezone(name)
-        .ok()
-        .or_else(|| jiff::tz::TimeZone::get(name).ok())
-        .unwrap_or(jiff::tz::TimeZone::UTC)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ mod types;
 pub use rules::{Counts, Step, decide};
 pub use types::{
     Budget, BudgetSpec, Day, Decision, IdempotencyKey, InvalidInput, KeptDays, Name, Reason, Usage,
-    VisitorId, load_timezone,
+    VisitorId, load_timezone, replayed_timezone,
 };
 
 /// Why a command was refused: what a client can cause. A refused command

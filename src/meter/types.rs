@@ -330,18 +330,34 @@ fn parse_timezone_name(name: &str) -> Result<(TimeZone, String), InvalidInput> {
 /// hosts sharing one database would count the same call on two days (a
 /// visitor allowed once a day, allowed on both).
 pub fn load_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
-    parse_timezone_name(name).map(|(tz, _)| tz).or_else(|e| {
-        if name
-            .trim_start_matches('/')
-            .eq_ignore_ascii_case("localtime")
-        {
-            return Err(InvalidInput(format!(
-                "`{name}` is whatever zone the host is set to, so processes on other hosts \
-                 would count on other days; put the budget again with an IANA name"
-            )));
-        }
-        TimeZone::get(name).map_err(|_| e)
-    })
+    if name
+        .trim_start_matches('/')
+        .eq_ignore_ascii_case("localtime")
+    {
+        return Err(InvalidInput(format!(
+            "`{name}` is whatever zone the host is set to, so processes on other hosts \
+             would count on other days; put the budget again with an IANA name"
+        )));
+    }
+    look_up_timezone(name)
+}
+
+/// The time zone a stored answer's headers are told in when it is
+/// replayed. A replay answers what was decided, whatever has become of the
+/// budget: a zone a budget can no longer be read with (`localtime`, which
+/// the first release stored) is looked up as it was then, and one nowhere
+/// to be found any more tells the headers in UTC, rather than deny the
+/// retry of a call that was counted.
+pub fn replayed_timezone(name: &str) -> TimeZone {
+    look_up_timezone(name).unwrap_or(TimeZone::UTC)
+}
+
+/// A zone by name: in the database compiled into tally, else in the
+/// host's.
+fn look_up_timezone(name: &str) -> Result<TimeZone, InvalidInput> {
+    parse_timezone_name(name)
+        .map(|(tz, _)| tz)
+        .or_else(|e| TimeZone::get(name).map_err(|_| e))
 }
 
 /// A stored budget.
