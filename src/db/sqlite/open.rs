@@ -133,20 +133,15 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
         }
         migrations::warn_of_newer(&standing.newer);
         migrate(&migrator, &mut conn, path).await?;
-        let missing = missing_tables(&mut conn, &migrations::tables(&migrator))
+        let (missing, loose) = tables_amiss(&mut conn, &migrations::tables(&migrator))
             .await
             .map_err(open_err)?;
-        migrations::admit_tables(&missing).map_err(|reason| OpenError::Refused {
-            path: path.to_owned(),
-            reason,
-        })?;
-        let loose = loose_tables(&mut conn, &migrations::tables(&migrator))
-            .await
-            .map_err(open_err)?;
-        admit_strict(&loose).map_err(|reason| OpenError::Refused {
-            path: path.to_owned(),
-            reason,
-        })?;
+        migrations::admit_tables(&missing)
+            .and_then(|()| admit_strict(&loose))
+            .map_err(|reason| OpenError::Refused {
+                path: path.to_owned(),
+                reason,
+            })?;
         if opts.under_litestream {
             replicated::record(path);
             sqlx::query(
@@ -537,39 +532,29 @@ async fn has_tables(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
     Ok(n > 0)
 }
 
-/// Which of `tables` the database does not hold, in their order (SQLite's
-/// names are the same in any case).
-async fn missing_tables(
+/// Which of `tables` the database does not hold, and which it holds not
+/// STRICT, each in their order (SQLite's names are the same in any case),
+/// in one statement. Every table of tally's is created STRICT; one rebuilt
+/// without it (by another tool) takes a value of any type into any column,
+/// such as a counter that overflowed turned into a REAL, which tally then
+/// cannot read back.
+async fn tables_amiss(
     conn: &mut SqliteConnection,
     tables: &[String],
-) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT value FROM json_each(?1)
-         WHERE lower(value) NOT IN (SELECT lower(name) FROM sqlite_master WHERE type = 'table')
-         ORDER BY key",
+) -> Result<(Vec<String>, Vec<String>), sqlx::Error> {
+    let rows: Vec<(String, Option<i64>)> = sqlx::query_as(
+        "SELECT j.value, t.strict FROM json_each(?1) AS j
+         LEFT JOIN pragma_table_list AS t
+           ON t.schema = 'main' AND t.type = 'table' AND lower(t.name) = lower(j.value)
+         WHERE t.strict IS NOT 1
+         ORDER BY j.key",
     )
     .bind(serde_json::to_string(tables).unwrap_or_default())
     .fetch_all(conn)
-    .await
-}
-
-/// Which of `tables` are not STRICT, in their order: every table of
-/// tally's is created STRICT, and one rebuilt without it (by another
-/// tool) takes a value of any type into any column, such as a counter
-/// that overflowed turned into a REAL, which tally then cannot read back.
-async fn loose_tables(
-    conn: &mut SqliteConnection,
-    tables: &[String],
-) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT value FROM json_each(?1)
-         WHERE lower(value) IN (SELECT lower(name) FROM pragma_table_list
-                                WHERE schema = 'main' AND type = 'table' AND strict = 0)
-         ORDER BY key",
-    )
-    .bind(serde_json::to_string(tables).unwrap_or_default())
-    .fetch_all(conn)
-    .await
+    .await?;
+    let (missing, loose): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, s)| s.is_none());
+    let names = |rows: Vec<(String, Option<i64>)>| rows.into_iter().map(|(t, _)| t).collect();
+    Ok((names(missing), names(loose)))
 }
 
 /// Whether tally may run with its tables `loose` not STRICT: not.
