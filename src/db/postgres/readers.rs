@@ -402,14 +402,22 @@ pub async fn list_counters(
 mod tests {
     use super::*;
 
+    /// Readers of a server nothing answers at, whose outage lines are
+    /// throttled to one every `every`.
+    fn readers(every: Duration) -> Readers {
+        let options =
+            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
+        let mut readers = Readers::new(options, 2);
+        readers.outages = crate::telemetry::Throttle::new(every);
+        readers
+    }
+
     /// Reads that fail and succeed in turn (a server short of connection
     /// slots) log one outage, with its end, every 10 s at most; the next
     /// says how many were not logged.
     #[test]
     fn flapping_reads_log_one_outage_every_ten_seconds() {
-        let options =
-            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
-        let readers = Readers::new(options, 2);
+        let readers = readers(OUTAGE_LOG_EVERY);
         assert_eq!(readers.outage_line(false), None);
         assert_eq!(
             readers.outage_line(true),
@@ -427,11 +435,8 @@ mod tests {
     /// lasts, is logged once it lets one through; its end then too.
     #[test]
     fn an_outage_whose_start_was_held_back_is_logged_if_it_lasts() {
-        let options =
-            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
-        let mut readers = Readers::new(options, 2);
         let every = Duration::from_millis(300);
-        readers.outages = crate::telemetry::Throttle::new(every);
+        let readers = readers(every);
         let starts = |held_back| Some(OutageLine::Starts { held_back });
         assert_eq!(readers.outage_line(true), starts(0));
         assert_eq!(readers.outage_line(false), Some(OutageLine::Ends));
@@ -450,11 +455,8 @@ mod tests {
     /// "answers again" with outages never told.
     #[test]
     fn outages_held_back_are_told_once_reads_answer() {
-        let options =
-            connect_options("postgres://tally@127.0.0.1:1/x", Duration::from_secs(1)).unwrap();
-        let mut readers = Readers::new(options, 2);
         let every = Duration::from_secs(1);
-        readers.outages = crate::telemetry::Throttle::new(every);
+        let readers = readers(every);
         assert_eq!(
             readers.outage_line(true),
             Some(OutageLine::Starts { held_back: 0 })

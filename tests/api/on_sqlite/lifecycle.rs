@@ -126,16 +126,37 @@ fn a_setting_that_is_not_utf8_is_refused_by_name() {
     assert!(!db.exists(), "nothing was opened");
 }
 
-/// Starts tally on `env`'s database, counts `kept` up to 1, and stops it.
-async fn kept_one_and_stopped(env: &[(&str, &str)]) {
-    let mut bin = crate::helpers::Binary::start(env);
+/// tally started on `env`'s database, with `kept` counted up to 1.
+async fn kept_one(env: &[(&str, &str)]) -> crate::helpers::Binary {
+    let bin = crate::helpers::Binary::start(env);
     let r = reqwest::Client::new()
         .post(bin.url("/counters/kept"))
         .send()
         .await;
     assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    bin
+}
+
+/// Starts tally on a new database, counts `kept` up to 1 and stops it;
+/// runs `harm` on the database, after which a start must fail saying
+/// `refusal`; then `mend`, after which tally serves `kept` at 1 again.
+async fn refused_until_mended(harm: &'static str, refusal: &str, mend: &'static str) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
+    let mut bin = kept_one(&env).await;
     bin.sigterm();
     bin.wait(std::time::Duration::from_secs(20)).await;
+    drop(bin);
+
+    let path = db.to_str().unwrap();
+    crate::helpers::behind(path, harm).await;
+    let stderr = crate::helpers::failed_start(&env);
+    assert!(stderr.contains(refusal), "{stderr}");
+    crate::helpers::behind(path, mend).await;
+    let bin = crate::helpers::Binary::start(&env);
+    let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
+    assert_eq!(crate::helpers::json(r).await["value"], 1);
 }
 
 /// A database whose migrations are recorded but one of whose tables is
@@ -144,22 +165,12 @@ async fn kept_one_and_stopped(env: &[(&str, &str)]) {
 /// that needed it 500. Put back, the data is served again.
 #[tokio::test]
 async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("tally.db");
-    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
-    kept_one_and_stopped(&env).await;
-
-    let path = db.to_str().unwrap();
-    crate::helpers::behind(path, "ALTER TABLE counters RENAME TO counters_kept").await;
-    let stderr = crate::helpers::failed_start(&env);
-    assert!(
-        stderr.contains("tally's table `counters` is missing"),
-        "{stderr}"
-    );
-    crate::helpers::behind(path, "ALTER TABLE counters_kept RENAME TO counters").await;
-    let bin = crate::helpers::Binary::start(&env);
-    let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
-    assert_eq!(crate::helpers::json(r).await["value"], 1);
+    refused_until_mended(
+        "ALTER TABLE counters RENAME TO counters_kept",
+        "tally's table `counters` is missing",
+        "ALTER TABLE counters_kept RENAME TO counters",
+    )
+    .await;
 }
 
 /// A table of tally's rebuilt without STRICT (by another tool) is refused
@@ -169,33 +180,15 @@ async fn a_database_missing_a_table_of_tallys_is_refused_at_start() {
 /// a client retrying on that counted twice.
 #[tokio::test]
 async fn a_table_rebuilt_without_strict_is_refused_at_start() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("tally.db");
-    let env = [("TALLY_DATABASE", db.to_str().unwrap())];
-    kept_one_and_stopped(&env).await;
-
-    let path = db.to_str().unwrap();
-    crate::helpers::behind(
-        path,
+    refused_until_mended(
         "CREATE TABLE loose (name TEXT NOT NULL PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
          INSERT INTO loose SELECT * FROM counters;
          ALTER TABLE counters RENAME TO counters_strict;
          ALTER TABLE loose RENAME TO counters;",
-    )
-    .await;
-    let stderr = crate::helpers::failed_start(&env);
-    assert!(
-        stderr.contains("tally's table `counters` is not STRICT"),
-        "{stderr}"
-    );
-    crate::helpers::behind(
-        path,
+        "tally's table `counters` is not STRICT",
         "DROP TABLE counters; ALTER TABLE counters_strict RENAME TO counters;",
     )
     .await;
-    let bin = crate::helpers::Binary::start(&env);
-    let r = reqwest::get(bin.url("/counters/kept")).await.unwrap();
-    assert_eq!(crate::helpers::json(r).await["value"], 1);
 }
 
 /// A reader outside tally holding a snapshot at the stop (an operator's
@@ -210,12 +203,7 @@ async fn a_reader_outside_holds_the_final_checkpoint_a_second_only() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let env = [("TALLY_DATABASE", db.to_str().unwrap())];
-    let mut bin = crate::helpers::Binary::start(&env);
-    let r = reqwest::Client::new()
-        .post(bin.url("/counters/kept"))
-        .send()
-        .await;
-    assert_eq!(r.unwrap().status(), reqwest::StatusCode::OK);
+    let mut bin = kept_one(&env).await;
     let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(&db)
         .connect()
