@@ -1893,6 +1893,58 @@ async fn a_day_of_many_visitors_is_pruned_a_share_at_a_time() {
     );
 }
 
+/// Keys stored as text that is not UTF-8 (by hand: SQLite does not check
+/// what `CAST(X'..' AS TEXT)` makes) stop neither the prune of the days
+/// that hold them, nor with it the budget's checks, nor the search for
+/// deleted budgets' usage, which leaves out only the name it cannot read.
+#[tokio::test]
+async fn keys_that_are_not_utf8_stop_no_prune_and_no_search() {
+    use super::store::Store;
+    let share = i64::try_from(budgets::PRUNE_SHARE).unwrap();
+    let name = Name::parse("big").unwrap();
+    let spec = BudgetSpec::new(5, 1_000_000, Some(1), Some("UTC")).unwrap();
+    let now = Timestamp::now();
+    let cutoff = spec.kept_days(now).oldest.to_string();
+    let mut conn = fresh_db().await;
+    budgets::put(&mut conn, &name, &spec, now).await.unwrap();
+    // A day the window has left, of more than a share of visitors, every
+    // one of them not UTF-8: the share ends on such a row.
+    sqlx::query(
+        "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < ?1)
+         INSERT INTO budget_visitor_usage
+         SELECT 'big', '2000-01-01', CAST(X'FF' AS TEXT) || i, 1 FROM g",
+    )
+    .bind(share + 5)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let check = CheckItem {
+        budget: &name,
+        visitor: &VisitorId::parse("a").unwrap(),
+        day: None,
+    };
+    let d = budgets::check(&mut conn, check, now).await.unwrap();
+    assert_eq!((d.visitor_calls, d.global_calls), (1, 1));
+    assert!(d.pruned_rows > 0, "{d:?}");
+    let more = budgets::prune_more(&mut conn, "big", &mut None)
+        .await
+        .unwrap();
+    assert!(more.0 > 0, "{more:?}");
+    assert_eq!(old_rows(&mut conn, &cutoff).await, 0);
+
+    // A deleted budget's usage beside one stored under a name that is not
+    // UTF-8: the first is found, the second left out.
+    sqlx::raw_sql(
+        "INSERT INTO budget_visitor_usage VALUES ('gone', '2000-01-01', 'v', 1),
+             (CAST(X'62FF' AS TEXT), '2000-01-01', 'v', 1);
+         INSERT INTO budget_global_usage VALUES (CAST(X'63FF' AS TEXT), '2000-01-01', 1)",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(conn.orphaned_usage().await.unwrap(), ["gone"]);
+}
+
 /// Usage rows stored for days before `cutoff`.
 async fn old_rows(conn: &mut SqliteConnection, cutoff: &str) -> i64 {
     sqlx::query_scalar(
