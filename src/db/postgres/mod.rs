@@ -307,14 +307,17 @@ pub use writer::WriterConn;
 /// table to tell a schema that holds tally's data.
 const TALLY_TABLE: &str = "budget_global_usage";
 
-/// The schema tally's tables are in. Only the schemas of the role's
-/// `search_path` that exist and that it may use count (other schemas are
-/// other applications', or other tally deployments' in the same database):
-/// the one asked for, if no schema of the path holds tally's tables or it
-/// does; else the one of them that holds the tables; else, in a database
-/// without them, the first of them (where the migrations would create
-/// them). Tables in several of them are an error to resolve by hand: which
-/// one holds the data that was acknowledged is not for tally to guess.
+/// The schema tally's tables are in. The schemas of the role's
+/// `search_path` that exist and that it may use are looked in: the one
+/// asked for, if no schema of the path holds tally's tables or it does;
+/// else the one of them that holds the tables; else the first of them
+/// (where the migrations would create them), unless tally's tables are in
+/// a schema the role may use but its path does not name. Tables in several
+/// schemas of the path, or only outside it, are an error to resolve by
+/// hand: which one holds the data that was acknowledged is not for tally
+/// to guess, and a path changed since the last start (or a start without
+/// the `TALLY_POSTGRES_SCHEMA` the others have) would otherwise serve
+/// empty tables made for it, beside processes serving the old ones.
 async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, String> {
     let holds = "EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = $1)
                  AND EXISTS (SELECT 1 FROM pg_class c
@@ -357,8 +360,37 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
                 (Some(_), _) => Ok(asked.to_owned()),
             });
         }
+        let elsewhere: Vec<String> = match holding.as_slice() {
+            [] => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT n.nspname::text FROM pg_namespace n
+                     WHERE n.nspname <> ALL (current_schemas(false))
+                     AND has_schema_privilege(n.oid, 'USAGE') AND {holds}
+                     ORDER BY 1"
+                )))
+                .bind(TALLY_TABLE)
+                .fetch_all(&mut *conn)
+                .await?
+            }
+            _ => Vec::new(),
+        };
         Ok(match holding.as_slice() {
             [one] => Ok((*one).to_owned()),
+            [] if !elsewhere.is_empty() => Err(format!(
+                "tally's tables are in schema {}, which the role's search_path does not name \
+                 ({}): tally would make empty tables {} and serve those. Set \
+                 TALLY_POSTGRES_SCHEMA to the schema that holds the data (as the other \
+                 processes have it), or, for a new deployment beside it, to a schema of its own",
+                elsewhere.join(", "),
+                match path.first() {
+                    Some((first, _)) => format!("its first schema is {first}"),
+                    None => "it names none that exists and may be used".to_owned(),
+                },
+                match path.first() {
+                    Some((first, _)) => format!("in {first}"),
+                    None => "elsewhere".to_owned(),
+                },
+            )),
             [] => path.first().map(|(name, _)| name.clone()).ok_or_else(|| {
                 "no schema of the role's search_path exists (or may be used) to create \
                  tally's tables in: create one, or name one with TALLY_POSTGRES_SCHEMA"
@@ -474,6 +506,12 @@ pub async fn open(
             Driver(&e)
         ))
     })?;
+    let tables = migrations::tables(&migrator);
+    if applied.is_empty() {
+        lookalikes(&mut conn, &tables, &schema)
+            .await
+            .map_err(&fail)?;
+    }
     let standing = migrations::standing(&migrator, &applied);
     standing.admit().map_err(&fail)?;
     migrations::warn_of_newer(&standing.newer);
@@ -489,7 +527,6 @@ pub async fn open(
             ))
         })?;
     }
-    let tables = migrations::tables(&migrator);
     let missing: Vec<String> = sqlx::query_scalar(
         "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
          WHERE to_regclass(t) IS NULL ORDER BY i",
@@ -504,6 +541,36 @@ pub async fn open(
     tracing::info!(url = %url, schema = %schema, readers = opts.readers, "PostgreSQL open");
     let readers = ReadPool(Arc::new(Readers::new(options.clone(), opts.readers)));
     Ok((readers, WriterConn::new(options)))
+}
+
+/// Refuses a schema with no record of tally's migrations that holds
+/// tables named like tally's: another application's (a schema first in
+/// the role's `search_path` that is not tally's), or tally's own with the
+/// record dropped. Told before the migrations start, which would fail on
+/// the first such table having made their own record table there.
+async fn lookalikes(
+    conn: &mut PgConnection,
+    tables: &[String],
+    schema: &str,
+) -> Result<(), String> {
+    let found: Vec<String> = sqlx::query_scalar(
+        "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
+         WHERE to_regclass(t) IS NOT NULL ORDER BY i",
+    )
+    .bind(tables)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| format!("cannot look for tally's tables: {}", Driver(&e)))?;
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "schema `{schema}` holds tables named like tally's ({}) but no record of tally's \
+         migrations (`_sqlx_migrations`): another application's tables, or tally's with that \
+         record dropped or renamed. tally changes nothing there: give it a schema of its own \
+         with TALLY_POSTGRES_SCHEMA (CREATE SCHEMA first), or restore the record",
+        found.join(", ")
+    ))
 }
 
 /// A failed migration as sqlx tells it, but with PostgreSQL's answer told

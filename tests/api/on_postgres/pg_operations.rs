@@ -985,9 +985,9 @@ async fn a_schema_named_like_the_role_moves_nothing() {
     stop_all(later).await;
 }
 
-/// Only the schemas of the role's `search_path` count: another
-/// deployment's tables in a schema of its own (its role's path) are not
-/// tally's, and do not stop it. Tally's tables in two schemas of the path
+/// The schemas of the role's `search_path` are where tally looks: another
+/// deployment's tables in a schema of its own (named with
+/// `TALLY_POSTGRES_SCHEMA`) do not stop it. Tally's tables in two schemas of the path
 /// (as the bug above left them) are for the operator to choose between:
 /// tally does not start, and says what to set; named with
 /// `TALLY_POSTGRES_SCHEMA`, it serves that schema's data. A name that
@@ -1000,9 +1000,16 @@ async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     kept_once(&client, &url).await;
     let path_of = |schema: &str| format!("{url}?options=-c%20search_path%3D{schema}");
 
-    // Another deployment, on a path of its own.
+    // Another deployment, on a path of its own: refused while it does
+    // not name its schema, since a path that no longer names the schema
+    // of tally's tables looks the same (see the next test).
     run_sql(&url, "CREATE SCHEMA other".into()).await;
-    let other = processes(1, &path_of("other"), &[]);
+    let e = failed_start(&[("TALLY_DATABASE", &path_of("other"))]);
+    assert!(
+        e.contains("tally's tables are in schema public, which the role's search_path does not name (its first schema is other)"),
+        "{e}"
+    );
+    let other = processes(1, &path_of("other"), &[("TALLY_POSTGRES_SCHEMA", "other")]);
     assert_eq!(counter(&client, &other[0], "kept").await, 0);
     let bins = processes(1, &url, &[]);
     assert_eq!(counter(&client, &bins[0], "kept").await, 1);
@@ -1030,7 +1037,7 @@ async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     // The copy the bug made: tables in a schema named like the role,
     // which the default path puts before public.
     run_sql(&url, "CREATE SCHEMA AUTHORIZATION CURRENT_USER".into()).await;
-    let copy = processes(1, &path_of("tally"), &[]);
+    let copy = processes(1, &path_of("tally"), &[("TALLY_POSTGRES_SCHEMA", "tally")]);
     assert_eq!(counter(&client, &copy[0], "kept").await, 0);
     stop_all(copy).await;
     let e = failed_start(&[("TALLY_DATABASE", &url)]);
@@ -1179,10 +1186,10 @@ async fn a_role_without_rights_on_a_table_of_tallys_is_refused_at_start() {
 }
 
 /// A migration that fails says why as the server did: a role that may not
-/// create tables is told so, and a database whose tables are there but
-/// whose record of the migrations is not (`_sqlx_migrations` renamed) is
-/// told that, not that its role lacks rights (every failed migration was);
-/// each with the SQLSTATE the server answered.
+/// create tables is told so, with the SQLSTATE the server answered. A
+/// database whose tables are there but whose record of the migrations is
+/// not (`_sqlx_migrations` renamed) is told that, not that its role lacks
+/// rights (every failed migration was), before any migration runs.
 #[tokio::test]
 async fn a_failed_migration_says_what_the_server_refused() {
     let url = postgres::fresh_database().await;
@@ -1207,14 +1214,49 @@ async fn a_failed_migration_says_what_the_server_refused() {
     .await;
     let e = failed_start(&[("TALLY_DATABASE", &url)]);
     assert!(
-        e.contains("was `_sqlx_migrations` dropped or renamed?"),
-        "{e}"
-    );
-    assert!(
-        e.contains("(SQLSTATE 42P07)") && !e.contains(" at line "),
+        e.contains("schema `public` holds tables named like tally's (counters, ")
+            && e.contains("no record of tally's migrations")
+            && e.contains("with that record dropped or renamed"),
         "{e}"
     );
     assert!(!e.contains("may create tables"), "{e}");
+}
+
+/// Another application's schema first in the role's `search_path`,
+/// holding a table named like one of tally's: a first start is refused,
+/// saying whose the table may be and what to set, and leaves nothing in
+/// that schema (before, the migrations made their record table there, then
+/// failed on the table, and the refusal blamed a dropped record of
+/// tally's).
+#[tokio::test]
+async fn another_applications_table_named_like_talls_is_left_alone() {
+    let url = postgres::fresh_database().await;
+    run_sql(
+        &url,
+        "CREATE SCHEMA otherapp;
+         CREATE TABLE otherapp.counters (name text PRIMARY KEY, value bigint NOT NULL);
+         INSERT INTO otherapp.counters VALUES ('pageviews', 123456)"
+            .into(),
+    )
+    .await;
+    let path = format!("{url}?options=-c%20search_path%3Dotherapp,public");
+    let e = failed_start(&[("TALLY_DATABASE", &path)]);
+    assert!(
+        e.contains("schema `otherapp` holds tables named like tally's (counters)")
+            && e.contains("another application's tables")
+            && e.contains("TALLY_POSTGRES_SCHEMA"),
+        "{e}"
+    );
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'otherapp' AND c.relkind = 'r' ORDER BY 1",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let _ = conn.close().await;
+    assert_eq!(tables, ["counters"]);
 }
 
 /// A column's collation changed under a serving process (what a newer
@@ -1391,6 +1433,56 @@ async fn a_named_schema_gets_the_tables_of_a_fresh_database() {
         ]
     );
     assert_eq!(here, 1);
+
+    // A process started without the setting the others have: before, it
+    // made empty tables in `public`, the first schema of its path, and
+    // served those (`here` read 0); now it is refused, naming `mine`.
+    let e = failed_start(&[("TALLY_DATABASE", &url)]);
+    assert!(
+        e.contains("tally's tables are in schema mine, which the role's search_path does not name (its first schema is public)")
+            && e.contains("Set TALLY_POSTGRES_SCHEMA to the schema that holds the data"),
+        "{e}"
+    );
+}
+
+/// The role's `search_path` changed since tally's tables were made (an
+/// operator's `ALTER ROLE ... SET search_path`, here the URL's): the next
+/// start is refused, naming the schema that holds them, instead of making
+/// empty tables in the new path's first schema and serving those, beside
+/// processes still serving the old ones (each admitting a budget's whole
+/// limit, each reading half of the acknowledged counts). A path that
+/// names no schema at all is told where the tables are too.
+#[tokio::test]
+async fn a_path_that_no_longer_names_tallys_schema_is_refused() {
+    let url = postgres::fresh_database().await;
+    let client = Client::new();
+    kept_once(&client, &url).await;
+    run_sql(&url, "CREATE SCHEMA otherapp".into()).await;
+    let moved = format!("{url}?options=-c%20search_path%3Dotherapp");
+    let e = failed_start(&[("TALLY_DATABASE", &moved)]);
+    assert!(
+        e.contains("tally's tables are in schema public, which the role's search_path does not name (its first schema is otherapp): tally would make empty tables in otherapp"),
+        "{e}"
+    );
+    let none = format!("{url}?options=-c%20search_path%3Dnowhere");
+    let e = failed_start(&[("TALLY_DATABASE", &none)]);
+    assert!(
+        e.contains("tally's tables are in schema public, which the role's search_path does not name (it names none that exists and may be used)"),
+        "{e}"
+    );
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let made: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'otherapp'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let _ = conn.close().await;
+    assert_eq!(made, 0);
+    let bins = processes(1, &moved, &[("TALLY_POSTGRES_SCHEMA", "public")]);
+    assert_eq!(counter(&client, &bins[0], "kept").await, 1);
+    stop_all(bins).await;
 }
 
 /// A budget whose prune cannot go on (a row of its old day held by an
