@@ -2282,6 +2282,37 @@ async fn on_postgres_the_clock_hold_row_takes_an_end_only_of_its_own_hold() {
     db.drop().await;
 }
 
+/// tally's connections run READ COMMITTED whatever the database's or the
+/// role's default: a database set to SERIALIZABLE (or REPEATABLE READ)
+/// failed reads with serialization errors, answered 500.
+#[tokio::test]
+async fn connections_run_read_committed_whatever_the_databases_default() {
+    let db = FreshPostgres::new("isolation").await;
+    let name = db.url.rsplit('/').next().unwrap().to_owned();
+    let mut admin = super::postgres::connect(&db.url.parse().unwrap())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {name} SET default_transaction_isolation = 'serializable'"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    drop(admin);
+    let isolation = async |options: &sqlx::postgres::PgConnectOptions| -> String {
+        let mut conn = super::postgres::connect(options).await.unwrap();
+        sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert_eq!(isolation(&db.url.parse().unwrap()).await, "serializable");
+    let tallys =
+        super::postgres::connect_options(&db.url, std::time::Duration::from_secs(2)).unwrap();
+    assert_eq!(isolation(&tallys).await, "read committed");
+    db.drop().await;
+}
+
 /// PostgreSQL's errors are told with their SQLSTATE, not with sqlx's
 /// `at line N` (a line of the server's C source, which an operator took
 /// for one of a migration's).

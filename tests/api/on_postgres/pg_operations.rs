@@ -2090,3 +2090,33 @@ async fn batch_waits_past_midnight() -> bool {
     stop_all(bins).await;
     raced.is_some_and(|n| n >= 1.0)
 }
+
+/// A database whose `synchronous_commit` is `off` (an operator's, or a
+/// managed service's, setting tally inherits) answers `200` before the
+/// commit is on the server's disk: tally says so at start, and only then.
+#[tokio::test]
+async fn a_start_warns_of_commits_that_are_not_durable() {
+    let url = postgres::fresh_database().await;
+    let bins = processes(1, &url, &[]);
+    assert!(
+        !bins[0].log_text().contains("synchronous_commit is off"),
+        "{}",
+        bins[0].log_text()
+    );
+    stop_all(bins).await;
+    run_sql(
+        &url,
+        format!(
+            "ALTER DATABASE {} SET synchronous_commit = off",
+            database_name(&url)
+        ),
+    )
+    .await;
+    let bins = processes(1, &url, &[]);
+    let log = bins[0].log_text();
+    assert!(
+        log.contains("PostgreSQL's synchronous_commit is off for tally's role or database"),
+        "{log}"
+    );
+    stop_all(bins).await;
+}
