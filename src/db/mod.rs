@@ -198,11 +198,11 @@ pub enum Error {
         .0.display()
     )]
     StorageLost(Arc<Path>),
-    /// The database server cannot be reached (refused, timed out, the
-    /// connection dropped, the server shutting down or out of connection
-    /// slots): nothing was written, and the same write succeeds once it
-    /// answers again.
-    #[error("the database cannot be reached: {}", Driver(.0))]
+    /// The database server cannot be reached or cannot take writes now
+    /// (refused, timed out, the connection dropped, the server shutting
+    /// down or out of connection slots, a standby): nothing was written,
+    /// and the same write succeeds once it answers again.
+    #[error("the database is unavailable: {}", Driver(.0))]
     Unavailable(#[source] Arc<sqlx::Error>),
     /// A row the command needs was held by another transaction (another
     /// process's batch, an operator's open transaction) for longer than

@@ -624,7 +624,7 @@ impl<E: Engine> WriterLoop<E> {
                 }
                 Said::UnreachableBegan { held_back } => {
                     if let Err(e) = commit {
-                        tracing::error!(error = %e, batch = size, held_back, "the database cannot be reached: writes fail (503) until it answers again (one outage every 10 s at most; held_back: outages since the last, not logged)");
+                        tracing::error!(error = %e, batch = size, held_back, "the database is unavailable (it cannot be reached, or takes no writes now): writes fail (503) until it answers again (one outage every 10 s at most; held_back: outages since the last, not logged)");
                     }
                 }
                 Said::UnreachableEnded { failed_for } => {
@@ -636,7 +636,7 @@ impl<E: Engine> WriterLoop<E> {
                 Said::OutagesUntold { outages } => {
                     tracing::warn!(
                         outages,
-                        "the database could not be reached this many more times since the last \
+                        "the database was unavailable this many more times since the last \
                          outage logged, each briefly (writes in them failed, 503); it answers \
                          now"
                     );

@@ -508,12 +508,32 @@ pub async fn open(
         .map_err(|e| fail(format!("cannot set the search_path: {}", Driver(&e))))?;
     let options = options.options([("search_path", search_path)]);
     let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
-    let applied = applied_migrations(&mut conn).await.map_err(|e| {
-        fail(format!(
-            "cannot read the applied migrations: {}",
-            Driver(&e)
-        ))
-    })?;
+    let applied = match applied_migrations(&mut conn).await {
+        Ok(applied) => applied,
+        Err(e) => {
+            // A serving role that may not read the record of migrations
+            // is told the grant, as for tally's other tables ([`rights`]).
+            let hint = match pg_code(&e) {
+                Some("42501") => {
+                    let role: Option<String> = sqlx::query_scalar("SELECT current_user::text")
+                        .fetch_one(&mut conn)
+                        .await
+                        .ok();
+                    format!(
+                        " (tally reads it at every start: GRANT SELECT ON {}.\"_sqlx_migrations\" \
+                         TO {})",
+                        always_quoted(&schema),
+                        role.as_deref().map_or("the role".to_owned(), always_quoted)
+                    )
+                }
+                _ => String::new(),
+            };
+            return Err(fail(format!(
+                "cannot read the applied migrations: {}{hint}",
+                Driver(&e)
+            )));
+        }
+    };
     let tables = migrations::tables(&migrator);
     if applied.is_empty() {
         lookalikes(&mut conn, &tables, &schema)

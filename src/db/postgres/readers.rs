@@ -146,13 +146,13 @@ impl Readers {
             (Some(OutageLine::Starts { held_back }), Err(e)) => tracing::error!(
                 error = %e,
                 held_back,
-                "reads: the database cannot be reached (one such line every 10 s at most; \
+                "reads: the database is unavailable (one such line every 10 s at most; \
                  held_back: outages since the last, not logged)"
             ),
             (Some(OutageLine::Ends), _) => tracing::warn!("reads: the database answers again"),
             (Some(OutageLine::Untold { outages }), _) => tracing::warn!(
                 outages,
-                "reads: the database could not be reached this many more times since the last \
+                "reads: the database was unavailable this many more times since the last \
                  outage logged, each briefly (reads in them failed, 503); it answers now"
             ),
             _ => {}

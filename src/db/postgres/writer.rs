@@ -371,9 +371,21 @@ impl WriterConn {
         }
     }
 
-    /// Forgets the connection: the next batch connects anew.
+    /// Forgets the connection: the next batch connects anew. A session the
+    /// server ended for being idle past its `idle_session_timeout` (a
+    /// managed service's setting, met after every quiet spell) is routine,
+    /// and told as what it is.
     fn drop_connection(&mut self, why: &Error) {
-        if self.conn.take().is_some() {
+        if self.conn.take().is_none() {
+            return;
+        }
+        let idle = matches!(why, Error::Unavailable(e) if super::pg_code(e) == Some("57P05"));
+        if idle {
+            tracing::info!(
+                "the server ended the writer's idle PostgreSQL session (its \
+                 idle_session_timeout); the next batch connects anew"
+            );
+        } else {
             tracing::warn!(
                 error = %why,
                 "writer dropped its PostgreSQL connection; the next batch connects anew"
@@ -456,9 +468,10 @@ fn log_busy(batch: &[Queued]) {
             commands = busy.len(),
             first = %first,
             "rows held by another transaction past the lock timeout (a session outside \
-             tally; a tally session the network cut off, which PostgreSQL ends after \
-             idle_in_transaction_session_timeout, 30 s; or another tally process's batch, \
-             slow for its distance to the server): those commands were answered row-busy, \
+             tally; a prepared transaction, which only COMMIT PREPARED or ROLLBACK PREPARED \
+             ends (pg_prepared_xacts); a tally session the network cut off, which PostgreSQL \
+             ends after idle_in_transaction_session_timeout, 30 s; or another tally process's \
+             batch, slow for its distance to the server): those commands were answered row-busy, \
              the rest of the batch committed"
         );
     }

@@ -1145,9 +1145,18 @@ async fn a_role_without_rights_on_a_table_of_tallys_is_refused_at_start() {
         "tally_srv",
         "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role};
          REVOKE ALL ON clock_hold FROM {role};
-         REVOKE UPDATE ON counters FROM {role};",
+         REVOKE UPDATE ON counters FROM {role};
+         REVOKE SELECT ON _sqlx_migrations FROM {role};",
     )
     .await;
+    // The record of migrations, read first, is told with its grant too.
+    let e = failed_start(&[("TALLY_DATABASE", &app_url)]);
+    let grant = format!("GRANT SELECT ON \"public\".\"_sqlx_migrations\" TO \"{role}\"");
+    assert!(
+        e.contains("cannot read the applied migrations") && e.contains(&grant),
+        "{e}"
+    );
+    run_sql(&url, grant).await;
     let e = failed_start(&[("TALLY_DATABASE", &app_url)]);
     assert!(
         e.contains(&format!(

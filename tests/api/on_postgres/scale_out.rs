@@ -449,7 +449,7 @@ async fn postgres_stopped_mid_load_loses_nothing_acknowledged_and_recovers() {
     );
     assert!(seen.acked.iter().all(|v| *v <= value));
     let logs: String = bins.iter().map(Binary::log_text).collect();
-    assert!(logs.contains("the database cannot be reached"), "{logs}");
+    assert!(logs.contains("the database is unavailable"), "{logs}");
     assert!(logs.contains("the database answers again"), "{logs}");
     // An outage is logged when it starts and ends, not once per request
     // it failed (there were hundreds).
@@ -716,6 +716,17 @@ async fn a_server_that_ends_idle_sessions_costs_no_client_an_error() {
         assert_eq!(r.status(), StatusCode::OK, "{:?}", r.text().await);
         assert_eq!(json(r).await["visitor_calls"], expected);
     }
+    // Routine, and logged as such: not as a dropped connection, a warning
+    // after every quiet spell.
+    let log = bins[0].log_text();
+    assert!(
+        log.contains("the server ended the writer's idle PostgreSQL session"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("writer dropped its PostgreSQL connection"),
+        "{log}"
+    );
     stop_all(bins).await;
 }
 
