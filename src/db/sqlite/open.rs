@@ -163,6 +163,7 @@ async fn open_at(path: &Path, opts: &DbOptions) -> Result<(Readers, SqliteWriter
             files: files::DbFiles::record(path, opts.under_litestream),
             checkpoint_on_close: opts.checkpoints,
             space,
+            wal_restarted_at: None,
         };
         Ok((Readers(Arc::new(SqliteReaders(readers))), engine))
     }
@@ -486,6 +487,14 @@ async fn open_writer(path: &Path, opts: &DbOptions) -> Result<SqliteConnection, 
             "wal_autocheckpoint",
             if opts.checkpoints { "1000" } else { "0" },
         )
+        // SQLite keeps the WAL file at the largest size it ever reached
+        // (a reader outside tally holding a snapshot, a large reset, a
+        // burst between Litestream's checkpoints can take it to hundreds
+        // of MB) and writes over it from the start after a checkpoint: the
+        // disk the kubelet counts, and the storage limit with it, stayed
+        // that high until tally closed. Now the write that starts the WAL
+        // over truncates it to this.
+        .pragma("journal_size_limit", super::space::WAL_KEPT.to_string())
         .connect()
         .await
         .map_err(open_err)?;

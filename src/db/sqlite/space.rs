@@ -57,6 +57,11 @@ pub(super) const PER_COMMAND: u64 = 256;
 /// soft one, set well below the volume's.
 pub(super) const PER_BATCH: u64 = 8192;
 
+/// The size the WAL file is cut back to when a write starts it over after
+/// a checkpoint (`journal_size_limit`): about what it reaches between two
+/// of tally's own checkpoints (1,000 pages).
+pub(super) const WAL_KEPT: u64 = 4 * 1024 * 1024;
+
 /// The last sample, shared by the sampler and the writer.
 #[derive(Default)]
 struct Sampled {
@@ -92,8 +97,9 @@ struct Limit {
     bytes: u64,
     /// The database, its `-wal` and its `-shm`.
     files: [PathBuf; 3],
-    /// Since when writes are refused, to log the start and the end.
-    refusing_since: Option<Instant>,
+    /// Since when writes are refused, to log the start and the end, and
+    /// whether the start was logged (see [`Space::admit`]).
+    refusing_since: Option<(Instant, bool)>,
 }
 
 /// Refused for the storage limit: what the limit measured, and the limit.
@@ -139,6 +145,15 @@ impl Space {
         Space { sampled, limit }
     }
 
+    /// Whether the limit is set and the WAL file is well past what it is
+    /// cut back to ([`WAL_KEPT`]): its pages, once checkpointed, are room
+    /// that only a write starting the WAL over gives back.
+    pub fn wal_oversized(&self) -> bool {
+        self.limit
+            .as_ref()
+            .is_some_and(|l| allocated_at(&l.files[1]) > WAL_KEPT + WAL_KEPT / 4)
+    }
+
     /// Whether the limit admits `adding` commands that add data: `Ok` (and
     /// they are reckoned in), or what the limit measured. Always `Ok`
     /// without a limit.
@@ -151,23 +166,46 @@ impl Space {
         let then = self.sampled.files_bytes.load(Ordering::Relaxed);
         let now: u64 = limit.files.iter().map(|f| allocated_at(f)).sum();
         let pending = self.sampled.pending_bytes.load(Ordering::Relaxed);
-        let used = (dir.saturating_add(now).saturating_add(pending))
+        let mut used = (dir.saturating_add(now).saturating_add(pending))
             .saturating_sub(then)
             .saturating_sub(free);
         let adds = match adding {
             0 => 0,
             n => PER_BATCH + n as u64 * PER_COMMAND,
         };
+        // Near the limit only (it reads the WAL's frame headers): a WAL
+        // file larger than what it holds since it was last started over is
+        // written over from its start before it grows, so what lies past
+        // its frames, and past the 4 MiB it reaches between checkpoints, is
+        // room, as the database's free pages are. Under Litestream, whose
+        // own write starts the WAL over after its checkpoints, the file
+        // keeps its largest size.
         if used.saturating_add(adds) > limit.bytes {
+            used = used.saturating_sub(wal_room(&limit.files[1]));
+        }
+        if used.saturating_add(adds) > limit.bytes {
+            // Under Litestream with a small limit, the WAL between two of
+            // its checkpoints can reach the limit every second under load:
+            // one start (and end) a minute is logged, with the starts held
+            // back since.
+            static STARTS: crate::telemetry::Throttle =
+                crate::telemetry::Throttle::new(Duration::from_secs(60));
             if limit.refusing_since.is_none() {
-                limit.refusing_since = Some(Instant::now());
-                tracing::error!(
-                    used,
-                    limit = limit.bytes,
-                    "the storage limit (TALLY_STORAGE_LIMIT) is reached: writes that add data \
-                     are answered 507 until room is made (expired idempotency keys, resets) \
-                     or the limit is raised"
-                );
+                let told = STARTS.admit();
+                limit.refusing_since = Some((Instant::now(), told.is_some()));
+                if let Some(held_back) = told {
+                    tracing::error!(
+                        held_back,
+                        used,
+                        limit = limit.bytes,
+                        wal = allocated_at(&limit.files[1]),
+                        "the storage limit (TALLY_STORAGE_LIMIT) is reached: writes that add \
+                         data are answered 507 until room is made (expired idempotency keys, \
+                         resets, a WAL grown past 4 MiB written over once checkpointed) or the \
+                         limit is raised (one such line a minute at most; held_back: times it \
+                         was reached since the last, not logged)"
+                    );
+                }
             }
             return Err(OverLimit {
                 used,
@@ -177,7 +215,7 @@ impl Space {
         // Near the limit a fresh sample lets a few writes in between
         // refusals: the end is logged once there is room again.
         if used < limit.bytes / 10 * 9
-            && let Some(since) = limit.refusing_since.take()
+            && let Some((since, true)) = limit.refusing_since.take()
         {
             tracing::warn!(
                 refused_for = ?since.elapsed(),
@@ -297,6 +335,58 @@ fn walk(dir: &Path, db: &Path) -> Usage {
     usage
 }
 
+/// What the WAL file at `path` takes on disk past the frames it holds
+/// since it was last started over and past [`WAL_KEPT`], which it is
+/// counted as taking whatever it holds (0 if it cannot be read): SQLite writes
+/// the WAL from its start after a checkpoint, under a header with new
+/// salts, and each frame it writes carries them, so the frames of the
+/// current generation are the ones from the start whose salts match the
+/// header's, and those past them are old. Found by bisection: a few reads.
+fn wal_room(path: &Path) -> u64 {
+    wal_live_bytes(path).map_or(0, |live| {
+        allocated_at(path).saturating_sub(live.max(WAL_KEPT))
+    })
+}
+
+/// The bytes of the WAL file at `path` up to the end of its last frame of
+/// the current generation (see [`wal_room`]); `None` if it is not a WAL.
+fn wal_live_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    const HEADER: u64 = 32;
+    const FRAME_HEADER: u64 = 24;
+    let file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let mut header = [0u8; HEADER as usize];
+    file.read_exact_at(&mut header, 0).ok()?;
+    let word = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    if word(0) & !1 != 0x377f_0682 {
+        return None;
+    }
+    let page = match word(8) {
+        1 => 65_536,
+        n => u64::from(n),
+    };
+    let frame = page + FRAME_HEADER;
+    let salts = &header[16..24];
+    let current = |k: u64| {
+        let mut h = [0u8; FRAME_HEADER as usize];
+        file.read_exact_at(&mut h, HEADER + k * frame).is_ok() && &h[8..16] == salts
+    };
+    // Frames 0..n are the current generation's, the rest not.
+    let (mut lo, mut hi) = (0, len.saturating_sub(HEADER) / frame);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if current(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(HEADER + lo * frame)
+}
+
 /// The database's three files.
 fn db_files(db: &Path) -> [PathBuf; 3] {
     ["", "-wal", "-shm"].map(|suffix| {
@@ -331,6 +421,62 @@ pub(super) fn refusal(over: OverLimit) -> io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A WAL's frames since it was last started over are found by their
+    /// salts: all of a WAL written once, and after a checkpoint and a
+    /// write that starts it over, only that write's, the file keeping its
+    /// size (what lies past them is room).
+    #[tokio::test]
+    async fn a_wals_live_frames_are_told_from_the_old_ones() {
+        use sqlx::{ConnectOptions, Executor};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        let wal = dir.path().join("t.db-wal");
+        let mut conn = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&db)
+            .create_if_missing(true)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+            .pragma("wal_autocheckpoint", "0")
+            .connect()
+            .await
+            .unwrap();
+        conn.execute(
+            "CREATE TABLE t (x BLOB);
+             WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 300)
+             INSERT INTO t SELECT randomblob(3000) FROM g;",
+        )
+        .await
+        .unwrap();
+        let written = std::fs::metadata(&wal).unwrap().len();
+        assert!(written > 300 * 4096, "{written}");
+        assert_eq!(wal_live_bytes(&wal), Some(written));
+        assert!(wal_room(&wal) < 4096, "a block at most: {}", wal_room(&wal));
+
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            .await
+            .unwrap();
+        conn.execute("INSERT INTO t VALUES (1)").await.unwrap();
+        assert_eq!(std::fs::metadata(&wal).unwrap().len(), written);
+        let live = wal_live_bytes(&wal).unwrap();
+        assert!(live > 32 && live <= 32 + 4 * (4096 + 24), "{live}");
+        // Room past the 4 MiB a WAL is counted as at least.
+        assert_eq!(wal_room(&wal), 0, "a WAL under 4 MiB has none");
+        assert_eq!(wal_live_bytes(&db), None, "not a WAL");
+        // Past 4 MiB: what lies past the frames and past 4 MiB.
+        conn.execute(
+            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 2500)
+             INSERT INTO t SELECT randomblob(3000) FROM g;",
+        )
+        .await
+        .unwrap();
+        let big = allocated_at(&wal);
+        assert!(big > 2 * WAL_KEPT, "{big}");
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            .await
+            .unwrap();
+        conn.execute("INSERT INTO t VALUES (1)").await.unwrap();
+        assert_eq!(wal_room(&wal), big - WAL_KEPT);
+    }
 
     /// The walk counts allocated blocks, nested directories and the
     /// database's files, as `du` would.

@@ -27,6 +27,9 @@ pub(crate) struct SqliteWriter {
     /// The directory's usage, and the storage limit checked before each
     /// batch.
     pub(super) space: space::Space,
+    /// When the writer last started the WAL over to cut it back, refused
+    /// for the storage limit ([`Self::cut_back_wal`]).
+    pub(super) wal_restarted_at: Option<std::time::Instant>,
 }
 
 impl Engine for SqliteWriter {
@@ -42,7 +45,11 @@ impl Engine for SqliteWriter {
     /// window) hears that instead: no retry would get it past.
     async fn apply(&mut self, batch: &mut [Queued]) -> txn::Applied {
         let adding = batch.iter().filter(|q| adds_data(&q.command)).count();
-        let Err(over) = self.space.admit(adding) else {
+        let mut admitted = self.space.admit(adding);
+        if admitted.is_err() && self.cut_back_wal().await {
+            admitted = self.space.admit(adding);
+        }
+        let Err(over) = admitted else {
             return txn::apply_batch(&mut self.conn, batch).await;
         };
         let refusal = Error::StorageFull(Arc::new(sqlx::Error::Io(space::refusal(over))));
@@ -134,6 +141,53 @@ impl Engine for SqliteWriter {
                 "closing the database failed after every write was committed and answered"
             );
         }
+    }
+}
+
+impl SqliteWriter {
+    /// Refused for the storage limit with a WAL file far larger than it is
+    /// cut back to: the WAL, once checkpointed, is room that nothing else
+    /// gives back, since the refused writes never start it over (SQLite
+    /// keeps its size until a write that starts it over truncates it to
+    /// `journal_size_limit`). Two writes of the database's header, as small
+    /// as a write gets (its `user_version`, unchanged): the first lets
+    /// tally's own checkpoint take the WAL in (without Litestream), the
+    /// second starts it over, cut back, if no reader still holds a snapshot
+    /// in it (with Litestream, once Litestream has checkpointed). At most
+    /// once a second: each costs a page and a flush. Whether it tried.
+    async fn cut_back_wal(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        let due = self
+            .wal_restarted_at
+            .is_none_or(|at| now.duration_since(at) >= std::time::Duration::from_secs(1));
+        if !due || !self.space.wal_oversized() {
+            return false;
+        }
+        self.wal_restarted_at = Some(now);
+        for _ in 0..2 {
+            let rewritten = async {
+                let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+                    .fetch_one(&mut self.conn)
+                    .await?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "PRAGMA user_version = {version}"
+                )))
+                .execute(&mut self.conn)
+                .await
+            }
+            .await;
+            if let Err(e) = rewritten {
+                tracing::debug!(error = %e, "could not start the WAL over to cut it back");
+                return true;
+            }
+            if !self.space.wal_oversized() {
+                tracing::info!(
+                    "the WAL was cut back to 4 MiB: its room counts towards the storage limit again"
+                );
+                break;
+            }
+        }
+        true
     }
 }
 

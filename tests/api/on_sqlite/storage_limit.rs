@@ -330,10 +330,18 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         (db_full - db_before) / acked as u64
     );
 
-    // A restart alone makes no room.
+    // A restart makes no room but what the WAL takes past 4 MiB (it is
+    // checkpointed, then written over from its start): the limit refuses
+    // again at once or after a few writes, the directory still within it.
     let bin = Binary::start(&env(limit_static, "1h"));
-    let r = keyed(&client, &bin, next.fetch_add(1, Ordering::Relaxed)).await;
+    let (more, r) = fill(&client, &bin, &next).await;
+    acked += more;
     problem(r, StatusCode::INSUFFICIENT_STORAGE).await;
+    let after = du(dir.path());
+    assert!(
+        after <= limit + PAGES,
+        "{after} bytes after a restart, past the limit of {limit}"
+    );
     drop(bin);
 
     // A bigger limit: writes are taken again at once.
@@ -343,6 +351,13 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
         assert_eq!(r.status(), StatusCode::OK, "with the limit raised");
         acked += 1;
     }
+    drop(bin);
+    // Filled again at the old limit: the WAL a kill leaves is written over
+    // from its start after a restart, so what it takes past its frames is
+    // room, and once the limit refuses again the keys are what fill it.
+    let bin = Binary::start(&env(limit_static, "1h"));
+    let (more, _) = fill(&client, &bin, &next).await;
+    acked += more;
     drop(bin);
 
     // The old limit again, and a key lifetime every key has outlived: the
@@ -399,6 +414,76 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
 
 /// A limit tally cannot keep is refused at start, with a message that
 /// says why; so is a key lifetime out of range.
+/// A reader outside tally (an operator's `sqlite3` session) holding a
+/// snapshot while writes go on keeps the WAL from being written over from
+/// its start, so it grows until the limit refuses writes. Once the reader
+/// has gone, writes are taken again at once: the writer lets its
+/// checkpoint take the WAL in and starts it over, cut back to 4 MiB.
+/// Before, SQLite kept the WAL at its largest and the refused writes never
+/// started it over: every write was `507` until a restart.
+#[tokio::test]
+async fn a_wal_grown_by_a_reader_outside_is_cut_back_once_it_has_gone() {
+    use sqlx::{ConnectOptions, Executor};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("tally.db");
+    let wal = dir.path().join("tally.db-wal");
+    let env = [
+        ("TALLY_DATABASE", db.to_str().unwrap()),
+        ("TALLY_STORAGE_LIMIT", "12Mi"),
+    ];
+    let client = Client::new();
+    let bin = Binary::start(&env);
+    let r = keyed(&client, &bin, 0).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db)
+        .connect()
+        .await
+        .unwrap();
+    reader
+        .execute("BEGIN; SELECT count(*) FROM counters;")
+        .await
+        .unwrap();
+    let next = Arc::new(AtomicUsize::new(1));
+    let (acked, refused) = fill(&client, &bin, &next).await;
+    let refused = problem(refused, StatusCode::INSUFFICIENT_STORAGE).await;
+    assert_eq!(refused["type"], "/problems/storage-full", "{refused}");
+    let grown = std::fs::metadata(&wal).unwrap().len();
+    assert!(grown > 8 * MIB, "the WAL is what fills the limit: {grown}");
+    drop(reader);
+
+    let mut n = next.load(Ordering::Relaxed) + 100;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = keyed(&client, &bin, n).await;
+        if r.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still refused: {}",
+            bin.log_text()
+        );
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let kept = std::fs::metadata(&wal).unwrap().len();
+    assert!(kept <= 5 * MIB, "the WAL was not cut back: {kept}");
+    assert!(
+        bin.log_text().contains("the WAL was cut back to 4 MiB"),
+        "{}",
+        bin.log_text()
+    );
+    // Every acknowledged write, and nothing refused.
+    let mut total = 0;
+    for c in 0..16 {
+        let r = client.get(bin.url(&format!("/counters/c{c}"))).send().await;
+        let v: Value = r.unwrap().json().await.unwrap();
+        total += v["value"].as_u64().unwrap();
+    }
+    assert_eq!(total, acked as u64 + 2);
+}
+
 #[tokio::test]
 async fn bad_limits_and_lifetimes_are_refused_at_start() {
     let tally = env!("CARGO_BIN_EXE_tally");
