@@ -1224,6 +1224,23 @@ fn litestreams_metrics_listener_can_be_turned_off() {
     assert_eq!(values_yaml()["metrics"]["litestream"]["enabled"], true);
 }
 
+/// The API's connection cap is the chart's, sized to the memory limit: one
+/// client sending slow requests on the binary's own default of 4096
+/// connections took 486 MiB of the 512 MiB limit.
+#[test]
+fn the_connection_cap_fits_the_memory_limit() {
+    let docs = rendered(&[("adminToken.value", "t")]);
+    assert_eq!(env(tally(&docs), "TALLY_MAX_CONNECTIONS"), "1024");
+    let docs = rendered(&[("adminToken.value", "t"), ("config.maxConnections", "300")]);
+    assert_eq!(env(tally(&docs), "TALLY_MAX_CONNECTIONS"), "300");
+    let e = refused(&[
+        BUCKET,
+        ("adminToken.value", "t"),
+        ("config.maxConnections", "0"),
+    ]);
+    assert!(e.contains("maxConnections"), "{e}");
+}
+
 #[test]
 fn extra_env_may_not_replace_what_the_chart_sets() {
     let docs = rendered(&[("adminToken.value", "t")]);

@@ -425,6 +425,8 @@ names.
   value: {{ .Values.config.requestTimeoutSeconds | int | quote }}
 - name: TALLY_QUEUE_CAPACITY
   value: {{ .Values.config.queueCapacity | int | quote }}
+- name: TALLY_MAX_CONNECTIONS
+  value: {{ .Values.config.maxConnections | int | quote }}
 - name: TALLY_MAX_BATCH
   value: {{ .Values.config.maxBatch | int | quote }}
 {{- if not (include "tally.postgres" .) }}
