@@ -146,46 +146,52 @@ impl Engine for SqliteWriter {
 
 impl SqliteWriter {
     /// Refused for the storage limit with a WAL file far larger than it is
-    /// cut back to: the WAL, once checkpointed, is room that nothing else
-    /// gives back, since the refused writes never start it over (SQLite
-    /// keeps its size until a write that starts it over truncates it to
-    /// `journal_size_limit`). Two writes of the database's header, as small
-    /// as a write gets (its `user_version`, unchanged): the first lets
-    /// tally's own checkpoint take the WAL in (without Litestream), the
-    /// second starts it over, cut back, if no reader still holds a snapshot
-    /// in it (with Litestream, once Litestream has checkpointed). At most
-    /// once a second: each costs a page and a flush. Whether it tried.
+    /// cut back to (4 MiB, `journal_size_limit`): SQLite keeps the file at
+    /// its largest until a write of tally's starts it over, which the
+    /// refused writes never do. Without Litestream, tally's checkpoint
+    /// (PASSIVE: it waits for nobody) takes the WAL in, and only if it took
+    /// in every frame (no reader outside tally holds a snapshot in it) one
+    /// write of the database's header, as small as a write gets (its
+    /// `user_version`, unchanged), starts the WAL over, cut back. A reader
+    /// still there costs nothing: no write is made while it holds the WAL.
+    /// Under Litestream, whose own write starts the WAL over, tally neither
+    /// checkpoints nor writes here; what the file takes past its frames
+    /// counts as room instead ([`space::Space::admit`]). At most once a
+    /// second. Whether it tried.
     async fn cut_back_wal(&mut self) -> bool {
         let now = std::time::Instant::now();
         let due = self
             .wal_restarted_at
             .is_none_or(|at| now.duration_since(at) >= std::time::Duration::from_secs(1));
-        if !due || !self.space.wal_oversized() {
+        if !self.checkpoint_on_close || !due || !self.space.wal_oversized() {
             return false;
         }
         self.wal_restarted_at = Some(now);
-        for _ in 0..2 {
-            let rewritten = async {
-                let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        let cut = async {
+            let (busy, frames, taken_in): (i64, i64, i64) =
+                sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
                     .fetch_one(&mut self.conn)
                     .await?;
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                    "PRAGMA user_version = {version}"
-                )))
-                .execute(&mut self.conn)
-                .await
+            if busy != 0 || taken_in < frames {
+                return Ok(false);
             }
-            .await;
-            if let Err(e) = rewritten {
-                tracing::debug!(error = %e, "could not start the WAL over to cut it back");
-                return true;
-            }
-            if !self.space.wal_oversized() {
-                tracing::info!(
-                    "the WAL was cut back to 4 MiB: its room counts towards the storage limit again"
-                );
-                break;
-            }
+            let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+                .fetch_one(&mut self.conn)
+                .await?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "PRAGMA user_version = {version}"
+            )))
+            .execute(&mut self.conn)
+            .await?;
+            Ok::<_, sqlx::Error>(true)
+        }
+        .await;
+        match cut {
+            Ok(true) if !self.space.wal_oversized() => tracing::info!(
+                "the WAL was cut back to 4 MiB: its room counts towards the storage limit again"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "could not start the WAL over to cut it back"),
         }
         true
     }

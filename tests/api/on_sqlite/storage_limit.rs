@@ -450,6 +450,14 @@ async fn a_wal_grown_by_a_reader_outside_is_cut_back_once_it_has_gone() {
     assert_eq!(refused["type"], "/problems/storage-full", "{refused}");
     let grown = std::fs::metadata(&wal).unwrap().len();
     assert!(grown > 8 * MIB, "the WAL is what fills the limit: {grown}");
+    // While the reader holds the WAL, refused writes write nothing: no
+    // attempt to cut it back grows it.
+    for n in 0..25 {
+        let r = keyed(&client, &bin, 1_000_000 + n).await;
+        assert_eq!(r.status(), StatusCode::INSUFFICIENT_STORAGE);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(std::fs::metadata(&wal).unwrap().len(), grown);
     drop(reader);
 
     let mut n = next.load(Ordering::Relaxed) + 100;
