@@ -367,22 +367,32 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
                 (Some(_), _) => Ok(asked.to_owned()),
             });
         }
-        let elsewhere: Vec<String> = match holding.as_slice() {
-            [] => {
-                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "SELECT n.nspname::text FROM pg_namespace n
-                     WHERE n.nspname <> ALL (current_schemas(false))
-                     AND has_schema_privilege(n.oid, 'USAGE') AND {holds}
-                     ORDER BY 1"
-                )))
-                .bind(TALLY_TABLE)
-                .fetch_all(&mut *conn)
-                .await?
-            }
-            _ => Vec::new(),
-        };
+        let elsewhere: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT n.nspname::text FROM pg_namespace n
+             WHERE n.nspname <> ALL (current_schemas(false))
+             AND has_schema_privilege(n.oid, 'USAGE') AND {holds}
+             ORDER BY 1"
+        )))
+        .bind(TALLY_TABLE)
+        .fetch_all(&mut *conn)
+        .await?;
         Ok(match holding.as_slice() {
-            [one] => Ok((*one).to_owned()),
+            [one] => {
+                // Another deployment's, most often; or this one's data,
+                // left behind by a search_path changed since a release
+                // that followed it made the tables served here.
+                if !elsewhere.is_empty() {
+                    tracing::warn!(
+                        schema = %one,
+                        elsewhere = %elsewhere.join(", "),
+                        "tally's tables are also in schemas the role's search_path does not \
+                         name: another deployment's, or this one's data if the search_path \
+                         changed since they were made (then set TALLY_POSTGRES_SCHEMA to \
+                         the schema that holds it)"
+                    );
+                }
+                Ok((*one).to_owned())
+            }
             [] if !elsewhere.is_empty() => Err(format!(
                 "tally's tables are in schema {}, which the role's search_path does not name \
                  ({}): tally would make empty tables {} and serve those. Set \

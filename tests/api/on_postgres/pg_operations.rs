@@ -1013,6 +1013,14 @@ async fn only_the_roles_schemas_count_and_two_are_for_the_operator_to_choose() {
     assert_eq!(counter(&client, &other[0], "kept").await, 0);
     let bins = processes(1, &url, &[]);
     assert_eq!(counter(&client, &bins[0], "kept").await, 1);
+    // Served, and said: the other schema may hold this deployment's data
+    // (a path changed since), which only the operator can tell.
+    let log = bins[0].log_text();
+    assert!(
+        log.contains("tally's tables are also in schemas the role's search_path does not name")
+            && log.contains("\"elsewhere\":\"other\""),
+        "{log}"
+    );
     stop_all(bins).await;
     stop_all(other).await;
 
