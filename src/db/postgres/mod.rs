@@ -346,19 +346,30 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
             .map(|(name, _)| name.as_str())
             .collect();
         if let Some(asked) = asked {
-            let named: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT {holds} FROM pg_namespace n WHERE n.nspname = $2"
+            let named: Option<(bool, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT {holds}, has_schema_privilege(n.oid, 'USAGE')
+                 FROM pg_namespace n WHERE n.nspname = $2"
             )))
             .bind(TALLY_TABLE)
             .bind(asked)
             .fetch_optional(&mut *conn)
             .await?;
+            let role: String = sqlx::query_scalar("SELECT current_user::text")
+                .fetch_one(&mut *conn)
+                .await?;
+            let named = named.map(|(holds, usage)| (holds && usage, usage));
             return Ok(match (named, holding.first()) {
                 (None, _) => Err(format!(
                     "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which does not exist: create \
                      it (CREATE SCHEMA), or leave the setting out"
                 )),
-                (Some(false), Some(other)) if *other != asked => Err(format!(
+                (Some((_, false)), _) => Err(format!(
+                    "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which role {role:?} may not \
+                     use: grant it (GRANT USAGE ON SCHEMA {} TO {})",
+                    always_quoted(asked),
+                    always_quoted(&role)
+                )),
+                (Some((false, _)), Some(other)) if *other != asked => Err(format!(
                     "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which holds none of tally's \
                      tables, while schema {other:?} of the role's search_path does: tally would \
                      serve empty tables. Name {other:?}, or, for a new deployment in {asked:?}, \

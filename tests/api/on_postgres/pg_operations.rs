@@ -2137,3 +2137,25 @@ async fn a_start_warns_of_commits_that_are_not_durable() {
     );
     stop_all(bins).await;
 }
+
+/// `TALLY_POSTGRES_SCHEMA` naming a schema the role may not use is refused
+/// saying so, with the grant; before, the migrations failed with "no
+/// schema has been selected to create in".
+#[tokio::test]
+async fn a_named_schema_the_role_may_not_use_is_told_with_its_grant() {
+    let url = postgres::fresh_database().await;
+    run_sql(&url, "CREATE SCHEMA locked".into()).await;
+    let (role, app_url) = role_without_create(&url, "tally_nouse", "").await;
+    let e = failed_start(&[
+        ("TALLY_DATABASE", &app_url),
+        ("TALLY_POSTGRES_SCHEMA", "locked"),
+    ]);
+    assert!(
+        e.contains(&format!(
+            "TALLY_POSTGRES_SCHEMA names schema \"locked\", which role \"{role}\" may not use: \
+             grant it (GRANT USAGE ON SCHEMA \"locked\" TO \"{role}\")"
+        )),
+        "{e}"
+    );
+    run_sql(&url, format!("DROP OWNED BY {role}; DROP ROLE {role}")).await;
+}
