@@ -529,7 +529,7 @@ pub async fn open(
         .map_err(|e| fail(format!("cannot set the search_path: {}", Driver(&e))))?;
     let options = options.options([("search_path", search_path)]);
     let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
-    let applied = match applied_migrations(&mut conn).await {
+    let mut applied = match applied_migrations(&mut conn).await {
         Ok(applied) => applied,
         Err(e) => {
             // A serving role that may not read the record of migrations
@@ -556,10 +556,21 @@ pub async fn open(
         }
     };
     let tables = migrations::tables(&migrator);
-    if applied.is_empty() {
-        lookalikes(&mut conn, &tables, &schema)
-            .await
-            .map_err(&fail)?;
+    if applied.is_empty()
+        && let Err(refused) = lookalikes(&mut conn, &tables, &schema).await
+    {
+        // Another process starting beside this one may have migrated
+        // since the record was read: a migration's tables and its record
+        // commit together, so with the tables seen its record is there.
+        applied = applied_migrations(&mut conn).await.map_err(|e| {
+            fail(format!(
+                "cannot read the applied migrations: {}",
+                Driver(&e)
+            ))
+        })?;
+        if applied.is_empty() {
+            return Err(fail(refused));
+        }
     }
     let standing = migrations::standing(&migrator, &applied);
     standing.admit().map_err(&fail)?;
