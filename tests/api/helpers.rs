@@ -652,3 +652,20 @@ pub async fn count_behind(db: &str, sql: &'static str) -> i64 {
         .unwrap();
     sqlx::query_scalar(sql).fetch_one(&mut conn).await.unwrap()
 }
+
+/// A connection outside tally to the SQLite database at `db`, holding a
+/// read transaction (a snapshot in the WAL), as an operator's `sqlite3`
+/// session left open does. Dropping it ends the transaction.
+pub async fn reader_outside(db: &Path) -> sqlx::SqliteConnection {
+    use sqlx::{ConnectOptions, Executor};
+    let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db)
+        .connect()
+        .await
+        .unwrap();
+    reader
+        .execute("BEGIN; SELECT count(*) FROM counters;")
+        .await
+        .unwrap();
+    reader
+}

@@ -354,21 +354,21 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
             .bind(asked)
             .fetch_optional(&mut *conn)
             .await?;
-            let role: String = sqlx::query_scalar("SELECT current_user::text")
-                .fetch_one(&mut *conn)
-                .await?;
             let named = named.map(|(holds, usage)| (holds && usage, usage));
             return Ok(match (named, holding.first()) {
                 (None, _) => Err(format!(
                     "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which does not exist: create \
                      it (CREATE SCHEMA), or leave the setting out"
                 )),
-                (Some((_, false)), _) => Err(format!(
-                    "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which role {role:?} may not \
-                     use: grant it (GRANT USAGE ON SCHEMA {} TO {})",
-                    always_quoted(asked),
-                    always_quoted(&role)
-                )),
+                (Some((_, false)), _) => {
+                    let role = role_name(conn).await?;
+                    Err(format!(
+                        "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which role {role:?} may \
+                         not use: grant it (GRANT USAGE ON SCHEMA {} TO {})",
+                        always_quoted(asked),
+                        always_quoted(&role)
+                    ))
+                }
                 (Some((false, _)), Some(other)) if *other != asked => Err(format!(
                     "TALLY_POSTGRES_SCHEMA names schema {asked:?}, which holds none of tally's \
                      tables, while schema {other:?} of the role's search_path does: tally would \
@@ -404,21 +404,26 @@ async fn schema(conn: &mut PgConnection, asked: Option<&str>) -> Result<String, 
                 }
                 Ok((*one).to_owned())
             }
-            [] if !elsewhere.is_empty() => Err(format!(
-                "tally's tables are in schema {}, which the role's search_path does not name \
-                 ({}): tally would make empty tables {} and serve those. Set \
-                 TALLY_POSTGRES_SCHEMA to the schema that holds the data (as the other \
-                 processes have it), or, for a new deployment beside it, to a schema of its own",
-                elsewhere.join(", "),
-                match path.first() {
-                    Some((first, _)) => format!("its first schema is {first}"),
-                    None => "it names none that exists and may be used".to_owned(),
-                },
-                match path.first() {
-                    Some((first, _)) => format!("in {first}"),
-                    None => "elsewhere".to_owned(),
-                },
-            )),
+            [] if !elsewhere.is_empty() => {
+                let (first, made) = match path.first() {
+                    Some((first, _)) => (
+                        format!("its first schema is {first}"),
+                        format!("in {first}"),
+                    ),
+                    None => (
+                        "it names none that exists and may be used".to_owned(),
+                        "elsewhere".to_owned(),
+                    ),
+                };
+                Err(format!(
+                    "tally's tables are in schema {}, which the role's search_path does not \
+                     name ({first}): tally would make empty tables {made} and serve those. Set \
+                     TALLY_POSTGRES_SCHEMA to the schema that holds the data (as the other \
+                     processes have it), or, for a new deployment beside it, to a schema of its \
+                     own",
+                    elsewhere.join(", "),
+                ))
+            }
             [] => path.first().map(|(name, _)| name.clone()).ok_or_else(|| {
                 "no schema of the role's search_path exists (or may be used) to create \
                  tally's tables in: create one, or name one with TALLY_POSTGRES_SCHEMA"
@@ -529,32 +534,9 @@ pub async fn open(
         .map_err(|e| fail(format!("cannot set the search_path: {}", Driver(&e))))?;
     let options = options.options([("search_path", search_path)]);
     let migrator = migrations::tolerant(sqlx::migrate!("./migrations/postgres"));
-    let mut applied = match applied_migrations(&mut conn).await {
-        Ok(applied) => applied,
-        Err(e) => {
-            // A serving role that may not read the record of migrations
-            // is told the grant, as for tally's other tables ([`rights`]).
-            let hint = match pg_code(&e) {
-                Some("42501") => {
-                    let role: Option<String> = sqlx::query_scalar("SELECT current_user::text")
-                        .fetch_one(&mut conn)
-                        .await
-                        .ok();
-                    format!(
-                        " (tally reads it at every start: GRANT SELECT ON {}.\"_sqlx_migrations\" \
-                         TO {})",
-                        always_quoted(&schema),
-                        role.as_deref().map_or("the role".to_owned(), always_quoted)
-                    )
-                }
-                _ => String::new(),
-            };
-            return Err(fail(format!(
-                "cannot read the applied migrations: {}{hint}",
-                Driver(&e)
-            )));
-        }
-    };
+    let mut applied = read_applied_migrations(&mut conn, &schema)
+        .await
+        .map_err(&fail)?;
     let tables = migrations::tables(&migrator);
     if applied.is_empty()
         && let Err(refused) = lookalikes(&mut conn, &tables, &schema).await
@@ -562,12 +544,9 @@ pub async fn open(
         // Another process starting beside this one may have migrated
         // since the record was read: a migration's tables and its record
         // commit together, so with the tables seen its record is there.
-        applied = applied_migrations(&mut conn).await.map_err(|e| {
-            fail(format!(
-                "cannot read the applied migrations: {}",
-                Driver(&e)
-            ))
-        })?;
+        applied = read_applied_migrations(&mut conn, &schema)
+            .await
+            .map_err(&fail)?;
         if applied.is_empty() {
             return Err(fail(refused));
         }
@@ -587,14 +566,11 @@ pub async fn open(
             ))
         })?;
     }
-    let missing: Vec<String> = sqlx::query_scalar(
-        "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
-         WHERE to_regclass(t) IS NULL ORDER BY i",
-    )
-    .bind(&tables)
-    .fetch_all(&mut conn)
-    .await
-    .map_err(|e| fail(format!("cannot look for tally's tables: {}", Driver(&e))))?;
+    let found = found_tables(&mut conn, &tables).await.map_err(&fail)?;
+    let missing: Vec<String> = (tables.iter())
+        .filter(|t| !found.contains(t))
+        .cloned()
+        .collect();
     migrations::admit_tables(&missing).map_err(&fail)?;
     rights(&mut conn, &tables, &schema).await.map_err(&fail)?;
     let _ = sqlx::Connection::close(conn).await;
@@ -635,14 +611,7 @@ async fn lookalikes(
     tables: &[String],
     schema: &str,
 ) -> Result<(), String> {
-    let found: Vec<String> = sqlx::query_scalar(
-        "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
-         WHERE to_regclass(t) IS NOT NULL ORDER BY i",
-    )
-    .bind(tables)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| format!("cannot look for tally's tables: {}", Driver(&e)))?;
+    let found = found_tables(conn, tables).await?;
     if found.is_empty() {
         return Ok(());
     }
@@ -653,6 +622,53 @@ async fn lookalikes(
          with TALLY_POSTGRES_SCHEMA (CREATE SCHEMA first), or restore the record",
         found.join(", ")
     ))
+}
+
+/// Which of `tables` the schema of the connection's `search_path` holds,
+/// in their order.
+async fn found_tables(conn: &mut PgConnection, tables: &[String]) -> Result<Vec<String>, String> {
+    sqlx::query_scalar(
+        "SELECT t FROM unnest($1::text[]) WITH ORDINALITY AS x (t, i)
+         WHERE to_regclass(t) IS NOT NULL ORDER BY i",
+    )
+    .bind(tables)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| format!("cannot look for tally's tables: {}", Driver(&e)))
+}
+
+/// The migrations applied to the database in `schema`, or why they
+/// cannot be read: a serving role that may not read their record is told
+/// the grant, as for tally's other tables ([`rights`]).
+async fn read_applied_migrations(
+    conn: &mut PgConnection,
+    schema: &str,
+) -> Result<Vec<(i64, Vec<u8>, bool)>, String> {
+    let e = match applied_migrations(conn).await {
+        Ok(applied) => return Ok(applied),
+        Err(e) => e,
+    };
+    let hint = match pg_code(&e) {
+        Some("42501") => format!(
+            " (tally reads it at every start: GRANT SELECT ON {}.\"_sqlx_migrations\" TO {})",
+            always_quoted(schema),
+            role_name(conn)
+                .await
+                .map_or("the role".to_owned(), |r| always_quoted(&r))
+        ),
+        _ => String::new(),
+    };
+    Err(format!(
+        "cannot read the applied migrations: {}{hint}",
+        Driver(&e)
+    ))
+}
+
+/// The role the connection acts as (for the `GRANT`s tally prints).
+async fn role_name(conn: &mut PgConnection) -> Result<String, sqlx::Error> {
+    sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(conn)
+        .await
 }
 
 /// A failed migration as sqlx tells it, but with PostgreSQL's answer told
@@ -704,8 +720,7 @@ async fn rights(conn: &mut PgConnection, tables: &[String], schema: &str) -> Res
     if lacking.is_empty() {
         return Ok(());
     }
-    let role: String = sqlx::query_scalar("SELECT current_user::text")
-        .fetch_one(&mut *conn)
+    let role = role_name(conn)
         .await
         .map_err(|e| format!("cannot read the role's name: {}", Driver(&e)))?;
     let role = always_quoted(&role);

@@ -199,20 +199,11 @@ async fn a_table_rebuilt_without_strict_is_refused_at_start() {
 /// did not finish.
 #[tokio::test]
 async fn a_reader_outside_holds_the_final_checkpoint_a_second_only() {
-    use sqlx::{ConnectOptions, Executor};
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let env = [("TALLY_DATABASE", db.to_str().unwrap())];
     let mut bin = kept_one(&env).await;
-    let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&db)
-        .connect()
-        .await
-        .unwrap();
-    reader
-        .execute("BEGIN; SELECT count(*) FROM counters;")
-        .await
-        .unwrap();
+    let reader = crate::helpers::reader_outside(&db).await;
     let started = std::time::Instant::now();
     bin.sigterm();
     let status = bin.wait(std::time::Duration::from_secs(20)).await;

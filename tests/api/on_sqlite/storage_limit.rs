@@ -423,7 +423,6 @@ async fn keyed_writes_stop_at_the_limit_and_resume_when_it_is_raised_or_keys_exp
 /// started it over: every write was `507` until a restart.
 #[tokio::test]
 async fn a_wal_grown_by_a_reader_outside_is_cut_back_once_it_has_gone() {
-    use sqlx::{ConnectOptions, Executor};
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("tally.db");
     let wal = dir.path().join("tally.db-wal");
@@ -435,15 +434,7 @@ async fn a_wal_grown_by_a_reader_outside_is_cut_back_once_it_has_gone() {
     let bin = Binary::start(&env);
     let r = keyed(&client, &bin, 0).await;
     assert_eq!(r.status(), StatusCode::OK);
-    let mut reader = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&db)
-        .connect()
-        .await
-        .unwrap();
-    reader
-        .execute("BEGIN; SELECT count(*) FROM counters;")
-        .await
-        .unwrap();
+    let reader = crate::helpers::reader_outside(&db).await;
     let next = Arc::new(AtomicUsize::new(1));
     let (acked, refused) = fill(&client, &bin, &next).await;
     let refused = problem(refused, StatusCode::INSUFFICIENT_STORAGE).await;
