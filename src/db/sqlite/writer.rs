@@ -27,8 +27,8 @@ pub(crate) struct SqliteWriter {
     /// The directory's usage, and the storage limit checked before each
     /// batch.
     pub(super) space: space::Space,
-    /// When the writer last started the WAL over to cut it back, refused
-    /// for the storage limit ([`Self::cut_back_wal`]).
+    /// When the writer last tried to cut the WAL back, refused for the
+    /// storage limit ([`Self::cut_back_wal`]): once a second at most.
     pub(super) wal_restarted_at: Option<std::time::Instant>,
 }
 
