@@ -360,13 +360,19 @@ pub async fn check_many(
 
 /// Logs a usage count below 0 found by a check (one line every 10 s at
 /// most).
+/// The visitor's id is not named: no log line names a visitor (an id may
+/// be an e-mail address); the row is found by its count.
 fn told_negative(budget: &str, day: &str, visitor: Option<&str>, calls: i64) {
     static NEGATIVE: Throttle = Throttle::new(std::time::Duration::from_secs(10));
     if let Some(held_back) = NEGATIVE.admit() {
         tracing::warn!(
             budget,
             day,
-            visitor = visitor.unwrap_or("(the day's global count)"),
+            row = if visitor.is_some() {
+                "a visitor's"
+            } else {
+                "the day's global count"
+            },
             calls,
             held_back,
             "a stored usage count below 0 (edited by hand?) is counted from 0; the check writes it back (one line every 10 s at most; held_back: like lines not written since the last)"

@@ -283,12 +283,20 @@ fn meter_failed(err: &db::Error) -> Problem {
     .detail("the budget could not be checked, so the call is denied")
     .with("allowed", false)
     .with("reason", "meter_error");
-    // A full or lost disk is not over at once, an unreachable server may
-    // be: say when to try again.
-    denied.retry_after(match err {
-        db::Error::Unavailable(_) | db::Error::Busy(..) => super::problem::UNAVAILABLE_RETRY_AFTER,
-        _ => super::problem::STORAGE_RETRY_AFTER,
-    })
+    // A full or lost disk is not over at once, an unreachable server or a
+    // held row may be: say when to try again, as the same failures of any
+    // other request do. Any other failure (a row tally cannot read back, a
+    // database error) gets none, as a write's `500` does not: a client
+    // following `Retry-After` would loop on it.
+    match err {
+        db::Error::Unavailable(_) | db::Error::Busy(..) => {
+            denied.retry_after(super::problem::UNAVAILABLE_RETRY_AFTER)
+        }
+        db::Error::StorageFull(_) | db::Error::StorageLost(_) => {
+            denied.retry_after(super::problem::STORAGE_RETRY_AFTER)
+        }
+        _ => denied,
+    }
 }
 
 /// The quota fields of draft-ietf-httpapi-ratelimit-headers-10: one policy

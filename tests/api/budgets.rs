@@ -243,6 +243,8 @@ async fn a_broken_database_denies_checks() {
         let r = app
             .post_json("/budgets/fc/check", json!({"visitor": "A", "day": *DAY}))
             .await;
+        // A database error is met again by a retry: no `Retry-After`.
+        assert!(!r.headers().contains_key("retry-after"));
         let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
         assert_eq!(body["allowed"], false);
         assert_eq!(body["reason"], "meter_error");
@@ -773,4 +775,35 @@ async fn a_usage_count_below_zero_is_counted_from_zero() {
     let usage = app.usage("mend", &format!("day={day}")).await;
     assert_eq!(usage["global_calls"], 0, "{usage}");
     app.stop().await.unwrap();
+}
+
+/// The warning about a usage count below 0 names the budget and the day,
+/// never the visitor: no log line names a visitor (ids are often e-mail
+/// addresses).
+#[tokio::test]
+async fn the_warning_of_a_count_below_zero_names_no_visitor() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let bin = Binary::start(&[("TALLY_DATABASE", &db), ("TALLY_ADMIN_TOKEN", ADMIN)]);
+    let client = reqwest::Client::new();
+    let spec = json!({"visitor_limit": 5, "global_limit": 50, "timezone": "UTC"});
+    put_budget(&client, &bin, "b", spec).await;
+    let visitor = "alice.secret@example.com";
+    let check = || {
+        client
+            .post(bin.url("/budgets/b/check"))
+            .json(&json!({"visitor": visitor}))
+            .send()
+    };
+    assert_eq!(check().await.unwrap().status(), StatusCode::OK);
+    behind(&db, "UPDATE budget_visitor_usage SET calls = -2").await;
+    assert_eq!(check().await.unwrap().status(), StatusCode::OK);
+    bin.logs_within(
+        "a stored usage count below 0",
+        std::time::Duration::from_secs(10),
+    )
+    .await;
+    let logs = bin.log_text();
+    assert!(logs.contains("a visitor's"), "{logs}");
+    assert!(!logs.contains(visitor), "{logs}");
 }

@@ -146,7 +146,8 @@ async fn a_budget_that_admits_no_one_prunes_too() {
 /// A budget row tally cannot read back (edited by hand past the table's
 /// checks: a retention of more days than a date can reach back, a time
 /// zone tally does not know, a limit no `u32` holds) is the database's
-/// inconsistency: its checks are denied (`503 meter_error`), tally goes on
+/// inconsistency: its checks are denied (`503 meter_error`, with no
+/// `Retry-After`: waiting mends nothing), tally goes on
 /// serving every other budget, and a `PUT` replaces the row. A retention
 /// past what a date span holds once made every check, reset and `PUT` of
 /// the budget kill the writer, and tally with it, again after each start.
@@ -179,12 +180,15 @@ async fn a_budget_row_tally_cannot_read_denies_its_checks_and_a_put_replaces_it(
     for (name, _) in rows {
         let path = format!("/budgets/{name}/check");
         let r = app.post_json(&path, json!({"visitor": "v"})).await;
+        // No wait mends the row: a client told to retry would loop.
+        let retry_after = r.headers().get("retry-after").cloned();
         let p = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
         assert_eq!(
             (&p["allowed"], &p["reason"]),
             (&json!(false), &json!("meter_error")),
             "{name}: {p}"
         );
+        assert_eq!(retry_after, None, "{name}");
         let r = app.get(&format!("/budgets/{name}/usage")).await;
         assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR, "{name}");
         // The rest goes on.

@@ -555,6 +555,7 @@ async fn past_the_limit_a_refused_checks_budget_prunes_its_old_days_to_make_room
         ("TALLY_STORAGE_LIMIT", "8Mi"),
     ]);
     let r = check(&bin, "v").await;
+    assert_eq!(r.headers()["retry-after"], "5");
     let body = problem(r, StatusCode::SERVICE_UNAVAILABLE).await;
     assert_eq!(body["reason"], "meter_error", "{body}");
     let deadline = Instant::now() + Duration::from_secs(30);
