@@ -20,10 +20,7 @@ use super::{
     list::{KeyRange, Page, PageRequest},
     store::BudgetRow,
 };
-use crate::{
-    meter::{Budget, Day, Name, Refusal, Usage, VisitorId},
-    telemetry::Throttle,
-};
+use crate::meter::{Budget, Day, Name, Refusal, Usage, VisitorId};
 
 /// A boxed future, as a read hands it over.
 pub(super) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -129,7 +126,7 @@ impl Readers {
     /// back are named among the page's unreadable ones.
     pub async fn list_budgets(&self, page: &PageRequest) -> Result<Page<Budget>, Error> {
         let rows = self.0.list_budgets(&page.range()).await?;
-        Ok(told(page.page(rows, |r| &r.name, budgets::read_row)))
+        Ok(page.page(rows, |r| &r.name, budgets::read_row))
     }
 
     /// A page of counters and their values, by name in byte order, as
@@ -137,7 +134,7 @@ impl Readers {
     pub async fn list_counters(&self, page: &PageRequest) -> Result<Page<(Name, i64)>, Error> {
         let rows = self.0.list_counters(&page.range()).await?;
         let read = |(name, value): (String, i64)| Ok((Name::parse(&name).map_err(|e| e.0)?, value));
-        Ok(told(page.page(rows, |(name, _)| name, read)))
+        Ok(page.page(rows, |(name, _)| name, read))
     }
 
     /// Connections open, and how many of them are idle.
@@ -192,22 +189,4 @@ async fn reader_loop(pool: Readers, rx: Arc<Mutex<mpsc::Receiver<CounterRead>>>)
             }
         }
     }
-}
-
-/// A page, its unreadable rows logged (one line every 10 s at most: a
-/// client walking the list should not write a line per page).
-fn told<T>(page: Page<T>) -> Page<T> {
-    static UNREADABLE: Throttle = Throttle::new(std::time::Duration::from_secs(10));
-    if let Some(first) = page.unreadable.first()
-        && let Some(held_back) = UNREADABLE.admit()
-    {
-        tracing::warn!(
-            name = ?first.name,
-            problem = %first.problem,
-            on_page = page.unreadable.len(),
-            held_back,
-            "a stored row tally cannot read back was listed as unreadable; repair it with a PUT or remove it with a DELETE (or by SQL, if its name is none the API takes) (one line every 10 s at most; held_back: like lines not written since the last)"
-        );
-    }
-    page
 }

@@ -9,6 +9,7 @@ use super::Problem;
 use crate::{
     db::list::{PageRequest, Unreadable},
     meter::{InvalidInput, Name},
+    telemetry::Throttle,
 };
 
 /// Which page of a list: names in byte order, after `after`, starting
@@ -74,7 +75,23 @@ pub struct UnreadableView {
 }
 
 impl UnreadableView {
+    /// The page's unreadable rows, logged with the request's id (one line
+    /// every 10 s at most: a client walking the list should not write a
+    /// line per page).
     pub fn all(rows: Vec<Unreadable>) -> Vec<Self> {
+        static UNREADABLE: Throttle = Throttle::new(std::time::Duration::from_secs(10));
+        if let Some(first) = rows.first()
+            && let Some(held_back) = UNREADABLE.admit()
+        {
+            tracing::warn!(
+                name = ?first.name,
+                problem = %first.problem,
+                on_page = rows.len(),
+                held_back,
+                request_id = %super::instrument::request_id().as_deref().unwrap_or(""),
+                "a stored row tally cannot read back was listed as unreadable; repair it with a PUT or remove it with a DELETE (or by SQL, if its name is none the API takes) (one line every 10 s at most; held_back: like lines not written since the last)"
+            );
+        }
         rows.into_iter()
             .map(|Unreadable { name, problem }| Self { name, problem })
             .collect()

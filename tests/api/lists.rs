@@ -533,3 +533,30 @@ fn url_escape(s: &str) -> String {
         })
         .collect()
 }
+
+/// The warning of a page's unreadable row names the request that listed
+/// it, as every line written while a request runs does.
+#[tokio::test]
+async fn the_warning_of_an_unreadable_row_names_its_request() {
+    use crate::helpers::{Binary, behind, database_in};
+    let dir = tempfile::tempdir().unwrap();
+    let db = database_in(dir.path()).await;
+    let bin = Binary::start(&[("TALLY_DATABASE", &db)]);
+    behind(&db, "INSERT INTO counters (name, value) VALUES ('b c', 7)").await;
+    let r = reqwest::Client::new()
+        .get(bin.url("/counters"))
+        .header("x-request-id", "list-req-4711")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    bin.logs_within("listed as unreadable", Duration::from_secs(10))
+        .await;
+    let line = bin
+        .log_text()
+        .lines()
+        .find(|l| l.contains("listed as unreadable"))
+        .unwrap()
+        .to_owned();
+    assert!(line.contains("list-req-4711"), "{line}");
+}
