@@ -233,6 +233,7 @@ impl Application {
             // The API's request frame screens heads itself.
             screen: None,
             header_timeout: settings.header_timeout,
+            body_timeout: server::body_timeout(settings.header_timeout, settings.request_timeout),
             max_connections: self.max_connections,
             // Behind a Service or an ingress, many clients share a few
             // addresses.
@@ -473,6 +474,8 @@ fn serve_metrics(
         name: "metrics",
         screen: Some(http::limits::screen),
         header_timeout: settings.header_timeout,
+        // The metrics listener takes no bodies.
+        body_timeout: settings.header_timeout,
         max_connections: server::METRICS_MAX_CONNECTIONS,
         // No one address takes every place: a client holding connections
         // open cannot keep Prometheus out.

@@ -96,6 +96,10 @@ pub struct Limits {
     /// that its refusals carry request ids and are counted by route.
     pub screen: Option<Screen>,
     pub header_timeout: Duration,
+    /// How long a request's body may take to arrive after its head (else
+    /// `408`): the header timeout, or less when requests must be answered
+    /// sooner (see [`body_timeout`]).
+    pub body_timeout: Duration,
     pub max_connections: usize,
     /// At most this many connections from one IP address (`None`: no cap
     /// but the listener's); past it a connection is refused as past the
@@ -108,6 +112,15 @@ pub struct Limits {
     /// (through a load balancer, to another process) while this one still
     /// serves.
     pub closing: CancellationToken,
+}
+
+/// The body's time limit for requests that must be answered within
+/// `request_timeout`: the header timeout, but at most half the request's
+/// own limit, so that a body that never arrives is answered `408` (nothing
+/// was done) well before the request's limit answers `503` (which, for a
+/// write, cannot say whether it committed).
+pub fn body_timeout(header_timeout: Duration, request_timeout: Duration) -> Duration {
+    header_timeout.min(request_timeout / 2)
 }
 
 /// How serving ended.
@@ -233,7 +246,7 @@ async fn serve_exported(
                     stream,
                     router.clone(),
                     Arc::clone(&http),
-                    (limits.screen, limits.header_timeout),
+                    (limits.screen, limits.body_timeout, limits.header_timeout),
                     slot,
                     (limits.closing.clone(), stop.clone()),
                     force.clone(),
@@ -298,7 +311,7 @@ async fn connection(
     stream: TcpStream,
     router: Router,
     http: Arc<http1::Builder>,
-    (screen, body_timeout): (Option<Screen>, Duration),
+    (screen, body_timeout, write_timeout): (Option<Screen>, Duration, Duration),
     slot: Slot,
     (closing, stop): (CancellationToken, CancellationToken),
     force: CancellationToken,
@@ -343,7 +356,7 @@ async fn connection(
     // for ever: hyper times the head it reads, not what it writes. A write
     // that makes no progress for the header timeout ends the connection.
     let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
-    stream.set_write_timeout(Some(body_timeout));
+    stream.set_write_timeout(Some(write_timeout));
     let conn = http.serve_connection(TokioIo::new(Box::pin(stream)), service);
     tokio::pin!(conn);
     let ended = tokio::select! {

@@ -17,7 +17,7 @@ use tokio::{
     net::TcpStream,
 };
 
-use crate::helpers::{Binary, problem, sample, spawn_with, wait_for_queue_depth};
+use crate::helpers::{Binary, TestApp, problem, sample, spawn_with, wait_for_queue_depth};
 
 /// Sends `request` on a new connection and reads until the server closes
 /// it (at most `limit`): the whole answer, as text.
@@ -1099,6 +1099,28 @@ async fn sigterm_closes_silent_slow_and_idle_connections_at_once_and_answers_req
 #[tokio::test(flavor = "multi_thread")]
 async fn a_body_that_never_completes_is_cut_off_at_the_header_timeout() {
     let app = spawn_with(|s| s.header_timeout = Duration::from_secs(1)).await;
+    body_never_completes(&app).await;
+    app.stop().await.unwrap();
+}
+
+/// With a request timeout shorter than the header timeout, a body that
+/// never arrives is still answered `408` (nothing was done), at half the
+/// request timeout: not `503 timeout`, which tells a writer its write may
+/// have committed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_that_never_completes_is_cut_off_before_the_request_timeout() {
+    let app = spawn_with(|s| {
+        s.header_timeout = Duration::from_secs(10);
+        s.request_timeout = Duration::from_secs(2);
+    })
+    .await;
+    body_never_completes(&app).await;
+    app.stop().await.unwrap();
+}
+
+/// Sends a complete head and one byte of a body to a write and to a
+/// check: each is answered `408` within 3 s, and nothing is counted.
+async fn body_never_completes(app: &TestApp) {
     for path in ["/counters/slow", "/budgets/b/check"] {
         let mut c = TcpStream::connect(app.addr).await.unwrap();
         // A complete head, then one byte of the hundred it announced.
@@ -1128,7 +1150,6 @@ async fn a_body_that_never_completes_is_cut_off_at_the_header_timeout() {
     }
     let v: Value = app.get("/counters/slow").await.json().await.unwrap();
     assert_eq!(v["value"], 0, "nothing was counted");
-    app.stop().await.unwrap();
 }
 
 /// A body refused whatever it holds (larger than the limit by its declared
