@@ -48,14 +48,14 @@ impl SyncStatus {
 pub enum ReplicaError {
     #[error(
         "the replica is unreachable: no confirmed sync through {socket} within {waited:.1?} \
-         (last: {last}); refusing to serve without a working backup (the object store does \
-         not answer, or answers too slowly for the database's size within \
-         TALLY_REPLICA_WAIT_TIMEOUT)"
+         (last: {last}); refusing to serve without a working backup ({why})"
     )]
     Unreachable {
         socket: PathBuf,
         waited: Duration,
         last: String,
+        /// What the last failure points at.
+        why: &'static str,
     },
 }
 
@@ -65,8 +65,11 @@ pub enum SyncError {
     /// No answer within the call's limit: it says nothing of Litestream
     /// but that it was slow or stuck.
     NoAnswer(Duration),
-    /// What went wrong, in words: the socket, the HTTP exchange, or
-    /// Litestream's own answer.
+    /// The control socket could not be connected to: nothing was asked
+    /// of Litestream, let alone of the object store.
+    NoSocket(String),
+    /// What went wrong, in words: the HTTP exchange, or Litestream's own
+    /// answer.
     Failed(String),
 }
 
@@ -74,7 +77,7 @@ impl std::fmt::Display for SyncError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SyncError::NoAnswer(limit) => write!(f, "no answer within {limit:.1?}"),
-            SyncError::Failed(why) => f.write_str(why),
+            SyncError::NoSocket(why) | SyncError::Failed(why) => f.write_str(why),
         }
     }
 }
@@ -85,22 +88,13 @@ impl std::fmt::Display for SyncError {
 /// It never asks Litestream to wait for the replica (see
 /// [`wait_for_replica`]).
 pub async fn sync_once(socket: &Path, db: &Path, limit: Duration) -> Result<SyncStatus, SyncError> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let stream = match tokio::time::timeout_at(deadline, UnixStream::connect(socket)).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => return Err(SyncError::NoSocket(no_socket(socket, &e))),
+        Err(_) => return Err(SyncError::NoAnswer(limit)),
+    };
     let call = async {
-        let stream = UnixStream::connect(socket).await.map_err(|e| {
-            // Litestream does not create the socket's directory: it logs a
-            // warning, and goes on without a control socket.
-            let no_dir = socket
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .is_some_and(|d| !d.exists());
-            let hint = if no_dir {
-                " (its directory does not exist, so Litestream has no control socket: create \
-                 it before Litestream starts, or put the socket in an existing one)"
-            } else {
-                ""
-            };
-            format!("cannot connect to {}: {e}{hint}", socket.display())
-        })?;
         let (mut sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| format!("HTTP handshake failed: {e}"))?;
@@ -139,10 +133,41 @@ pub async fn sync_once(socket: &Path, db: &Path, limit: Duration) -> Result<Sync
             )
         })
     };
-    match tokio::time::timeout(limit, call).await {
+    match tokio::time::timeout_at(deadline, call).await {
         Ok(answer) => answer.map_err(SyncError::Failed),
         Err(_) => Err(SyncError::NoAnswer(limit)),
     }
+}
+
+/// Why the control socket at `socket` could not be connected to, with what
+/// an operator can do about it.
+fn no_socket(socket: &Path, e: &std::io::Error) -> String {
+    // Litestream does not create the socket's directory: it logs a
+    // warning, and goes on without a control socket. The directory may
+    // exist by now (tally makes the database's), which does not give
+    // Litestream its socket back.
+    let no_dir = socket
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .is_some_and(|d| !d.exists());
+    let hint = match e.kind() {
+        _ if no_dir => {
+            " (its directory does not exist, so Litestream has no control socket: create \
+             it before Litestream starts, or put the socket in an existing one)"
+        }
+        std::io::ErrorKind::NotFound => {
+            " (Litestream has no control socket there: its log says why it could not \
+             make one, most often a directory that did not exist when it started, which \
+             tally has made since: start Litestream again; or litestream.yml's socket.path \
+             is not TALLY_LITESTREAM_SOCKET)"
+        }
+        std::io::ErrorKind::ConnectionRefused => {
+            " (nothing listens on it: a socket file left by a Litestream that is gone, or \
+             one that has not started its control server yet)"
+        }
+        _ => "",
+    };
+    format!("cannot connect to {}: {e}{hint}", socket.display())
 }
 
 /// Asks Litestream, a few times a second, how far the replica is, until it
@@ -163,6 +188,8 @@ pub async fn wait_for_replica(
     let started = Instant::now();
     let deadline = started + overall;
     let mut last = String::from("no attempt");
+    // Whether `last` is a failure to reach the control socket.
+    let mut no_socket = false;
     let mut attempt = 0u32;
     // Asked a few times a second; said every 10 s at most.
     let mut said_at: Option<Instant> = None;
@@ -195,6 +222,7 @@ pub async fn wait_for_replica(
                     "status {:?}, txid {}, replicated txid {}",
                     s.status, s.txid, s.replicated_txid
                 );
+                no_socket = false;
                 if may_say() {
                     tracing::info!(attempt, txid = s.txid, replicated_txid = s.replicated_txid, status = %s.status, "replica not in sync yet");
                 }
@@ -207,6 +235,7 @@ pub async fn wait_for_replica(
                 // Litestream answered before it, which stays the reason.
                 if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1) {
                     last = e.to_string();
+                    no_socket = matches!(e, SyncError::NoSocket(_));
                 }
             }
         }
@@ -214,10 +243,20 @@ pub async fn wait_for_replica(
             Duration::from_millis(250).min(deadline.saturating_duration_since(Instant::now()));
         tokio::time::sleep(pause).await;
     }
+    let why = match no_socket {
+        true => {
+            "Litestream's control socket could not be reached, see `last`: the object store was not asked"
+        }
+        false => {
+            "the object store does not answer, or answers too slowly for the database's size \
+             within TALLY_REPLICA_WAIT_TIMEOUT"
+        }
+    };
     Err(ReplicaError::Unreachable {
         socket: socket.to_owned(),
         waited: started.elapsed(),
         last,
+        why,
     })
 }
 
@@ -402,7 +441,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_socket_in_a_missing_directory_is_named_as_such() {
+    async fn a_socket_that_cannot_be_reached_is_named_as_such() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("tally.db");
         let limit = Duration::from_secs(1);
@@ -410,12 +449,28 @@ mod tests {
         let e = sync_once(&missing, &db, limit).await.unwrap_err();
         let e = e.to_string();
         assert!(e.contains("its directory does not exist"), "{e}");
-        // A directory that exists, with no socket in it: no such hint.
+        // A directory that exists, with no socket in it (made by tally
+        // after Litestream failed to make its socket there): that hint.
         let absent = dir.path().join("litestream.sock");
         let e = sync_once(&absent, &db, limit).await.unwrap_err();
+        assert!(matches!(e, SyncError::NoSocket(_)), "{e}");
         let e = e.to_string();
         assert!(e.starts_with("cannot connect to"), "{e}");
         assert!(!e.contains("directory does not exist"), "{e}");
+        assert!(e.contains("start Litestream again"), "{e}");
+        // The whole wait says the object store was not asked, rather than
+        // blaming it.
+        let e = wait_for_replica(&absent, &db, limit, limit)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the object store was not asked"), "{e}");
+        assert!(!e.contains("the object store does not answer"), "{e}");
+        // A socket file nothing listens on.
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        let e = sync_once(&stale, &db, limit).await.unwrap_err().to_string();
+        assert!(e.contains("nothing listens on it"), "{e}");
     }
 
     #[tokio::test]
