@@ -298,6 +298,18 @@ pub enum HeldRow {
     Key,
 }
 
+impl HeldRow {
+    /// What of a command was found held, in words for the log.
+    pub fn what(self) -> &'static str {
+        match self {
+            HeldRow::Own => "its row",
+            HeldRow::Day => "its budget's day",
+            HeldRow::Budget => "its budget's row",
+            HeldRow::Key => "its idempotency key",
+        }
+    }
+}
+
 impl Error {
     /// The error of a statement that locks a budget's days: a row found
     /// held there is the day's.

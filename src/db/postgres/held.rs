@@ -254,7 +254,12 @@ impl HeldRows {
                     None => {}
                 }
             }
-            if q.command.is_replayed() {
+            // A command with no key of its own, refused with a part of its
+            // batch whose key claim waited (a lock on the keys' table): no
+            // row of its was found held, and its next writes must be tried.
+            if q.command.is_replayed()
+                || matches!(q.command.outcome(), Some(Err(Error::Busy(_, HeldRow::Key))))
+            {
                 continue;
             }
             match q.command.outcome() {
@@ -530,6 +535,28 @@ mod tests {
             }
         );
         assert_eq!(next[0].command.held_row(), "c:freed");
+    }
+
+    /// A command without a key, refused with its batch's part because a
+    /// key claim in it waited (an operator's lock on the keys' table), had
+    /// no row of its found held: its counter is not remembered, and its
+    /// next writes are tried.
+    #[test]
+    fn a_held_key_of_its_batch_is_not_an_unkeyed_commands_row() {
+        let mut held = HeldRows::default();
+        let t0 = Instant::now();
+        learn_from(&mut held, vec![increment("c")], HeldRow::Key, t0);
+        assert_eq!(held.shown, 0);
+        let mut next = vec![increment("c")];
+        let split = held.split(&mut next, t0 + Duration::from_millis(1));
+        assert_eq!(
+            split,
+            Split {
+                normal: 1,
+                probes: 0
+            }
+        );
+        assert!(next[0].command.outcome().is_none());
     }
 
     /// A key found claimed by another transaction is not the command's row:

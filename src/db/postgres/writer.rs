@@ -460,8 +460,14 @@ impl WriterConn {
 fn log_busy(batch: &[Queued]) {
     let busy: Vec<String> = batch
         .iter()
-        .filter(|q| matches!(q.command.outcome(), Some(Err(Error::Busy(..)))))
-        .map(|q| q.command.to_string())
+        .filter_map(|q| match q.command.outcome() {
+            Some(Err(Error::Busy(_, crate::db::HeldRow::Key))) if q.key.is_none() => Some(format!(
+                "{} (a key another command of its batch claims)",
+                q.command
+            )),
+            Some(Err(Error::Busy(_, held))) => Some(format!("{} ({})", q.command, held.what())),
+            _ => None,
+        })
         .collect();
     if let Some(first) = busy.first() {
         tracing::warn!(
