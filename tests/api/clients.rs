@@ -112,8 +112,8 @@ async fn the_python_recipe_lands_every_write_exactly_once_under_overload() {
 // recipe: rust
 /// Adds `by` to counter `name` exactly once: one Idempotency-Key for the
 /// intended write, reused by every retry; 429 and 503 are retried after
-/// their Retry-After, a lost answer (timeout, 500 outcome-unknown) at once
-/// with a short back-off. Any other answer is final.
+/// their Retry-After, a lost answer (timeout, 500 outcome-unknown, a 200
+/// cut off) at once with a short back-off. Any other answer is final.
 async fn increment(
     client: &reqwest::Client,
     base: &str,
@@ -130,10 +130,11 @@ async fn increment(
             .send()
             .await;
         let wait = match sent {
-            Ok(r) if r.status().is_success() => {
-                let v: serde_json::Value = r.json().await.map_err(|e| e.to_string())?;
-                return v["value"].as_i64().ok_or("no value".to_owned());
-            }
+            // An answer cut off (the timeout struck mid-body) is lost too.
+            Ok(r) if r.status().is_success() => match r.json::<serde_json::Value>().await {
+                Ok(v) => return v["value"].as_i64().ok_or("no value".to_owned()),
+                Err(_) => backoff,
+            },
             Ok(r) if matches!(r.status().as_u16(), 429 | 503) => r
                 .headers()
                 .get("retry-after")
