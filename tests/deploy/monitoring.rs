@@ -1088,10 +1088,27 @@ async fn a_hanging_object_store_is_seen_by_the_replica_alerts() {
         );
 
         stack.s3.resume();
-        scrape_until(&stack.litestream_metrics, Duration::from_secs(60), |t| {
-            puts(t) > puts(&paused)
-        })
-        .await;
+        // Waited for here rather than with `scrape_until`, so that a
+        // failure shows Litestream's side too (one run in about forty,
+        // on a loaded machine, saw no upload within 60 s of the resume).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = scrape(&stack.litestream_metrics).await;
+            if puts(&text) > puts(&paused) {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let log = stack.log();
+                let tail: Vec<&str> = log.lines().rev().take(80).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "no upload within 60 s of the store's resume\n\
+                     paused:\n{paused}\nnow:\n{text}\nlog (last 80 lines):\n{}",
+                    tail.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     })
     .await
     .expect("the test ran for more than 150 s");
