@@ -168,7 +168,8 @@ pub struct Settings {
     /// Longest a connection may take to send a complete request header, in
     /// seconds, counted from when it opens or its previous answer was sent:
     /// it bounds slow headers and idle keep-alive connections alike. A
-    /// request's body gets as long again after its head (else 408).
+    /// request's body gets as long again after its head, or half the
+    /// request timeout if that is shorter (else 408).
     #[arg(long, env = "TALLY_HEADER_TIMEOUT", default_value = "10", value_parser = parse_positive_seconds)]
     pub header_timeout: Duration,
 

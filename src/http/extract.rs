@@ -160,7 +160,10 @@ async fn read_json<S: Send + Sync, T: DeserializeOwned>(
                 "body-timeout",
                 "Request body not received in time",
             )
-            .detail("the body must arrive in full within TALLY_HEADER_TIMEOUT of the request head")
+            .detail(
+                "the body must arrive in full within TALLY_HEADER_TIMEOUT of the request head \
+                 (half TALLY_REQUEST_TIMEOUT, if that is shorter); nothing was done",
+            )
         } else {
             Problem::new(
                 StatusCode::BAD_REQUEST,

@@ -128,7 +128,7 @@ pub enum Problems {
     MethodNotAllowed(ProblemDoc),
     #[response(
         status = 408,
-        description = "Body not received in full within the header timeout of the head",
+        description = "Body not received in full within the header timeout of the head (or half the request timeout, if shorter); nothing was done",
         content_type = "application/problem+json"
     )]
     BodyTimeout(ProblemDoc),
