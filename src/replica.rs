@@ -68,8 +68,12 @@ pub enum SyncError {
     /// The control socket could not be connected to: nothing was asked
     /// of Litestream, let alone of the object store.
     NoSocket(String),
-    /// What went wrong, in words: the HTTP exchange, or Litestream's own
-    /// answer.
+    /// Litestream answered with an error status: its words (an object
+    /// store's error, or its own, such as a database its configuration
+    /// does not name).
+    Refused(String),
+    /// What went wrong in the HTTP exchange, or an answer that is not a
+    /// status.
     Failed(String),
 }
 
@@ -77,7 +81,9 @@ impl std::fmt::Display for SyncError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SyncError::NoAnswer(limit) => write!(f, "no answer within {limit:.1?}"),
-            SyncError::NoSocket(why) | SyncError::Failed(why) => f.write_str(why),
+            SyncError::NoSocket(why) | SyncError::Refused(why) | SyncError::Failed(why) => {
+                f.write_str(why)
+            }
         }
     }
 }
@@ -97,7 +103,7 @@ pub async fn sync_once(socket: &Path, db: &Path, limit: Duration) -> Result<Sync
     let call = async {
         let (mut sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| format!("HTTP handshake failed: {e}"))?;
+            .map_err(|e| SyncError::Failed(format!("HTTP handshake failed: {e}")))?;
         tokio::spawn(conn);
         let body = serde_json::json!({
             "path": db,
@@ -108,33 +114,33 @@ pub async fn sync_once(socket: &Path, db: &Path, limit: Duration) -> Result<Sync
             .header("host", "litestream")
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| SyncError::Failed(e.to_string()))?;
         let res = sender
             .send_request(req)
             .await
-            .map_err(|e| format!("request failed: {e}"))?;
+            .map_err(|e| SyncError::Failed(format!("request failed: {e}")))?;
         let status = res.status();
         let bytes = res
             .into_body()
             .collect()
             .await
-            .map_err(|e| format!("reading the answer failed: {e}"))?
+            .map_err(|e| SyncError::Failed(format!("reading the answer failed: {e}")))?
             .to_bytes();
         if !status.is_success() {
-            return Err(format!(
+            return Err(SyncError::Refused(format!(
                 "litestream answered {status}: {}",
                 String::from_utf8_lossy(&bytes).trim()
-            ));
+            )));
         }
         serde_json::from_slice::<SyncStatus>(&bytes).map_err(|e| {
-            format!(
+            SyncError::Failed(format!(
                 "unexpected answer {:?}: {e}",
                 String::from_utf8_lossy(&bytes)
-            )
+            ))
         })
     };
     match tokio::time::timeout_at(deadline, call).await {
-        Ok(answer) => answer.map_err(SyncError::Failed),
+        Ok(answer) => answer,
         Err(_) => Err(SyncError::NoAnswer(limit)),
     }
 }
@@ -146,11 +152,19 @@ fn no_socket(socket: &Path, e: &std::io::Error) -> String {
     // warning, and goes on without a control socket. The directory may
     // exist by now (tally makes the database's), which does not give
     // Litestream its socket back.
+    // Told only when it surely does not: a directory on the path that
+    // tally may not search answers neither yes nor no.
     let no_dir = socket
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
-        .is_some_and(|d| !d.exists());
+        .is_some_and(|d| matches!(d.try_exists(), Ok(false)));
+    let not_a_socket = std::fs::metadata(socket)
+        .is_ok_and(|m| !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
     let hint = match e.kind() {
+        std::io::ErrorKind::PermissionDenied => {
+            " (tally may not open it: the permissions of the socket, or of a directory on \
+             its path)"
+        }
         _ if no_dir => {
             " (its directory does not exist, so Litestream has no control socket: create \
              it before Litestream starts, or put the socket in an existing one)"
@@ -160,6 +174,10 @@ fn no_socket(socket: &Path, e: &std::io::Error) -> String {
              make one, most often a directory that did not exist when it started, which \
              tally has made since: start Litestream again; or litestream.yml's socket.path \
              is not TALLY_LITESTREAM_SOCKET)"
+        }
+        _ if not_a_socket => {
+            " (what is at that path is not a socket: TALLY_LITESTREAM_SOCKET must name \
+             litestream.yml's socket.path)"
         }
         std::io::ErrorKind::ConnectionRefused => {
             " (nothing listens on it: a socket file left by a Litestream that is gone, or \
@@ -188,8 +206,8 @@ pub async fn wait_for_replica(
     let started = Instant::now();
     let deadline = started + overall;
     let mut last = String::from("no attempt");
-    // Whether `last` is a failure to reach the control socket.
-    let mut no_socket = false;
+    // The error `last` tells, `None` for a status short of in sync.
+    let mut last_error: Option<SyncError> = None;
     let mut attempt = 0u32;
     // Asked a few times a second; said every 10 s at most.
     let mut said_at: Option<Instant> = None;
@@ -222,7 +240,7 @@ pub async fn wait_for_replica(
                     "status {:?}, txid {}, replicated txid {}",
                     s.status, s.txid, s.replicated_txid
                 );
-                no_socket = false;
+                last_error = None;
                 if may_say() {
                     tracing::info!(attempt, txid = s.txid, replicated_txid = s.replicated_txid, status = %s.status, "replica not in sync yet");
                 }
@@ -233,9 +251,12 @@ pub async fn wait_for_replica(
                 }
                 // A call cut short by the deadline says less than what
                 // Litestream answered before it, which stays the reason.
-                if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1) {
+                // A failure to reach the socket does not stand: the
+                // socket was reached since.
+                let stands = !matches!(last_error, Some(SyncError::NoSocket(_)));
+                if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1 && stands) {
                     last = e.to_string();
-                    no_socket = matches!(e, SyncError::NoSocket(_));
+                    last_error = Some(e);
                 }
             }
         }
@@ -243,11 +264,15 @@ pub async fn wait_for_replica(
             Duration::from_millis(250).min(deadline.saturating_duration_since(Instant::now()));
         tokio::time::sleep(pause).await;
     }
-    let why = match no_socket {
-        true => {
-            "Litestream's control socket could not be reached, see `last`: the object store was not asked"
+    let why = match last_error {
+        Some(SyncError::NoSocket(_)) => {
+            "Litestream's control socket could not be reached, see `last`: the object store was \
+             not asked"
         }
-        false => {
+        Some(SyncError::Refused(_)) => {
+            "Litestream answered with an error, see `last`: the object store's, or its own"
+        }
+        _ => {
             "the object store does not answer, or answers too slowly for the database's size \
              within TALLY_REPLICA_WAIT_TIMEOUT"
         }
@@ -471,6 +496,40 @@ mod tests {
         drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
         let e = sync_once(&stale, &db, limit).await.unwrap_err().to_string();
         assert!(e.contains("nothing listens on it"), "{e}");
+        // A regular file, or a directory, at the path.
+        let file = dir.path().join("file.sock");
+        std::fs::write(&file, b"").unwrap();
+        for path in [&file, &dir.path().to_path_buf()] {
+            let e = sync_once(path, &db, limit).await.unwrap_err().to_string();
+            assert!(e.contains("is not a socket"), "{e}");
+        }
+    }
+
+    /// A socket missing at the first try that then takes calls and never
+    /// answers: the wait ends blaming the object store (Litestream was
+    /// reached), not the socket.
+    #[tokio::test]
+    async fn a_socket_found_late_is_not_blamed_for_the_silence_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("litestream.sock");
+        let db = dir.path().join("tally.db");
+        let late = socket.clone();
+        let held = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let listener = tokio::net::UnixListener::bind(&late).unwrap();
+            let mut open = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                open.push(stream);
+            }
+        });
+        let limit = Duration::from_secs(2);
+        let e = wait_for_replica(&socket, &db, limit, limit)
+            .await
+            .unwrap_err()
+            .to_string();
+        held.abort();
+        assert!(e.contains("the object store does not answer"), "{e}");
+        assert!(e.contains("(last: no answer within"), "{e}");
     }
 
     #[tokio::test]
