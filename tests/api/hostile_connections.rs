@@ -1143,6 +1143,7 @@ async fn body_never_completes(app: &TestApp) {
         let text = String::from_utf8_lossy(&answer);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains("/problems/body-timeout"), "{text}");
+        assert!(text.contains("nothing was done"), "{text}");
         if path.contains("check") {
             assert!(text.contains("\"allowed\":false"), "{text}");
         }
