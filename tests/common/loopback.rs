@@ -92,8 +92,21 @@ impl S3 {
 
 impl S3 {
     /// Freezes the server (SIGSTOP): calls to it hang until [`Self::resume`].
+    /// Returns once every thread of it has stopped: the signal is only
+    /// queued when `kill` returns, and a thread running on another core
+    /// can still finish an answer in the meantime. (An answer already
+    /// written before the stop still reaches its client.)
     pub fn pause(&self) {
         self.send(nix::sys::signal::Signal::SIGSTOP);
+        let pid = self.child.id();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !all_stopped(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "moto (pid {pid}) did not stop within 10 s of SIGSTOP"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     pub fn resume(&self) {
@@ -103,6 +116,29 @@ impl S3 {
     fn send(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
     }
+}
+
+/// Whether every thread of process `pid` is stopped (`T` in its
+/// `/proc` stat), or the process is gone.
+fn all_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        // The state follows the command's name, which is in parentheses
+        // and may hold anything, so it is read after the last `)`.
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                Some(
+                    stat.rsplit_once(')')?
+                        .1
+                        .trim_start()
+                        .starts_with(['T', 't']),
+                )
+            })
+            .unwrap_or(true)
+    })
 }
 
 impl Drop for S3 {
