@@ -608,6 +608,34 @@ impl Stack {
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.http)
     }
+
+    /// Scrapes Litestream's metrics until `done` holds for the text, or
+    /// panics after `limit` naming `what` was awaited, with the last scrape
+    /// and the end of the stack's log (Litestream's side of a failure).
+    async fn litestream_until(
+        &self,
+        what: &str,
+        limit: Duration,
+        done: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let text = scrape(&self.litestream_metrics).await;
+            if done(&text) {
+                return text;
+            }
+            if Instant::now() >= deadline {
+                let log = self.log();
+                let tail: Vec<&str> = log.lines().rev().take(80).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "{what}: not within {limit:?}\nnow:\n{text}\nlog (last 80 lines):\n{}",
+                    tail.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 impl Drop for Stack {
@@ -638,19 +666,6 @@ async fn scrape(url: &str) -> String {
         .unwrap_or_else(|e| panic!("GET {url}: {e}"));
     assert_eq!(r.status(), 200, "GET {url}");
     r.text().await.unwrap()
-}
-
-/// Scrapes until `done` holds for the text, or panics after `limit`.
-async fn scrape_until(url: &str, limit: Duration, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + limit;
-    loop {
-        let text = scrape(url).await;
-        if done(&text) {
-            return text;
-        }
-        assert!(Instant::now() < deadline, "{url} never showed it:\n{text}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 fn has_sample(text: &str, name: &str) -> bool {
@@ -968,10 +983,11 @@ async fn dashboard_and_alerts_name_only_metrics_tally_and_litestream_export() {
         let tally = scrape(&stack.tally_metrics).await;
         // The startup gate's gauges and Litestream's upload counter exist
         // once the first replica sync is through, which /ready implies.
-        let litestream = scrape_until(&stack.litestream_metrics, Duration::from_secs(20), |t| {
-            has_sample(t, "litestream_replica_operation_total")
-        })
-        .await;
+        let litestream = stack
+            .litestream_until("an upload counted", Duration::from_secs(20), |t| {
+                has_sample(t, "litestream_replica_operation_total")
+            })
+            .await;
         let mut exported = Exported::default();
         exported.add(&tally);
         exported.add(&litestream);
@@ -1067,10 +1083,11 @@ async fn a_hanging_object_store_is_seen_by_the_replica_alerts() {
         let syncs = |t: &str| value(t, "litestream_sync_count", "");
         let before = scrape(&stack.litestream_metrics).await;
         write().await;
-        scrape_until(&stack.litestream_metrics, Duration::from_secs(15), |t| {
-            txid(t) > txid(&before) && puts(t) > puts(&before)
-        })
-        .await;
+        stack
+            .litestream_until("the write uploaded", Duration::from_secs(15), |t| {
+                txid(t) > txid(&before) && puts(t) > puts(&before)
+            })
+            .await;
 
         stack.s3.pause();
         // An answer the store wrote just before it stopped is still
@@ -1100,27 +1117,15 @@ async fn a_hanging_object_store_is_seen_by_the_replica_alerts() {
         );
 
         stack.s3.resume();
-        // Waited for here rather than with `scrape_until`, so that a
-        // failure shows Litestream's side too (one run in about forty,
-        // on a loaded machine, saw no upload within 60 s of the resume).
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let text = scrape(&stack.litestream_metrics).await;
-            if puts(&text) > puts(&paused) {
-                break;
-            }
-            if Instant::now() >= deadline {
-                let log = stack.log();
-                let tail: Vec<&str> = log.lines().rev().take(80).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                panic!(
-                    "no upload within 60 s of the store's resume\n\
-                     paused:\n{paused}\nnow:\n{text}\nlog (last 80 lines):\n{}",
-                    tail.join("\n")
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        // One run in about forty, on a loaded machine, saw no upload
+        // within 60 s of the resume: the failure shows Litestream's log.
+        stack
+            .litestream_until(
+                &format!("an upload after the store's resume (paused:\n{paused})"),
+                Duration::from_secs(60),
+                |t| puts(t) > puts(&paused),
+            )
+            .await;
     })
     .await
     .expect("the test ran for more than 150 s");
