@@ -205,9 +205,8 @@ pub async fn wait_for_replica(
 ) -> Result<SyncStatus, ReplicaError> {
     let started = Instant::now();
     let deadline = started + overall;
-    let mut last = String::from("no attempt");
-    // The error `last` tells, `None` for a status short of in sync.
-    let mut last_error: Option<SyncError> = None;
+    // The answer the wait will be told by if it ends unmet.
+    let mut last: Option<Result<SyncStatus, SyncError>> = None;
     let mut attempt = 0u32;
     // Asked a few times a second; said every 10 s at most.
     let mut said_at: Option<Instant> = None;
@@ -236,14 +235,10 @@ pub async fn wait_for_replica(
                 return Ok(s);
             }
             Ok(s) => {
-                last = format!(
-                    "status {:?}, txid {}, replicated txid {}",
-                    s.status, s.txid, s.replicated_txid
-                );
-                last_error = None;
                 if may_say() {
                     tracing::info!(attempt, txid = s.txid, replicated_txid = s.replicated_txid, status = %s.status, "replica not in sync yet");
                 }
+                last = Some(Ok(s));
             }
             Err(e) => {
                 if may_say() {
@@ -253,10 +248,9 @@ pub async fn wait_for_replica(
                 // Litestream answered before it, which stays the reason.
                 // A failure to reach the socket does not stand: the
                 // socket was reached since.
-                let stands = !matches!(last_error, Some(SyncError::NoSocket(_)));
+                let stands = !matches!(last, Some(Err(SyncError::NoSocket(_))));
                 if !(matches!(e, SyncError::NoAnswer(_)) && attempt > 1 && stands) {
-                    last = e.to_string();
-                    last_error = Some(e);
+                    last = Some(Err(e));
                 }
             }
         }
@@ -264,18 +258,26 @@ pub async fn wait_for_replica(
             Duration::from_millis(250).min(deadline.saturating_duration_since(Instant::now()));
         tokio::time::sleep(pause).await;
     }
-    let why = match last_error {
-        Some(SyncError::NoSocket(_)) => {
+    let why = match &last {
+        Some(Err(SyncError::NoSocket(_))) => {
             "Litestream's control socket could not be reached, see `last`: the object store was \
              not asked"
         }
-        Some(SyncError::Refused(_)) => {
+        Some(Err(SyncError::Refused(_))) => {
             "Litestream answered with an error, see `last`: the object store's, or its own"
         }
         _ => {
             "the object store does not answer, or answers too slowly for the database's size \
              within TALLY_REPLICA_WAIT_TIMEOUT"
         }
+    };
+    let last = match last {
+        None => String::from("no attempt"),
+        Some(Ok(s)) => format!(
+            "status {:?}, txid {}, replicated txid {}",
+            s.status, s.txid, s.replicated_txid
+        ),
+        Some(Err(e)) => e.to_string(),
     };
     Err(ReplicaError::Unreachable {
         socket: socket.to_owned(),
