@@ -144,7 +144,10 @@ pub(super) trait Engine: Send + 'static {
 
     /// What stopped the batch begun last part-way, if anything did: a
     /// transaction of it (not necessarily a whole part) that could not
-    /// reach the server, or whose `COMMIT`'s outcome is unknown.
+    /// reach the server, or whose `COMMIT`'s outcome is unknown. Since
+    /// that batch (or the last idle check), also a step of the writer's
+    /// own work that could not reach the server: the steps after it wait
+    /// for the next batch.
     fn stopped(&self) -> Option<&Error> {
         None
     }

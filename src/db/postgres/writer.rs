@@ -24,7 +24,10 @@ pub struct WriterConn {
     transactions: u32,
     /// What stopped the batch: a transaction of it that could not reach
     /// the server, or whose `COMMIT`'s outcome is unknown. Its transactions
-    /// after that one do not run ([`Error::not_run_after`]).
+    /// after that one do not run ([`Error::not_run_after`]). Between
+    /// batches, a step of the writer's own work that could not reach the
+    /// server ([`Self::outside_batch`]): the steps after it do not run
+    /// either, until the next batch or idle check.
     stopped: Option<Error>,
 }
 
@@ -66,6 +69,8 @@ impl Engine for WriterConn {
     /// go on showing a row no write would be refused for.
     fn idle(&mut self) {
         self.held.learn(&[], Instant::now());
+        // Each idle check tries the server again, as each batch does.
+        self.stopped = None;
     }
 
     async fn forget_expired_keys(&mut self, ttl: std::time::Duration) -> Result<u64, Error> {
@@ -423,14 +428,30 @@ impl WriterConn {
 
     /// `work` on the writer's connection outside any batch, in the time a
     /// batch has, the connection dropped if its error calls for a new one.
+    ///
+    /// Once a step of this work could not reach the server, the steps
+    /// after it (the clock's reading, the keys' clean-up, a prune, the look
+    /// for orphans, one after another) are not tried until the next batch
+    /// or idle check: each would wait out a time limit of its own (a
+    /// connect's, 2 s), and the write queued behind them with it. A server
+    /// that stops answering just after a batch then holds the next write
+    /// for one step's limit and its own connect, not for every step's.
     async fn outside_batch<T>(
         &mut self,
         work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
     ) -> Result<T, Error> {
-        let conn = self.conn().await?;
-        let r = tokio::time::timeout(BATCH_TIMEOUT, work(conn))
-            .await
-            .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT)));
+        if let Some(e @ Error::Unavailable(_)) = &self.stopped {
+            return Err(e.clone());
+        }
+        let r = match self.conn().await {
+            Ok(conn) => tokio::time::timeout(BATCH_TIMEOUT, work(conn))
+                .await
+                .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT))),
+            Err(e) => Err(e),
+        };
+        if let Err(e @ Error::Unavailable(_)) = &r {
+            self.stopped = Some(e.clone());
+        }
         self.keep_if_sound(r)
     }
 
@@ -554,6 +575,51 @@ mod tests {
         ));
         writer.held.learn(std::slice::from_ref(&found), then);
         writer
+    }
+
+    /// A server that takes connections and never answers (a frozen host,
+    /// a partition past the first packet): the first step of the writer's
+    /// work between batches waits out its connect; the steps after it are
+    /// not tried, since each would wait as long, and a write queued behind
+    /// them with it; the next idle check, and the next batch, try the
+    /// server again.
+    #[tokio::test]
+    async fn steps_between_batches_stop_at_the_first_that_cannot_reach_the_server() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let mut writer = WriterConn::new(PgConnectOptions::new().host("127.0.0.1").port(port));
+        let unreachable = |r: Result<_, Error>| matches!(r, Err(Error::Unavailable(_)));
+
+        let started = std::time::Instant::now();
+        assert!(unreachable(writer.now().await.map(drop)));
+        let took = started.elapsed();
+        assert!(took >= CONNECT_TIMEOUT, "{took:?}");
+        let started = std::time::Instant::now();
+        let ttl = Duration::from_secs(60);
+        assert!(unreachable(writer.forget_expired_keys(ttl).await.map(drop)));
+        assert!(unreachable(writer.orphaned_usage().await.map(drop)));
+        let pruned = writer.prune_more("b", &mut None).await;
+        assert!(unreachable(pruned.map(drop)));
+        assert!(unreachable(Engine::clock_hold(&mut writer).await.map(drop)));
+        assert!(unreachable(writer.now().await.map(drop)));
+        // Without the stop, 2 s each.
+        let took = started.elapsed();
+        assert!(took < CONNECT_TIMEOUT / 4, "{took:?}");
+
+        Engine::idle(&mut writer);
+        let started = std::time::Instant::now();
+        assert!(unreachable(writer.now().await.map(drop)));
+        let took = started.elapsed();
+        assert!(took >= CONNECT_TIMEOUT, "{took:?}");
+
+        writer.begin_batch(1);
+        let (q, _rx) = increment("tried");
+        let started = std::time::Instant::now();
+        let commit = writer.apply(&mut [q]).await;
+        let took = started.elapsed();
+        assert!(matches!(commit, Err(Error::Unavailable(_))), "{commit:?}");
+        assert!(took >= CONNECT_TIMEOUT, "{took:?}");
+        drop(silent);
     }
 
     /// A batch's time limit is its own, not each transaction's: once the
