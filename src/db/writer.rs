@@ -1134,10 +1134,16 @@ impl<E: Engine> WriterLoop<E> {
 
     /// Shares ([`Self::prune_more`]): one, then more while nothing is
     /// queued, for half of [`FILES_CHECK_INTERVAL`] at most. A write that
-    /// comes meanwhile waits for one share at most.
+    /// comes meanwhile waits for one share at most. Not past a share that
+    /// could not reach the server: the others would fail at once, each
+    /// with a warning of its own.
     async fn prune_while_quiet(&mut self) {
         let until = std::time::Instant::now() + FILES_CHECK_INTERVAL / 2;
-        while self.prune_more().await && self.rx.is_empty() && std::time::Instant::now() < until {}
+        while self.prune_more().await
+            && self.rx.is_empty()
+            && self.engine.stopped().is_none()
+            && std::time::Instant::now() < until
+        {}
     }
 
     /// Prunes one share of the first budget a prune left part done (see
