@@ -157,9 +157,11 @@ pub(super) trait Engine: Send + 'static {
     /// server's cannot.
     fn check(&mut self) -> Result<(), Lost>;
 
-    /// Called once a second while no batch comes: what ages with time
-    /// alone is brought up to date (on PostgreSQL, rows found held and
-    /// not asked for since are forgotten, and `tally_rows_held` says so).
+    /// Called once a second while no batch comes, before the idle check's
+    /// work: what ages with time alone is brought up to date (on
+    /// PostgreSQL, rows found held and not asked for since are forgotten,
+    /// and `tally_rows_held` says so; a server found unreachable is tried
+    /// again, see [`Self::stopped`]).
     fn idle(&mut self) {}
 
     /// Forgets one share (at most [`super::keys::FORGET_SHARE`]) of the
@@ -358,8 +360,10 @@ impl<E: Engine> WriterLoop<E> {
                     // Timed as a batch is: a check stuck on a hung volume
                     // holds every write behind it.
                     self.stats.set_on_batch(true);
-                    self.read_hold_late().await;
+                    // First: on PostgreSQL it tries the server again, the
+                    // hold's late reading included.
                     self.engine.idle();
+                    self.read_hold_late().await;
                     let checked = self.engine.check();
                     // A prune left part done goes on with no batch to
                     // follow (a day's first call, then quiet): shares

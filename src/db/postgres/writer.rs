@@ -427,15 +427,19 @@ impl WriterConn {
     }
 
     /// `work` on the writer's connection outside any batch, in the time a
-    /// batch has, the connection dropped if its error calls for a new one.
+    /// batch has (connecting included), the connection dropped if its
+    /// error calls for a new one.
     ///
-    /// Once a step of this work could not reach the server, the steps
+    /// Once a step of this work could not reach the server (no connection
+    /// could be had, or the server did not answer in time), the steps
     /// after it (the clock's reading, the keys' clean-up, a prune, the look
     /// for orphans, one after another) are not tried until the next batch
     /// or idle check: each would wait out a time limit of its own (a
     /// connect's, 2 s), and the write queued behind them with it. A server
     /// that stops answering just after a batch then holds the next write
-    /// for one step's limit and its own connect, not for every step's.
+    /// for one step's limit and its own connect, not for every step's. A
+    /// kept connection found dead (the server ended an idle session, a
+    /// proxy closed it) stops nothing: the next step connects anew.
     async fn outside_batch<T>(
         &mut self,
         work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
@@ -443,16 +447,29 @@ impl WriterConn {
         if let Some(e @ Error::Unavailable(_)) = &self.stopped {
             return Err(e.clone());
         }
-        let r = match self.conn().await {
-            Ok(conn) => tokio::time::timeout(BATCH_TIMEOUT, work(conn))
-                .await
-                .unwrap_or_else(|_| Err(timed_out(BATCH_TIMEOUT))),
-            Err(e) => Err(e),
+        let until = Instant::now() + BATCH_TIMEOUT;
+        let conn = match tokio::time::timeout_at(until, self.conn()).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return Err(self.stop(e)),
+            Err(_) => return Err(self.stop(timed_out(BATCH_TIMEOUT))),
         };
-        if let Err(e @ Error::Unavailable(_)) = &r {
+        match tokio::time::timeout_at(until, work(conn)).await {
+            Ok(r) => self.keep_if_sound(r),
+            Err(_) => {
+                let e = timed_out(BATCH_TIMEOUT);
+                self.drop_connection(&e);
+                Err(self.stop(e))
+            }
+        }
+    }
+
+    /// `e`, remembered as what stops the writer's steps between batches
+    /// ([`Self::outside_batch`]).
+    fn stop(&mut self, e: Error) -> Error {
+        if let Error::Unavailable(_) = e {
             self.stopped = Some(e.clone());
         }
-        self.keep_if_sound(r)
+        e
     }
 
     /// `r`, having dropped the connection if its error calls for a new one.
@@ -620,6 +637,46 @@ mod tests {
         assert!(matches!(commit, Err(Error::Unavailable(_))), "{commit:?}");
         assert!(took >= CONNECT_TIMEOUT, "{took:?}");
         drop(silent);
+    }
+
+    /// A kept connection found dead between batches (the server ended the
+    /// session: its `idle_session_timeout`, `pg_terminate_backend`) stops
+    /// nothing: the step after it connects anew and runs.
+    #[tokio::test]
+    async fn a_connection_found_dead_between_batches_stops_no_later_step() {
+        use sqlx::Connection;
+        let db = crate::db::tests::FreshPostgres::new("dead_between").await;
+        let options = connect_options(&db.url, Duration::from_millis(100)).unwrap();
+        let mut writer = WriterConn::new(options);
+        writer.now().await.unwrap();
+        let mut admin = PgConnection::connect(&db.url).await.unwrap();
+        let writers = "FROM pg_stat_activity WHERE application_name = 'tally-writer' \
+                       AND datname = current_database()";
+        let end = format!("SELECT pg_terminate_backend(pid) {writers}");
+        sqlx::query(sqlx::AssertSqlSafe(end))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let left = format!("SELECT count(*) {writers}");
+        while sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(left.clone()))
+            .fetch_one(&mut admin)
+            .await
+            .unwrap()
+            > 0
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let found_dead = writer.forget_expired_keys(Duration::from_secs(60)).await;
+        assert!(
+            matches!(found_dead, Err(Error::Unavailable(_))),
+            "{found_dead:?}"
+        );
+        assert!(writer.stopped.is_none(), "{:?}", writer.stopped);
+        writer.now().await.unwrap();
+        writer.orphaned_usage().await.unwrap();
+        drop((admin, writer));
+        db.drop().await;
     }
 
     /// A batch's time limit is its own, not each transaction's: once the
