@@ -178,7 +178,10 @@ async fn counted(client: &Client, bin: &Binary, name: &str) -> (i64, i64) {
 /// One tally process on a fresh database `delay` away each way, whose
 /// writer waits `hold_ms` before every batch (`TALLY_TEST_WRITER_DELAY_MS`),
 /// and a budget `name` allowing `limit` calls a day (a visitor's and all);
-/// and the database's own URL, on loopback.
+/// and the database's own URL, on loopback. Its request timeout is 60 s: a
+/// write sent as the writer begins its hold waits that hold, the next
+/// batch's and a batch's whole time limit (15 s) that a test runs out,
+/// 23 s, too near the default 30 s on a loaded machine.
 async fn far_with_a_slow_writer(
     delay: Duration,
     hold_ms: &str,
@@ -190,7 +193,10 @@ async fn far_with_a_slow_writer(
     let bins = processes(
         1,
         &through(&url, distant.addr),
-        &[("TALLY_TEST_WRITER_DELAY_MS", hold_ms)],
+        &[
+            ("TALLY_TEST_WRITER_DELAY_MS", hold_ms),
+            ("TALLY_REQUEST_TIMEOUT", "60"),
+        ],
     );
     let limits = json!({"visitor_limit": limit, "global_limit": limit});
     put_budget(&Client::new(), &bins[0], name, limits).await;
