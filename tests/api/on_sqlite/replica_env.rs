@@ -218,6 +218,36 @@ impl Running {
         panic!("tally did not start serving: {}", self.log_text());
     }
 
+    /// Waits (60 s at most) until tally's metrics show the replica level
+    /// with a local transaction id past `after`; returns that id.
+    pub async fn replica_caught_up(&self, after: f64) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = reqwest::get(self.url("/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let txid = |series| crate::helpers::sample(&text, series);
+            let (local, replicated) = (
+                txid("tally_replica_local_txid"),
+                txid("tally_replica_replicated_txid"),
+            );
+            if let (Some(local), Some(replicated)) = (local, replicated)
+                && local > after
+                && replicated >= local
+            {
+                return local;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica not caught up past {after}: local {local:?}, replicated {replicated:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Asserts that nothing listens at tally's address for `held`, tried
     /// every 20 ms: tally waits at the replica gate for `why`.
     pub async fn not_listening_for(&self, held: Duration, why: &str) {
