@@ -1,6 +1,7 @@
 //! The recipes of "Calling tally" (`docs/calling-tally.md`), run against an
 //! overloaded tally (a one-slot queue in front of a slow writer, and
-//! clients whose read timeout is shorter than the writer): every intended
+//! clients whose read timeout is shorter than a write queued behind a batch
+//! waits): every intended
 //! write lands exactly once, whatever mix of 429s, timeouts and retries it
 //! took.
 //!
@@ -17,12 +18,20 @@ use crate::{
     loopback::tool,
 };
 
+/// How long the writer holds each batch, and the clients' timeout: a write
+/// that finds the writer idle is answered in one hold and well within the
+/// timeout (100 ms to spare for a loaded host: with 40, every try of a
+/// write could miss it, keyed retries going through the writer too);
+/// one queued behind a batch waits two holds, past it.
+const HOLD_MS: u64 = 150;
+const TIMEOUT_MS: u64 = 250;
+
 /// An app that answers many writes `429` and some too slowly for a
 /// client's read timeout.
 async fn overloaded() -> crate::helpers::TestApp {
     spawn_with(|s| {
         s.queue_capacity = 1;
-        s.test_writer_delay_ms = Some(60);
+        s.test_writer_delay_ms = Some(HOLD_MS);
     })
     .await
 }
@@ -60,12 +69,12 @@ async fn counter(app: &crate::helpers::TestApp, name: &str) -> i64 {
 }
 
 /// Four threads, ten writes each, of known sizes; a read timeout shorter
-/// than the writer makes some first tries end before their (committed)
-/// answer arrives.
+/// than two of the writer's holds makes some first tries end before their
+/// (committed) answer arrives.
 const DRIVER: &str = r#"
 import sys, threading
 base = sys.argv[1]
-http = urllib3.PoolManager(retries=RETRY, timeout=urllib3.Timeout(connect=2.0, read=0.1))
+http = urllib3.PoolManager(retries=RETRY, timeout=urllib3.Timeout(connect=2.0, read=float(sys.argv[2])))
 errors = []
 def work(t):
     for i in range(10):
@@ -91,6 +100,7 @@ async fn the_python_recipe_lands_every_write_exactly_once_under_overload() {
             .arg("-c")
             .arg(&driver)
             .arg(format!("http://{}", app.addr))
+            .arg((TIMEOUT_MS as f64 / 1000.0).to_string())
             .output(),
     )
     .await
@@ -104,9 +114,18 @@ async fn the_python_recipe_lands_every_write_exactly_once_under_overload() {
     assert!(out.status.success(), "{said}");
     // 1 + 2 + ... + 40: each intended write once, never twice.
     assert_eq!(counter(&app, "py").await, 820, "{said}");
+    met_a_full_queue_and_timeouts(&app).await;
+}
+
+/// Asserts that the run met what the recipes are for: a full queue
+/// (`429`), and tries whose client gave up before their committed answer.
+async fn met_a_full_queue_and_timeouts(app: &crate::helpers::TestApp) {
     let metrics = app.get("/metrics").await.text().await.unwrap();
     let rejected = sample(&metrics, "tally_write_rejected_total").unwrap_or(0.0);
     assert!(rejected > 0.0, "the run must have met a full queue");
+    let gone = r#"tally_write_committed_caller_gone_total{command="increment"}"#;
+    let gone = sample(&metrics, gone).unwrap_or(0.0);
+    assert!(gone > 0.0, "the run must have met a timeout after a commit");
 }
 
 // recipe: rust
@@ -170,7 +189,7 @@ async fn the_rust_recipe_lands_every_write_exactly_once_under_overload() {
 
     let app = overloaded().await;
     let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(TIMEOUT_MS))
         .build()
         .unwrap();
     let base = format!("http://{}", app.addr);
@@ -189,4 +208,5 @@ async fn the_rust_recipe_lands_every_write_exactly_once_under_overload() {
         .expect("the recipe finished within its bound");
     assert!(all.iter().all(Result::is_ok), "{all:?}");
     assert_eq!(counter(&app, "rs").await, 820);
+    met_a_full_queue_and_timeouts(&app).await;
 }
