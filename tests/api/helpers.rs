@@ -510,15 +510,18 @@ impl Drop for Binary {
 /// acknowledged (value, when).
 pub struct Hammer {
     stop: Arc<std::sync::atomic::AtomicBool>,
+    acked: Arc<std::sync::atomic::AtomicUsize>,
     tasks: Vec<JoinHandle<Vec<(i64, std::time::Instant)>>>,
 }
 
 impl Hammer {
     pub fn start(url: String, clients: usize) -> Self {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let acked_all = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let tasks = (0..clients)
             .map(|_| {
                 let (url, stop) = (url.clone(), Arc::clone(&stop));
+                let acked_all = Arc::clone(&acked_all);
                 tokio::spawn(async move {
                     let client = Client::new();
                     let mut acked = Vec::new();
@@ -533,12 +536,28 @@ impl Hammer {
                             break;
                         };
                         acked.push((v["value"].as_i64().unwrap(), std::time::Instant::now()));
+                        acked_all.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     acked
                 })
             })
             .collect();
-        Hammer { stop, tasks }
+        Hammer {
+            stop,
+            acked: acked_all,
+            tasks,
+        }
+    }
+
+    /// Waits until `n` writes are acknowledged, or `limit` passes (a load
+    /// measured in writes, not in time, however slow the host).
+    pub async fn until_acknowledged(&self, n: usize, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while self.acked.load(std::sync::atomic::Ordering::Relaxed) < n
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Stops the clients; every acknowledged write, sorted by value.

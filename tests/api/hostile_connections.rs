@@ -1070,8 +1070,10 @@ async fn sigterm_closes_silent_slow_and_idle_connections_at_once_and_answers_req
     let exited = signalled.elapsed();
     eprintln!("exited {exited:?} after SIGTERM");
     assert_eq!(status.code(), Some(0), "{}", bin.log_text());
+    // Under 1 s on a quiet host (the writes in flight, the final
+    // checkpoint); well short of the drain timeout on a loaded one.
     assert!(
-        exited < Duration::from_secs(2),
+        exited < Duration::from_secs(5),
         "exit took {exited:?} (drain timeout 10 s): {}",
         bin.log_text()
     );
