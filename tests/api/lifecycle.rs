@@ -317,7 +317,7 @@ async fn acknowledged_writes_survive_kill_9() {
     let db = db.as_str();
     let mut bin = Binary::start(&[("TALLY_DATABASE", db)]);
     let load = crate::helpers::Hammer::start(bin.url("/counters/crash"), 8);
-    load.until_acknowledged(500, Duration::from_secs(15)).await;
+    load.until_acknowledged(3000, Duration::from_secs(15)).await;
     bin.child.kill().unwrap(); // SIGKILL
     let _ = bin.wait(Duration::from_secs(5)).await;
     let acked: Vec<i64> = load.stop().await.into_iter().map(|(v, _)| v).collect();
