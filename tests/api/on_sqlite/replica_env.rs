@@ -218,10 +218,15 @@ impl Running {
         panic!("tally did not start serving: {}", self.log_text());
     }
 
-    /// Waits (60 s at most) until tally's metrics show the replica level
-    /// with a local transaction id past `after`; returns that id.
-    pub async fn replica_caught_up(&self, after: f64) -> f64 {
-        let deadline = Instant::now() + Duration::from_secs(60);
+    /// Polls tally's /metrics until `until` holds for the replica's
+    /// series, or `limit` passes; returns the last exposition.
+    pub async fn metrics_until(
+        &self,
+        limit: Duration,
+        what: &str,
+        until: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = Instant::now() + limit;
         loop {
             let text = reqwest::get(self.url("/metrics"))
                 .await
@@ -229,23 +234,34 @@ impl Running {
                 .text()
                 .await
                 .unwrap();
-            let txid = |series| crate::helpers::sample(&text, series);
-            let (local, replicated) = (
-                txid("tally_replica_local_txid"),
-                txid("tally_replica_replicated_txid"),
-            );
-            if let (Some(local), Some(replicated)) = (local, replicated)
-                && local > after
-                && replicated >= local
-            {
-                return local;
+            if until(&text) {
+                return text;
             }
             assert!(
                 Instant::now() < deadline,
-                "replica not caught up past {after}: local {local:?}, replicated {replicated:?}"
+                "{what} within {limit:?}; last: {:?}",
+                text.lines()
+                    .filter(|l| l.starts_with("tally_replica"))
+                    .collect::<Vec<_>>()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Waits (60 s at most) until tally's metrics show the replica level
+    /// with a local transaction id past `after`; returns that id.
+    pub async fn replica_caught_up(&self, after: f64) -> f64 {
+        let txid = |text: &str, series| crate::helpers::sample(text, series).unwrap_or(0.0);
+        let local = |t: &str| txid(t, "tally_replica_local_txid");
+        let replicated = |t: &str| txid(t, "tally_replica_replicated_txid");
+        let limit = Duration::from_secs(60);
+        let what = format!("the replica caught up past {after}");
+        let text = self
+            .metrics_until(limit, &what, |t| {
+                local(t) > after && replicated(t) >= local(t)
+            })
+            .await;
+        local(&text)
     }
 
     /// Asserts that nothing listens at tally's address for `held`, tried

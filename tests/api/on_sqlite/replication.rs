@@ -556,36 +556,6 @@ async fn a_crash_loses_at_most_a_short_window_and_never_consistency() {
     assert!(window < Duration::from_secs(5), "lost a {window:?} window");
 }
 
-/// Polls tally's /metrics until `until` holds for the replica's series, or
-/// `limit` passes; returns the last exposition.
-async fn wait_metrics(
-    run: &crate::on_sqlite::replica_env::Running,
-    limit: Duration,
-    what: &str,
-    until: impl Fn(&str) -> bool,
-) -> String {
-    let deadline = std::time::Instant::now() + limit;
-    loop {
-        let text = reqwest::get(run.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if until(&text) {
-            return text;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what} within {limit:?}; last: {:?}",
-            text.lines()
-                .filter(|l| l.starts_with("tally_replica"))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     let s3 = S3::start().await;
@@ -594,12 +564,13 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     assert_restored(&d);
     let run = d.replicate();
     run.wait_serving(Duration::from_secs(30)).await;
-    let start = wait_metrics(&run, Duration::from_secs(15), "caught up at start", |t| {
-        sample(t, "tally_replica_up") == Some(1.0)
-            && sample(t, "tally_replica_lag_seconds") == Some(0.0)
-            && sample(t, "tally_replica_local_txid") > Some(0.0)
-    })
-    .await;
+    let start = run
+        .metrics_until(Duration::from_secs(15), "caught up at start", |t| {
+            sample(t, "tally_replica_up") == Some(1.0)
+                && sample(t, "tally_replica_lag_seconds") == Some(0.0)
+                && sample(t, "tally_replica_local_txid") > Some(0.0)
+        })
+        .await;
     let start_txid = sample(&start, "tally_replica_local_txid").unwrap();
 
     // A frozen object store: uploads hang, writes still commit locally.
@@ -609,10 +580,11 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
         let r = client.post(run.url("/counters/lag")).send().await.unwrap();
         assert_eq!(r.status(), StatusCode::OK);
     }
-    let behind = wait_metrics(&run, Duration::from_secs(30), "lag past 3 s", |t| {
-        sample(t, "tally_replica_lag_seconds").is_some_and(|l| l >= 3.0)
-    })
-    .await;
+    let behind = run
+        .metrics_until(Duration::from_secs(30), "lag past 3 s", |t| {
+            sample(t, "tally_replica_lag_seconds").is_some_and(|l| l >= 3.0)
+        })
+        .await;
     // Litestream either still answers and shows the replica behind, or
     // hangs on the frozen store and says nothing at all.
     let (local, replicated) = (
@@ -627,7 +599,9 @@ async fn replica_lag_grows_while_the_object_store_hangs_and_returns_to_zero() {
     s3.resume();
     // The watch sets its gauges one by one: wait for a scrape that shows
     // all of them from one answer.
-    let caught_up = wait_metrics(&run, Duration::from_secs(60), "lag back to 0", caught_up).await;
+    let caught_up = run
+        .metrics_until(Duration::from_secs(60), "lag back to 0", caught_up)
+        .await;
     assert_eq!(
         sample(&caught_up, "tally_replica_local_txid"),
         sample(&caught_up, "tally_replica_replicated_txid")
@@ -793,13 +767,8 @@ async fn a_database_lost_under_litestream_is_not_replaced_by_an_empty_one() {
         let r = client.post(run.url("/counters/kept")).send().await.unwrap();
         assert_eq!(r.status(), StatusCode::OK);
     }
-    wait_metrics(
-        &run,
-        Duration::from_secs(30),
-        "the writes replicated",
-        caught_up,
-    )
-    .await;
+    run.metrics_until(Duration::from_secs(30), "the writes replicated", caught_up)
+        .await;
 
     std::fs::remove_file(d.db()).unwrap();
     // Seen before the write ran (the idle writer looks every second), it
