@@ -27,4 +27,6 @@ mod on_sqlite;
 mod openapi;
 #[path = "../common/postgres.rs"]
 mod postgres;
+#[path = "../common/replica.rs"]
+mod replica;
 mod writer;

@@ -15,3 +15,5 @@ mod pod;
 #[path = "../common/postgres.rs"]
 mod postgres;
 mod postgres_chart;
+#[path = "../common/replica.rs"]
+mod replica;

@@ -34,7 +34,10 @@ use std::{
 
 use serde_json::{Value, json};
 
-use crate::loopback::{S3, free_port};
+use crate::{
+    loopback::{S3, free_port},
+    replica,
+};
 
 /// `podman` with runc and the ulimits this machine needs, which
 /// `kube play` takes only from a containers.conf.
@@ -443,45 +446,6 @@ async fn bump(pod: &PlayedPod<'_>, name: &str, by: u32) {
     assert_eq!(r.status(), 200);
 }
 
-/// Litestream's local and replicated transaction ids, as tally last had
-/// them from it (it asks every 2 s, a sync first), on its metrics port.
-async fn replica_txids(metrics: u16) -> Option<(f64, f64)> {
-    let text = reqwest::get(format!("http://127.0.0.1:{metrics}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    let sample = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-    };
-    Some((
-        sample("tally_replica_local_txid")?,
-        sample("tally_replica_replicated_txid")?,
-    ))
-}
-
-/// Waits (60 s at most) until the replica holds all Litestream has synced
-/// locally, and that is past `after`; the local transaction id then.
-async fn replica_caught_up(metrics: u16, after: f64) -> f64 {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let txids = replica_txids(metrics).await;
-        if let Some((local, replicated)) = txids
-            && local > after
-            && replicated >= local
-        {
-            return local;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "replica not caught up: {txids:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_with_restore_timestamp_comes_back_as_it_was_then_and_only_once() {
     let s3 = S3::start().await;
@@ -501,16 +465,12 @@ async fn a_pod_with_restore_timestamp_comes_back_as_it_was_then_and_only_once() 
         .find(|(k, _)| *k == "ports.metrics")
         .and_then(|(_, v)| v.parse().ok())
         .unwrap();
-    let before = replica_caught_up(metrics, 0.0).await;
+    let metrics = format!("http://127.0.0.1:{metrics}/metrics");
+    let before = replica::caught_up(&metrics, 0.0).await;
     bump(&pod, "orders", 40).await;
     bump(&pod, "signups", 7).await;
-    // The instant once the replica has both (on a loaded host Litestream
-    // may ship them seconds late, after an instant taken at a fixed
-    // delay): caught up past the state before them, then again a poll
-    // later (a sync between the two bumps would have shipped one).
-    let synced = replica_caught_up(metrics, before).await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    replica_caught_up(metrics, synced - 1.0).await;
+    // The instant once the replica has both.
+    replica::holds_all_since(&metrics, before).await;
     let at = jiff::Timestamp::now().to_string();
     tokio::time::sleep(Duration::from_millis(2000)).await;
     bump(&pod, "orders", 5000).await;

@@ -14,6 +14,7 @@ use sqlx::{ConnectOptions, Connection, sqlite::SqliteConnectOptions};
 use crate::{
     helpers::ADMIN,
     on_sqlite::replica_env::{Deployment, Running, S3, ended_within},
+    replica,
 };
 
 /// Every counter and every budget usage row: the whole state a mistake can
@@ -121,7 +122,8 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     // State A.
     let run = d.replicate();
     run.wait_serving(Duration::from_secs(30)).await;
-    let before = run.replica_caught_up(0.0).await;
+    let metrics = run.url("/metrics");
+    let before = replica::caught_up(&metrics, 0.0).await;
     let r = client
         .put(run.url("/budgets/api"))
         .bearer_auth(ADMIN)
@@ -133,15 +135,8 @@ async fn a_restore_to_an_instant_undoes_a_reset_and_bad_writes_once() {
     increment(&client, &run, "orders", 40).await;
     increment(&client, &run, "signups", 7).await;
     check(&client, &run, 25).await;
-    // The instant once the replica has all of A (on a loaded host
-    // Litestream may ship it seconds late, after an instant taken at a
-    // fixed delay): caught up past the state before A, then again once
-    // tally's watch has asked Litestream to take in whatever it had not
-    // (a sync in the middle of A would have shipped part of it); well
-    // before the mistake.
-    let synced = run.replica_caught_up(before).await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    run.replica_caught_up(synced - 1.0).await;
+    // The instant once the replica has all of A, well before the mistake.
+    replica::holds_all_since(&metrics, before).await;
     let at = jiff::Timestamp::now().to_string();
     tokio::time::sleep(Duration::from_millis(2000)).await;
 

@@ -248,22 +248,6 @@ impl Running {
         }
     }
 
-    /// Waits (60 s at most) until tally's metrics show the replica level
-    /// with a local transaction id past `after`; returns that id.
-    pub async fn replica_caught_up(&self, after: f64) -> f64 {
-        let txid = |text: &str, series| crate::helpers::sample(text, series).unwrap_or(0.0);
-        let local = |t: &str| txid(t, "tally_replica_local_txid");
-        let replicated = |t: &str| txid(t, "tally_replica_replicated_txid");
-        let limit = Duration::from_secs(60);
-        let what = format!("the replica caught up past {after}");
-        let text = self
-            .metrics_until(limit, &what, |t| {
-                local(t) > after && replicated(t) >= local(t)
-            })
-            .await;
-        local(&text)
-    }
-
     /// Asserts that nothing listens at tally's address for `held`, tried
     /// every 20 ms: tally waits at the replica gate for `why`.
     pub async fn not_listening_for(&self, held: Duration, why: &str) {
